@@ -1,0 +1,68 @@
+"""Configuration of the KV cache manager (the core's section of the engine config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from pagedkv.core.block_pool import PoolConfig
+from pagedkv.core.hashing import HashAlgo
+from pagedkv.errors import InvalidRequestError
+
+
+class ReservationPolicy(Enum):
+    """How many future blocks an admitted request is assumed to claim.
+
+    ``MAX_TOKENS`` reserves room for prompt + max_tokens, so an admitted request never needs to be
+    preempted (vLLM's default behaviour since admit/preempt loops cut throughput ~60x).
+    ``NONE`` admits on the prompt alone: more concurrency, more preemption under pressure.
+    """
+
+    MAX_TOKENS = "max_tokens"
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Sizes and policies of one KV cache.
+
+    ``num_blocks`` counts physical blocks (the null block included); set ``initial_blocks``
+    lower to make the pool elastic. ``watermark`` is the fraction of capacity kept free at
+    admission so running requests can grow without preemption.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    initial_blocks: int | None = None
+    growth_blocks: int = 64
+    use_null_block: bool = True
+    enable_prefix_caching: bool = True
+    hash_algo: HashAlgo = HashAlgo.XXH3_128
+    model_id: str = ""
+    watermark: float = 0.01
+    reservation: ReservationPolicy = ReservationPolicy.MAX_TOKENS
+    eviction_policy: str = "lru"
+    enable_events: bool = False
+    max_events: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise InvalidRequestError(f"block_size must be positive, got {self.block_size}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise InvalidRequestError(f"watermark must be in [0, 1), got {self.watermark}")
+        if not isinstance(self.hash_algo, HashAlgo):
+            object.__setattr__(self, "hash_algo", HashAlgo(self.hash_algo))
+        if not isinstance(self.reservation, ReservationPolicy):
+            object.__setattr__(self, "reservation", ReservationPolicy(self.reservation))
+        self.pool_config()  # validates the pool sizes
+
+    def pool_config(self) -> PoolConfig:
+        return PoolConfig(
+            num_blocks=self.num_blocks,
+            initial_blocks=self.initial_blocks,
+            growth_blocks=self.growth_blocks,
+            use_null_block=self.use_null_block,
+            eviction_policy=self.eviction_policy,
+            enable_events=self.enable_events,
+            max_events=self.max_events,
+        )

@@ -1,0 +1,620 @@
+"""The KV cache manager: per-request block tables over a shared :class:`BlockPool`.
+
+Token positions of one request, and what the manager knows of them::
+
+    0                 num_computed      +num_pending         len(block_ids) * block_size
+    |---- committed KV ----|---- scheduled ----|--- lookahead / slack ---|
+    |<- full blocks hashed and shareable ->|
+    token_ids: prompt + accepted outputs (drafts are not tokens until accepted)
+
+* ``allocate_slots(n, lookahead)`` makes room for ``n`` more scheduled positions (+ lookahead),
+  taking the prefix hit on the first call. All or nothing.
+* ``commit(n)`` marks ``n`` scheduled positions computed and final; full blocks among them
+  become shareable (hashed into the pool's index) only now, once their KV exists.
+* ``rollback(n)`` drops ``n`` scheduled positions (rejected drafts) and frees the blocks that no
+  longer hold accepted tokens; it can never cut committed tokens.
+
+Admission is O(1): ``_running_claim`` is kept equal to the sum, over requests holding blocks,
+of the blocks each may still claim under the reservation policy, and is updated on every
+allocate, rollback, fork, hold and free; ``can_admit`` compares one candidate against it and the
+pool's O(1) free count. Nothing scans the pool or the running requests.
+
+The manager is single-threaded by design: it is owned by the scheduler loop. Concurrent callers
+must serialise access themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.config import CacheConfig, ReservationPolicy
+from pagedkv.core.hashing import BlockHashChain, HashContext, pack_tokens
+from pagedkv.core.stats import KVCacheStats, PrefixStats
+from pagedkv.errors import (
+    InvalidRequestError,
+    InvariantViolation,
+    OutOfBlocksError,
+    PromptTooLongError,
+    RequestStateError,
+    RollbackError,
+    UnknownRequestError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The cached prefix of a waiting request (read-only: no references are taken).
+
+    ``num_evictable_blocks`` of the hit blocks are cached-free: taking them lowers free capacity.
+    """
+
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+    num_evictable_blocks: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What one ``allocate_slots`` did: new block ids and copy-on-write copies (src, dst)."""
+
+    new_block_ids: tuple[int, ...]
+    copies: tuple[tuple[int, int], ...]
+    num_cached_tokens: int
+
+
+class _Seq:
+    """The manager's view of one request (a hot mutable record)."""
+
+    __slots__ = (
+        "block_ids",
+        "chain",
+        "claim",
+        "held",
+        "match",
+        "max_total_tokens",
+        "num_cached_blocks",
+        "num_computed",
+        "num_hit_tokens",
+        "num_pending",
+        "num_prompt_tokens",
+        "request_id",
+        "started",
+        "token_ids",
+    )
+
+    def __init__(self, request_id: str, token_ids: list[int], chain: BlockHashChain, max_total: int):
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.chain = chain
+        self.num_prompt_tokens = len(token_ids)
+        self.max_total_tokens = max_total
+        self.block_ids: list[int] = []
+        self.num_computed = 0  # committed positions: KV computed and final
+        self.num_pending = 0  # scheduled positions after num_computed, not yet committed
+        self.num_cached_blocks = 0  # leading blocks already registered in the pool's index
+        self.num_hit_tokens = 0  # prefix-cache hit at the last admission
+        self.claim = 0  # blocks this request may still claim; summed in _running_claim
+        self.held = False  # finished, blocks kept for a remote transfer
+        self.started = False  # has taken its prefix and holds blocks
+        self.match: PrefixMatch | None = None
+
+
+class KVCacheManager:
+    """Per-request block tables, prefix caching, copy-on-write forks, rollback and admission.
+
+    Invariants (``check_invariants()`` recomputes each from scratch):
+      M1  sum of references the requests hold per block == the pool's ref count of that block
+      M2  ``_running_claim == sum(seq.claim)`` and each claim matches the reservation policy
+      M3  every request's blocks cover ``num_computed + num_pending`` positions
+      M4  ``num_computed <= len(token_ids)``; committed full blocks of a request are hashed with
+          the request's chain hashes or left unhashed as duplicates, never with another hash
+      M5  the pool's own invariants (I1..I5) hold
+    Complexity: ``can_admit`` and every ``num_*`` query O(1); ``allocate_slots``/``rollback``/
+    ``free`` O(blocks touched); ``match_prefix`` O(hit blocks).
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(config.pool_config())
+        self._seqs: dict[str, _Seq] = {}
+        self._running_claim = 0  # == sum(seq.claim for seq in self._seqs.values())
+        self._watermark_blocks = int(config.watermark * self.pool.capacity_blocks)
+        self._default_context = HashContext(model_id=config.model_id, algo=config.hash_algo)
+        self._prefix = PrefixStats()
+        self.num_cow_copies = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int = 0,
+        cache_salt: str | None = None,
+        hash_context: HashContext | None = None,
+    ) -> None:
+        """Register a waiting request and hash its prompt once. Takes no blocks.
+
+        Raises InvalidRequestError for a duplicate id, an empty prompt, bad token ids or a
+        negative ``max_tokens``; PromptTooLongError when the prompt alone exceeds the pool.
+        """
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request {request_id!r} is already registered")
+        if max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        tokens = list(prompt_token_ids)
+        if not tokens:
+            raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
+        bs = self.block_size
+        need = -(-len(tokens) // bs)
+        if need > self.pool.capacity_blocks:
+            raise PromptTooLongError(
+                f"prompt has {len(tokens)} tokens; the pool holds "
+                f"{self.pool.capacity_blocks * bs} ({self.pool.capacity_blocks} blocks x {bs})"
+            )
+        ctx = hash_context or self._default_context
+        if cache_salt is not None or ctx.algo is not self.config.hash_algo:
+            ctx = HashContext(
+                model_id=ctx.model_id or self.config.model_id,
+                cache_salt=cache_salt if cache_salt is not None else ctx.cache_salt,
+                algo=self.config.hash_algo,
+                adapter_id=ctx.adapter_id,
+                mm_items=ctx.mm_items,
+                range_keys=ctx.range_keys,
+            )
+        chain = BlockHashChain(bs, ctx)
+        if self.config.enable_prefix_caching:
+            chain.extend(tokens)  # validates token ids too
+        else:
+            pack_tokens(tokens)
+        self._seqs[request_id] = _Seq(request_id, tokens, chain, len(tokens) + max_tokens)
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Append accepted tokens (sampled outputs) to a request; extends its hashes."""
+        seq = self._get(request_id)
+        if seq.held:
+            raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
+        new = list(token_ids)
+        if self.config.enable_prefix_caching:
+            seq.chain.extend(new)
+        else:
+            pack_tokens(new)
+        seq.token_ids.extend(new)
+
+    def match_prefix(self, request_id: str) -> PrefixMatch:
+        """The longest cached run of full blocks, never the whole prompt. Read-only.
+
+        At least one token is always left to compute, so the model produces logits.
+        """
+        seq = self._get(request_id)
+        if seq.started:
+            raise RequestStateError(f"request {request_id!r} already holds its prefix")
+        match = seq.match
+        if match is not None and match.epoch == self.pool.epoch:
+            return match
+        if self.config.enable_prefix_caching:
+            max_blocks = (len(seq.token_ids) - 1) // self.block_size
+            ids = self.pool.match_prefix(seq.chain.hashes, max_blocks)
+            ref = self.pool._ref
+            evictable = sum(1 for b in ids if ref[b] == 0)
+        else:
+            ids, evictable = [], 0
+        match = PrefixMatch(tuple(ids), len(ids) * self.block_size, evictable, self.pool.epoch)
+        seq.match = match
+        return match
+
+    def num_blocks_to_admit(self, request_id: str) -> int:
+        """Blocks admitting this waiting request would take now, its future claim included."""
+        seq = self._get(request_id)
+        match = self.match_prefix(request_id)
+        return self._admission_need(seq, match)
+
+    def _admission_need(self, seq: _Seq, match: PrefixMatch) -> int:
+        bs = self.block_size
+        prompt_blocks = -(-len(seq.token_ids) // bs)
+        need = prompt_blocks - len(match.block_ids) + match.num_evictable_blocks
+        if self.config.reservation is ReservationPolicy.MAX_TOKENS:
+            need += max(0, -(-seq.max_total_tokens // bs) - prompt_blocks)
+        return need
+
+    def can_admit(self, request_id: str) -> bool:
+        """Whether a waiting request fits: its blocks plus the running requests' claim must fit
+        under free capacity minus the watermark. O(1) once ``match_prefix`` ran for it."""
+        seq = self._get(request_id)
+        match = seq.match
+        if match is None or match.epoch != self.pool.epoch:
+            match = self.match_prefix(request_id)
+        need = self._admission_need(seq, match)
+        return need + self._running_claim <= self.pool.num_free_blocks - self._watermark_blocks
+
+    def can_admit_blocks(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` more blocks fit beside the running claim and the watermark."""
+        return num_blocks + self._running_claim <= self.pool.num_free_blocks - self._watermark_blocks
+
+    def allocate_slots(
+        self, request_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
+    ) -> Allocation:
+        """Make room for ``num_new_tokens`` scheduled positions plus lookahead. All or nothing.
+
+        The first call of a request takes its prefix hit (``match_prefix``) and counts prefix
+        stats. A write into a block shared with a fork copies it first (reported as a copy).
+        Raises OutOfBlocksError, changing nothing, when the pool cannot supply the blocks.
+        """
+        seq = self._get(request_id)
+        if seq.held:
+            raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
+        if num_new_tokens <= 0 or num_lookahead_tokens < 0:
+            raise InvalidRequestError(
+                f"allocate_slots needs num_new_tokens > 0 and num_lookahead_tokens >= 0, got "
+                f"{num_new_tokens} and {num_lookahead_tokens}"
+            )
+        pool = self.pool
+        bs = self.block_size
+        hit_ids: tuple[int, ...] = ()
+        num_evictable = 0
+        num_computed = seq.num_computed
+        if not seq.started:
+            seq.match = None  # the exact check below needs a fresh match
+            match = self.match_prefix(request_id)
+            hit_ids, num_evictable = match.block_ids, match.num_evictable_blocks
+            num_computed = match.num_cached_tokens
+        end = num_computed + seq.num_pending + num_new_tokens
+        have = len(seq.block_ids) if seq.started else len(hit_ids)
+        num_new_blocks = max(0, -(-(end + num_lookahead_tokens) // bs) - have)
+        write_pos = num_computed + seq.num_pending
+        cow_index = -1
+        if seq.started and write_pos % bs and write_pos // bs < len(seq.block_ids):
+            if pool._ref[seq.block_ids[write_pos // bs]] > 1:
+                cow_index = write_pos // bs
+        total = num_new_blocks + (cow_index >= 0) + num_evictable
+        if total > pool.num_free_blocks:
+            raise OutOfBlocksError(
+                f"request {request_id!r} needs {total} blocks; {pool.num_free_blocks} are free "
+                f"of {pool.capacity_blocks}"
+            )
+        # Validated: nothing below can fail.
+        copies: tuple[tuple[int, int], ...] = ()
+        if not seq.started:
+            pool.touch(hit_ids)
+            seq.block_ids = list(hit_ids)
+            seq.num_computed = num_computed
+            seq.num_cached_blocks = len(hit_ids)
+            seq.num_hit_tokens = num_computed
+            seq.started = True
+            seq.match = None
+            self._prefix.record(len(seq.token_ids), num_computed, bs)
+        if cow_index >= 0:
+            src = seq.block_ids[cow_index]
+            (dst,) = pool.allocate(1)
+            seq.block_ids[cow_index] = dst
+            pool.free([src])
+            copies = ((src, dst),)
+            self.num_cow_copies += 1
+        new_ids = pool.allocate(num_new_blocks) if num_new_blocks else []
+        if new_ids:
+            seq.block_ids.extend(new_ids)
+        seq.num_pending += num_new_tokens
+        self._update_claim(seq)
+        return Allocation(tuple(new_ids), copies, seq.num_hit_tokens)
+
+    def commit(self, request_id: str, num_tokens: int) -> int:
+        """Mark ``num_tokens`` scheduled positions computed; share the blocks they filled.
+
+        The tokens at those positions must be known (prompt or appended). Returns the number of
+        blocks newly registered in the prefix index.
+        """
+        seq = self._get(request_id)
+        if num_tokens < 0 or num_tokens > seq.num_pending:
+            raise InvalidRequestError(
+                f"cannot commit {num_tokens} tokens of request {request_id!r}: "
+                f"{seq.num_pending} are scheduled"
+            )
+        new_computed = seq.num_computed + num_tokens
+        if new_computed > len(seq.token_ids):
+            raise InvalidRequestError(
+                f"cannot commit position {new_computed - 1} of request {request_id!r}: only "
+                f"{len(seq.token_ids)} tokens are known; append accepted tokens first"
+            )
+        seq.num_computed = new_computed
+        seq.num_pending -= num_tokens
+        if not self.config.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        full = new_computed // bs
+        first = seq.num_cached_blocks
+        if full <= first:
+            return 0
+        chain = seq.chain
+        pool = self.pool
+        num_new = pool.cache_blocks(
+            seq.block_ids[first:full],
+            chain.hashes[first:full],
+            parent_hash=chain.parent_of(first) if first else None,
+            token_ids=seq.token_ids[first * bs : full * bs] if pool.events.enabled else (),
+            block_size=bs,
+            lora_name=chain.context.adapter_id,
+        )
+        seq.num_cached_blocks = full
+        return num_new
+
+    def rollback(self, request_id: str, num_tokens: int) -> list[int]:
+        """Drop ``num_tokens`` scheduled (uncommitted) positions, e.g. rejected drafts.
+
+        Frees every block past the remaining scheduled positions (lookahead blocks included) and
+        returns their ids. Raises RollbackError, changing nothing, when ``num_tokens`` exceeds the
+        uncommitted positions (it would cut committed tokens).
+        """
+        seq = self._get(request_id)
+        if num_tokens < 0:
+            raise InvalidRequestError(f"cannot roll back {num_tokens} tokens")
+        if num_tokens > seq.num_pending:
+            raise RollbackError(
+                f"cannot roll back {num_tokens} tokens of request {request_id!r}: only "
+                f"{seq.num_pending} are uncommitted ({seq.num_computed} are committed)"
+            )
+        seq.num_pending -= num_tokens
+        keep = -(-(seq.num_computed + seq.num_pending) // self.block_size)
+        freed = seq.block_ids[keep:]
+        if freed:
+            del seq.block_ids[keep:]
+            self.pool.free(freed[::-1])
+            self._update_claim(seq)
+        return freed
+
+    def fork(self, parent_id: str, child_id: str, *, max_tokens: int | None = None) -> None:
+        """Start ``child_id`` as a copy of ``parent_id`` that shares its computed blocks.
+
+        Full blocks are shared by reference forever; a shared partial last block is copied on
+        the first write by either side. The parent must have no scheduled positions.
+        """
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise InvalidRequestError(f"request {child_id!r} is already registered")
+        if parent.held or not parent.started or parent.num_pending:
+            raise RequestStateError(
+                f"request {parent_id!r} must be running with every scheduled token committed "
+                "to be forked"
+            )
+        shared = parent.block_ids[: -(-parent.num_computed // self.block_size)]
+        self.pool.touch(shared)
+        max_total = parent.max_total_tokens
+        if max_tokens is not None:
+            if max_tokens < 0:
+                raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+            max_total = len(parent.token_ids) + max_tokens
+        child = _Seq(child_id, list(parent.token_ids), parent.chain.copy(), max_total)
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        child.block_ids = list(shared)
+        child.num_computed = parent.num_computed
+        child.num_cached_blocks = min(parent.num_cached_blocks, len(shared))
+        child.num_hit_tokens = parent.num_hit_tokens
+        child.started = True
+        self._seqs[child_id] = child
+        self._update_claim(child)
+
+    def preempt(self, request_id: str) -> None:
+        """Free a running request's blocks but keep its tokens and hashes, to resume later.
+
+        Its committed full blocks stay cached, so resuming is mostly a prefix hit.
+        """
+        seq = self._get(request_id)
+        if seq.held:
+            raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
+        self._release_blocks(seq)
+        seq.num_computed = 0
+        seq.num_pending = 0
+        seq.num_cached_blocks = 0
+        seq.started = False
+        seq.match = None
+
+    def free(self, request_id: str) -> None:
+        """Forget a request and drop its references, last block first (tail evicted first)."""
+        seq = self._get(request_id)
+        if seq.held:
+            raise RequestStateError(
+                f"request {request_id!r} is held for a remote transfer; call release()"
+            )
+        self._release_blocks(seq)
+        del self._seqs[request_id]
+
+    def hold(self, request_id: str) -> None:
+        """Keep a finished request's blocks referenced until ``release`` (a remote transfer)."""
+        seq = self._get(request_id)
+        if seq.held:
+            raise RequestStateError(f"request {request_id!r} is already held")
+        if seq.num_pending:
+            raise RequestStateError(
+                f"request {request_id!r} has {seq.num_pending} uncommitted positions; commit or "
+                "roll them back before holding its KV for transfer"
+            )
+        seq.held = True
+        self._update_claim(seq)
+
+    def release(self, request_id: str) -> None:
+        """Free a held request once its transfer is confirmed. Unknown or double release raises."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(
+                f"request {request_id!r} is not held (never held, or already released)"
+            )
+        if not seq.held:
+            raise RequestStateError(f"request {request_id!r} is not held; use free()")
+        seq.held = False
+        self._release_blocks(seq)
+        del self._seqs[request_id]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; raises CacheBusyError (no change) while blocks are in use."""
+        self.pool.reset_prefix_cache()
+        for seq in self._seqs.values():  # only waiting requests remain (none holds blocks)
+            seq.match = None
+
+    def clear(self) -> None:
+        """Return an idle manager's pool to its initial size (see ``BlockPool.clear``)."""
+        self.pool.clear()
+        for seq in self._seqs.values():
+            seq.match = None
+
+    # ------------------------------------------------------------------ tables
+    def block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table as a list."""
+        return list(self._get(request_id).block_ids)
+
+    def block_table(self, request_id: str) -> np.ndarray:
+        """The request's block table as an int32 array."""
+        return np.array(self._get(request_id).block_ids, dtype=np.int32)
+
+    def slot_mapping(self, request_id: str, start: int, end: int) -> np.ndarray:
+        """Slots of positions ``[start, end)``: ``block_id * block_size + offset`` (int32)."""
+        seq = self._get(request_id)
+        bs = self.block_size
+        if not 0 <= start <= end <= len(seq.block_ids) * bs:
+            raise InvalidRequestError(
+                f"positions [{start}, {end}) are outside the {len(seq.block_ids) * bs} allocated "
+                f"slots of request {request_id!r}"
+            )
+        ids = seq.block_ids
+        if end - start <= 4:
+            return np.array([ids[p // bs] * bs + p % bs for p in range(start, end)], dtype=np.int32)
+        pos = np.arange(start, end, dtype=np.int64)
+        table = np.asarray(ids, dtype=np.int64)
+        return (table[pos // bs] * bs + pos % bs).astype(np.int32)
+
+    # ------------------------------------------------------------------ queries
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._seqs
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._seqs)
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._get(request_id).num_computed
+
+    def num_pending_tokens(self, request_id: str) -> int:
+        return self._get(request_id).num_pending
+
+    def num_tokens(self, request_id: str) -> int:
+        return len(self._get(request_id).token_ids)
+
+    def token_ids(self, request_id: str) -> list[int]:
+        return list(self._get(request_id).token_ids)
+
+    def num_hit_tokens(self, request_id: str) -> int:
+        """Tokens served from the prefix cache at the request's last admission."""
+        return self._get(request_id).num_hit_tokens
+
+    def is_held(self, request_id: str) -> bool:
+        return self._get(request_id).held
+
+    @property
+    def running_claim_blocks(self) -> int:
+        """Blocks the requests holding blocks may still claim (O(1) running sum)."""
+        return self._running_claim
+
+    @property
+    def watermark_blocks(self) -> int:
+        return self._watermark_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def stats(self, *, ref_histogram: bool = False) -> KVCacheStats:
+        """A snapshot of counters. O(1), or O(materialized blocks) with ``ref_histogram``."""
+        pool = self.pool
+        hist: tuple[tuple[int, int], ...] = ()
+        if ref_histogram:
+            counts: dict[int, int] = {}
+            for b in range(1 if pool.config.use_null_block else 0, pool.num_materialized_blocks):
+                r = pool._ref[b]
+                counts[r] = counts.get(r, 0) + 1
+            hist = tuple(sorted(counts.items()))
+        return KVCacheStats(
+            block_size=self.block_size,
+            capacity_blocks=pool.capacity_blocks,
+            num_materialized_blocks=pool.num_materialized_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_cached_free_blocks=pool.num_cached_free_blocks,
+            num_shared_blocks=pool.num_shared_blocks,
+            usage=pool.usage,
+            num_requests=len(self._seqs),
+            running_claim_blocks=self._running_claim,
+            prefix=self._prefix.snapshot(),
+            num_evictions=pool.num_evictions,
+            num_cow_copies=self.num_cow_copies,
+            num_duplicate_commits=pool.num_duplicate_commits,
+            num_events_dropped=pool.events.num_dropped,
+            ref_count_histogram=hist,
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, request_id: str) -> _Seq:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (never added, or freed)")
+        return seq
+
+    def _claim_of(self, seq: _Seq) -> int:
+        if seq.held or not seq.started:
+            return 0
+        if self.config.reservation is ReservationPolicy.NONE:
+            return 0
+        return max(0, -(-seq.max_total_tokens // self.block_size) - len(seq.block_ids))
+
+    def _update_claim(self, seq: _Seq) -> None:
+        new = self._claim_of(seq)
+        self._running_claim += new - seq.claim
+        seq.claim = new
+
+    def _release_blocks(self, seq: _Seq) -> None:
+        if seq.block_ids:
+            self.pool.free(seq.block_ids[::-1])
+            seq.block_ids = []
+        seq.started = False
+        self._running_claim -= seq.claim
+        seq.claim = 0
+
+    def check_invariants(self) -> None:
+        """Recompute every counter from scratch; raise InvariantViolation naming the broken one."""
+        self.pool.check_invariants()
+        pool = self.pool
+        refs: dict[int, int] = {}
+        claim_sum = 0
+        bs = self.block_size
+        for seq in self._seqs.values():
+            for b in seq.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+            if seq.claim != self._claim_of(seq):
+                raise InvariantViolation(f"M2: request {seq.request_id!r} claim is stale")
+            claim_sum += seq.claim
+            if len(seq.block_ids) * bs < seq.num_computed + seq.num_pending:
+                raise InvariantViolation(
+                    f"M3: request {seq.request_id!r} has {len(seq.block_ids)} blocks for "
+                    f"{seq.num_computed + seq.num_pending} positions"
+                )
+            if seq.num_computed > len(seq.token_ids):
+                raise InvariantViolation(f"M4: request {seq.request_id!r} computed unknown tokens")
+            if self.config.enable_prefix_caching:
+                for i in range(seq.num_cached_blocks):
+                    h = pool._hash[seq.block_ids[i]]
+                    if h is not None and h != seq.chain.hashes[i]:
+                        raise InvariantViolation(
+                            f"M4: block {seq.block_ids[i]} of request {seq.request_id!r} is "
+                            "hashed with another chain's hash"
+                        )
+        if claim_sum != self._running_claim:
+            raise InvariantViolation(f"M2: running claim {self._running_claim} != {claim_sum}")
+        for b in range(pool.num_materialized_blocks):
+            if pool._ref[b] != refs.get(b, 0):
+                raise InvariantViolation(
+                    f"M1: block {b} has ref count {pool._ref[b]} but requests hold {refs.get(b, 0)}"
+                )
