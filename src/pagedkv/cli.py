@@ -1,0 +1,55 @@
+"""The ``pagedkv`` command. Each subcommand lives beside the code it drives and is imported lazily,
+so ``pagedkv simulate`` never loads torch.
+
+Subcommands register here as ``name -> "module:function"``; each function takes the remaining
+argv and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("pagedkv.sim.cli:main", "replay a workload through the scheduler and cache"),
+    "bench-core": ("pagedkv.core.bench_cli:main", "run the core benchmarks (benchmarks/)"),
+    "demo": ("pagedkv.engine.cli:demo_main", "run a small random-weight model end to end"),
+    "generate": ("pagedkv.engine.cli:generate_main", "generate text from a local model folder"),
+    "serve": ("pagedkv.server.cli:main", "serve an OpenAI-compatible API"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: pagedkv <command> [options]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "Run `pagedkv <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"pagedkv: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    target = SUBCOMMANDS[name][0]
+    module_name, func_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        print(
+            f"pagedkv {name}: needs a module that is not installed ({exc.name}); "
+            "run ./scripts/setup.sh or install the matching extra",
+            file=sys.stderr,
+        )
+        return 2
+    func: Callable[[list[str]], int] = getattr(module, func_name)
+    return func(rest)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
