@@ -2,8 +2,8 @@
 
 from pagedkv.core.block_pool import NULL_BLOCK_ID, BlockPool, PoolConfig
 from pagedkv.core.config import CacheConfig, ReservationPolicy
-from pagedkv.core.eviction import EvictionPolicy, LRUPolicy
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagedkv.core.eviction import EvictionPolicy, LRUPolicy
 from pagedkv.core.hashing import (
     BlockHash,
     BlockHashChain,

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pagedkv.core.eviction import EvictionPolicy, make_policy
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, KVEvent
+from pagedkv.core.eviction import EvictionPolicy, make_policy
 from pagedkv.core.hashing import BlockHash
 from pagedkv.errors import (
     CacheBusyError,
@@ -124,9 +124,7 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Blocks an allocation could take now: ref count 0 (cached or not) plus growth headroom."""
         return (
-            len(self._free_uncached)
-            + len(self._policy)
-            + (self.config.num_blocks - len(self._ref))
+            len(self._free_uncached) + len(self._policy) + (self.config.num_blocks - len(self._ref))
         )
 
     @property
@@ -166,8 +164,10 @@ class BlockPool:
     def is_cached(self, block_hash: BlockHash) -> bool:
         return block_hash in self._index
 
-    def match_prefix(self, block_hashes: Sequence[BlockHash], max_blocks: int | None = None) -> list[int]:
-        """Block ids of the longest run of cached hashes from the start (read-only; no refs taken)."""
+    def match_prefix(
+        self, block_hashes: Sequence[BlockHash], max_blocks: int | None = None
+    ) -> list[int]:
+        """Block ids of the longest run of cached hashes from the start (read-only, no refs)."""
         index = self._index
         limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
         out: list[int] = []
@@ -334,7 +334,7 @@ class BlockPool:
         return num_new
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash. Raises CacheBusyError, changing nothing, if any block is in use.
+        """Forget every cached hash; raise CacheBusyError, changing nothing, if a block is in use.
 
         In-use blocks may be serving prefix hits, so dropping their hashes under a running request
         is refused rather than half-applied.
@@ -380,15 +380,15 @@ class BlockPool:
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < len(self._ref):
-            raise InvalidRequestError(
-                f"block id {block_id} is outside [0, {len(self._ref)})"
-            )
+            raise InvalidRequestError(f"block id {block_id} is outside [0, {len(self._ref)})")
 
     def check_invariants(self) -> None:
         """Recompute every counter from scratch; raise InvariantViolation naming the broken one."""
         n = len(self._ref)
         if n > self.config.num_blocks:
-            raise InvariantViolation(f"I5: {n} materialized blocks > num_blocks {self.config.num_blocks}")
+            raise InvariantViolation(
+                f"I5: {n} materialized blocks > num_blocks {self.config.num_blocks}"
+            )
         stack = set(self._free_uncached)
         if len(stack) != len(self._free_uncached):
             raise InvariantViolation("I1: a block appears twice in the uncached stack")
@@ -421,4 +421,6 @@ class BlockPool:
             if not 0 <= b < n or self._hash[b] != h:
                 raise InvariantViolation(f"I2: index maps a hash to block {b}, which holds another")
         if shared != self._num_shared:
-            raise InvariantViolation(f"I3: num_shared_blocks is {self._num_shared}, counted {shared}")
+            raise InvariantViolation(
+                f"I3: num_shared_blocks is {self._num_shared}, counted {shared}"
+            )

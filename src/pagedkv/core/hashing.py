@@ -71,7 +71,9 @@ def hash_function(algo: HashAlgo | str) -> Callable[[bytes], bytes]:
         return _HASH_FNS[HashAlgo(algo)]
     except ValueError:
         names = ", ".join(a.value for a in HashAlgo)
-        raise InvalidRequestError(f"unknown hash algorithm {algo!r}; choose one of {names}") from None
+        raise InvalidRequestError(
+            f"unknown hash algorithm {algo!r}; choose one of {names}"
+        ) from None
 
 
 def encode_key(key: ExtraKey) -> bytes:
@@ -172,12 +174,14 @@ class HashContext:
         keys: list[ExtraKey] = []
         if self.adapter_id is not None:
             keys.append(("adapter", self.adapter_id))
-        for item in self.mm_items:
-            if item.offset < end and item.offset + item.length > start:
-                keys.append(("mm", item.item_hash, item.offset - start))
-        for rk in self.range_keys:
-            if rk.start < end and rk.end > start:
-                keys.append(("range", rk.key))
+        keys.extend(
+            ("mm", item.item_hash, item.offset - start)
+            for item in self.mm_items
+            if item.offset < end and item.offset + item.length > start
+        )
+        keys.extend(
+            ("range", rk.key) for rk in self.range_keys if rk.start < end and rk.end > start
+        )
         return encode_key(tuple(keys)) if keys else b""
 
 

@@ -87,7 +87,9 @@ class _Seq:
         "token_ids",
     )
 
-    def __init__(self, request_id: str, token_ids: list[int], chain: BlockHashChain, max_total: int):
+    def __init__(
+        self, request_id: str, token_ids: list[int], chain: BlockHashChain, max_total: int
+    ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
         self.chain = chain
@@ -125,6 +127,9 @@ class KVCacheManager:
         self._seqs: dict[str, _Seq] = {}
         self._running_claim = 0  # == sum(seq.claim for seq in self._seqs.values())
         self._watermark_blocks = int(config.watermark * self.pool.capacity_blocks)
+        # The most one request can ever be admitted with; reservations are capped here so a large
+        # max_tokens never makes a request inadmissible forever.
+        self._admissible_blocks = self.pool.capacity_blocks - self._watermark_blocks
         self._default_context = HashContext(model_id=config.model_id, algo=config.hash_algo)
         self._prefix = PrefixStats()
         self.num_cow_copies = 0
@@ -153,10 +158,11 @@ class KVCacheManager:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
         bs = self.block_size
         need = -(-len(tokens) // bs)
-        if need > self.pool.capacity_blocks:
+        if need > self._admissible_blocks:
             raise PromptTooLongError(
-                f"prompt has {len(tokens)} tokens; the pool holds "
-                f"{self.pool.capacity_blocks * bs} ({self.pool.capacity_blocks} blocks x {bs})"
+                f"prompt has {len(tokens)} tokens; the pool admits at most "
+                f"{self._admissible_blocks * bs} ({self.pool.capacity_blocks} blocks x {bs}, "
+                f"less a watermark of {self._watermark_blocks} blocks)"
             )
         ctx = hash_context or self._default_context
         if cache_salt is not None or ctx.algo is not self.config.hash_algo:
@@ -220,8 +226,12 @@ class KVCacheManager:
         prompt_blocks = -(-len(seq.token_ids) // bs)
         need = prompt_blocks - len(match.block_ids) + match.num_evictable_blocks
         if self.config.reservation is ReservationPolicy.MAX_TOKENS:
-            need += max(0, -(-seq.max_total_tokens // bs) - prompt_blocks)
+            need += max(0, self._reserve_blocks(seq) - prompt_blocks)
         return need
+
+    def _reserve_blocks(self, seq: _Seq) -> int:
+        """Blocks reserved for a request in total: prompt + max_tokens, capped at what fits."""
+        return min(-(-seq.max_total_tokens // self.block_size), self._admissible_blocks)
 
     def can_admit(self, request_id: str) -> bool:
         """Whether a waiting request fits: its blocks plus the running requests' claim must fit
@@ -235,7 +245,8 @@ class KVCacheManager:
 
     def can_admit_blocks(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` more blocks fit beside the running claim and the watermark."""
-        return num_blocks + self._running_claim <= self.pool.num_free_blocks - self._watermark_blocks
+        free = self.pool.num_free_blocks - self._watermark_blocks
+        return num_blocks + self._running_claim <= free
 
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
@@ -269,9 +280,13 @@ class KVCacheManager:
         num_new_blocks = max(0, -(-(end + num_lookahead_tokens) // bs) - have)
         write_pos = num_computed + seq.num_pending
         cow_index = -1
-        if seq.started and write_pos % bs and write_pos // bs < len(seq.block_ids):
-            if pool._ref[seq.block_ids[write_pos // bs]] > 1:
-                cow_index = write_pos // bs
+        if (
+            seq.started
+            and write_pos % bs
+            and write_pos // bs < len(seq.block_ids)
+            and pool._ref[seq.block_ids[write_pos // bs]] > 1
+        ):
+            cow_index = write_pos // bs
         total = num_new_blocks + (cow_index >= 0) + num_evictable
         if total > pool.num_free_blocks:
             raise OutOfBlocksError(
@@ -568,7 +583,7 @@ class KVCacheManager:
             return 0
         if self.config.reservation is ReservationPolicy.NONE:
             return 0
-        return max(0, -(-seq.max_total_tokens // self.block_size) - len(seq.block_ids))
+        return max(0, self._reserve_blocks(seq) - len(seq.block_ids))
 
     def _update_claim(self, seq: _Seq) -> None:
         new = self._claim_of(seq)

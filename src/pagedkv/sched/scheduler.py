@@ -1,0 +1,577 @@
+"""Continuous batching over the KV cache manager.
+
+One step::
+
+    schedule()
+      1. running decodes, in serving order: 1 token each (+ drafts), preempting from the back
+         of the running list when a block cannot be had
+      2. running prefill chunks (resumed chunked prefills), with the budget that is left
+      3. admissions from the waiting queue while the head fits (O(1) check), the budget lasts
+         and no request was preempted this step (no admit/preempt thrash)
+    -> SchedulerOutput (decodes first), then the runner computes, then
+    update(output, sampled)
+      append accepted tokens, commit computed positions (full blocks become shareable), roll back
+      rejected drafts, finish on stop token / max_tokens / max_model_len, free or hold blocks
+
+The running list is kept in serving order (``Request.sort_key``: priority, arrival, submission),
+so the preemption victim, the lowest priority and then the latest arrival, is always at its
+back. Decodes are scheduled before any prefill chunk, so prefills never starve decodes.
+
+The scheduler owns the manager and is single-threaded: one loop calls ``schedule``/``update``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from pagedkv.core.config import CacheConfig
+from pagedkv.core.kv_cache_manager import KVCacheManager
+from pagedkv.errors import (
+    InvalidRequestError,
+    InvariantViolation,
+    OutOfBlocksError,
+    OverloadedError,
+    PromptTooLongError,
+    RequestStateError,
+    UnknownRequestError,
+)
+from pagedkv.sched.config import SchedulerConfig
+from pagedkv.sched.output import RequestOutput, ScheduledRequest, SchedulerOutput
+from pagedkv.sched.queue import make_queue
+from pagedkv.sched.request import FinishReason, KVTransfer, Request, RequestStatus
+from pagedkv.sched.stats import SchedulerStats, StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides, each step, which requests compute which tokens, within the budget and the pool.
+
+    Invariants (``check_invariants()`` verifies each):
+      S1  every unfinished request is in exactly one place: the waiting queue (WAITING or
+          PREEMPTED), the running list (RUNNING) or the remote wait set (WAITING_FOR_REMOTE_KV);
+          held senders (FINISHED, SEND) are in the sending set
+      S2  the running list is sorted by ``sort_key``; ``len(running) <= max_num_seqs``
+      S3  a running request's ``num_computed_tokens`` equals the manager's committed count
+      S4  requests holding blocks are exactly the running, remote-wait and sending ones
+      S5  the manager's invariants hold
+    Complexity per step: O(scheduled requests + admitted requests); admission never scans the
+    waiting queue beyond the requests it admits.
+    """
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = config
+        self.cache_config = cache_config
+        self.manager = KVCacheManager(cache_config)
+        self.block_size = cache_config.block_size
+        self.requests: dict[str, Request] = {}  # every request not yet forgotten
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []  # sorted by Request.sort_key
+        self.remote_waiting: dict[str, Request] = {}
+        self.sending: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # finished or aborted since the last schedule()
+        self._step = 0
+        self._last_step = StepStats()
+        self.num_preemptions = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_scheduled_tokens_total = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue a request. A prompt that can never fit is rejected here, never left waiting.
+
+        Raises InvalidRequestError (duplicate id), PromptTooLongError (over max_model_len or the
+        pool), OverloadedError (the waiting queue is at ``max_waiting``).
+        """
+        rid = request.request_id
+        if rid in self.requests:
+            raise InvalidRequestError(f"request {rid!r} already exists")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise InvalidRequestError(f"request {rid!r} was already scheduled once; make a new one")
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens >= max_len:
+            raise PromptTooLongError(
+                f"prompt has {request.num_prompt_tokens} tokens; max_model_len is {max_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
+            raise OverloadedError(
+                f"the waiting queue is full ({self.config.max_waiting} requests); retry later"
+            )
+        max_tokens = min(request.max_tokens, max_len - request.num_prompt_tokens)
+        self.manager.add_request(
+            rid,
+            request.all_token_ids,
+            max_tokens=max_tokens,
+            cache_salt=request.cache_salt,
+            hash_context=request.hash_context,
+        )
+        request.max_tokens = max_tokens
+        self.requests[rid] = request
+        self.waiting.push(request)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in any state and free everything it holds."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (never added, or finished)")
+        if req.status is RequestStatus.FINISHED:  # held for a KV send: drop the hold
+            self.sending.pop(request_id, None)
+            self.manager.release(request_id)
+            del self.requests[request_id]
+            return
+        if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.discard(req)
+        elif req.status is RequestStatus.RUNNING:
+            self._remove_running(req)
+        else:
+            del self.remote_waiting[request_id]
+        self.manager.free(request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = FinishReason.ABORT
+        del self.requests[request_id]
+        self._finished_ids.append(request_id)
+        self.num_aborted += 1
+
+    def finish(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> None:
+        """Finish a running request now (the engine saw a stop string, or the request failed)."""
+        req = self._get(request_id)
+        if req.status is not RequestStatus.RUNNING:
+            raise RequestStateError(f"request {request_id!r} is {req.status.value}, not running")
+        self._remove_running(req)
+        self._finish(req, reason)
+
+    def finish_remote_kv(self, request_id: str, *, success: bool) -> None:
+        """The KV of a RECEIVE request arrived (or the transfer failed: then it recomputes)."""
+        req = self.remote_waiting.pop(request_id, None)
+        if req is None:
+            raise UnknownRequestError(f"request {request_id!r} is not waiting for remote KV")
+        mgr = self.manager
+        if success:
+            mgr.commit(request_id, mgr.num_pending_tokens(request_id))
+            req.num_computed_tokens = mgr.num_computed_tokens(request_id)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=Request.sort_key)
+        else:
+            logger.warning("remote KV for %s failed; recomputing it locally", request_id)
+            mgr.preempt(request_id)
+            req.kv_transfer = KVTransfer.NONE
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.push_front(req)
+
+    def finish_kv_send(self, request_id: str) -> None:
+        """The KV of a finished SEND request reached its destination: release its blocks."""
+        req = self.sending.pop(request_id, None)
+        if req is None:
+            raise UnknownRequestError(f"request {request_id!r} has no KV send in progress")
+        self.manager.release(request_id)
+        del self.requests[request_id]
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work. See the module docstring for the order."""
+        self._step += 1
+        cfg = self.config
+        mgr = self.manager
+        bs = self.block_size
+        budget = cfg.max_num_batched_tokens
+        lookahead = cfg.num_lookahead_tokens
+        scheduled: list[ScheduledRequest] = []
+        slots: list[int] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[str] = []
+        done: set[str] = set()  # scheduled (or deliberately skipped) this step
+        running = self.running
+
+        # 1. decodes, in serving order; victims come from the back of the list.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            if req.num_computed_tokens != req.num_tokens - 1:
+                i += 1
+                continue
+            drafts = req.draft_token_ids
+            if drafts:
+                room = min(
+                    budget - 1,
+                    req.max_tokens - req.num_output_tokens - 1,
+                    cfg.max_model_len - req.num_tokens - 1,
+                )
+                drafts = drafts[: max(0, room)]
+            n = 1 + len(drafts)
+            if not self._allocate_or_preempt(req, n, lookahead, copies, preempted, done):
+                break  # req itself was preempted; everything after it is gone too
+            pos = req.num_computed_tokens
+            table = req._block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(pos, pos + n))
+            tokens = [req.all_token_ids[-1], *drafts] if drafts else [req.all_token_ids[-1]]
+            scheduled.append(
+                ScheduledRequest(
+                    req.request_id, pos, tokens, n, req._table, _EMPTY, False, True, len(drafts)
+                )
+            )
+            done.add(req.request_id)
+            budget -= n
+            i += 1
+
+        # 2. prefill chunks of running requests.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            if req.request_id in done or req.num_computed_tokens >= req.num_tokens - 1:
+                i += 1
+                continue
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining, budget)
+            la = lookahead if n == remaining else 0
+            if not self._allocate_or_preempt(req, n, la, copies, preempted, done, protect=done):
+                if req.status is RequestStatus.RUNNING:  # skipped, not preempted: look further
+                    i += 1
+                continue
+            scheduled.append(self._prefill_entry(req, n, n == remaining, slots))
+            done.add(req.request_id)
+            budget -= n
+            i += 1
+
+        # 3. admissions: stop at the first head that does not fit (no scan past it).
+        t0 = time.perf_counter()
+        num_admitted = 0
+        while not preempted and budget > 0 and len(running) < cfg.max_num_seqs:
+            head = self.waiting.try_peek()
+            if head is None:
+                break
+            req = head
+            rid = req.request_id
+            match = mgr.match_prefix(rid)
+            if not mgr.can_admit(rid):
+                break
+            cached = match.num_cached_tokens
+            remaining = req.num_tokens - cached
+            if req.kv_transfer is KVTransfer.RECEIVE:
+                if remaining > 1:
+                    self._admit_remote(req, remaining - 1)
+                    continue
+                req.kv_transfer = KVTransfer.NONE  # all but the last token is cached already
+            if not cfg.enable_chunked_prefill and remaining > budget:
+                break
+            n = min(remaining, budget)
+            try:
+                alloc = mgr.allocate_slots(rid, n, lookahead if n == remaining else 0)
+            except OutOfBlocksError:
+                break
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            req.num_cached_tokens = alloc.num_cached_tokens
+            req.num_computed_tokens = cached
+            copies.extend(alloc.copies)
+            self._refresh_table(req)
+            bisect.insort(running, req, key=Request.sort_key)
+            scheduled.append(self._prefill_entry(req, n, n == remaining, slots))
+            budget -= n
+            num_admitted += 1
+        admission_s = time.perf_counter() - t0
+
+        # One int32 array for the whole step; each request gets a view of its part.
+        flat = np.array(slots, dtype=np.int32)
+        offset = 0
+        num_tokens = 0
+        for sr in scheduled:
+            sr.slot_mapping = flat[offset : offset + sr.num_tokens]
+            offset += sr.num_tokens
+            num_tokens += sr.num_tokens
+        finished = self._finished_ids
+        self._finished_ids = []
+        self.num_scheduled_tokens_total += num_tokens
+        self._last_step = StepStats(
+            step=self._step,
+            num_scheduled_requests=len(scheduled),
+            num_scheduled_tokens=num_tokens,
+            num_admitted=num_admitted,
+            num_preempted=len(preempted),
+            admission_s=admission_s,
+        )
+        out = SchedulerOutput(self._step, scheduled, num_tokens, copies, preempted, finished)
+        if cfg.check_invariants:
+            self.check_invariants()
+        return out
+
+    def update(
+        self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
+    ) -> list[RequestOutput]:
+        """Apply a step's results: ``sampled[rid]`` holds the accepted tokens of every sampling
+        request (accepted drafts, then the bonus token). Returns one output per sampling request."""
+        mgr = self.manager
+        results: list[RequestOutput] = []
+        max_len = self.config.max_model_len
+        for sr in output.scheduled:  # validate everything first: all or nothing
+            req = self.requests.get(sr.request_id)
+            if not sr.samples or req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            toks = sampled.get(sr.request_id)
+            if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
+                raise InvalidRequestError(
+                    f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
+                    f"tokens, got {None if toks is None else len(toks)}"
+                )
+        for sr in output.scheduled:
+            rid = sr.request_id
+            maybe = self.requests.get(rid)
+            if maybe is None or maybe.status is not RequestStatus.RUNNING:
+                continue  # aborted or finished since schedule()
+            req = maybe
+            if not sr.samples:
+                mgr.commit(rid, sr.num_tokens)
+                req.num_computed_tokens += sr.num_tokens
+                continue
+            toks = sampled[rid]
+            final: list[int] = []
+            reason: FinishReason | None = None
+            stop_ids = req.stop_token_ids
+            num_out = req.num_output_tokens
+            for t in toks:
+                final.append(int(t))
+                if t in stop_ids:
+                    reason = FinishReason.STOP
+                    break
+                if num_out + len(final) >= req.max_tokens or req.num_tokens + len(final) >= max_len:
+                    reason = FinishReason.LENGTH
+                    break
+            mgr.append_tokens(rid, final)
+            req.all_token_ids.extend(final)
+            accepted = len(final) - 1
+            mgr.commit(rid, sr.num_tokens - sr.num_draft_tokens + accepted)
+            if sr.num_draft_tokens - accepted and mgr.rollback(rid, sr.num_draft_tokens - accepted):
+                self._refresh_table(req)
+            req.num_computed_tokens = mgr.num_computed_tokens(rid)
+            req.draft_token_ids = []
+            if reason is not None:
+                self._remove_running(req)
+                self._finish(req, reason)
+            results.append(
+                RequestOutput(
+                    rid,
+                    tuple(final),
+                    reason is not None,
+                    reason,
+                    req.num_prompt_tokens,
+                    req.num_cached_tokens,
+                )
+            )
+        if self.config.check_invariants:
+            self.check_invariants()
+        return results
+
+    # ------------------------------------------------------------------ queries
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or len(self.waiting) or self.remote_waiting)
+
+    def get_request(self, request_id: str) -> Request:
+        return self._get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def stats(self) -> SchedulerStats:
+        """Per-step and cumulative counters (a snapshot)."""
+        kv = self.manager.stats()
+        return SchedulerStats(
+            step=self._step,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_for_remote_kv=len(self.remote_waiting),
+            num_sending=len(self.sending),
+            num_preemptions=self.num_preemptions,
+            num_finished=self.num_finished,
+            num_aborted=self.num_aborted,
+            num_scheduled_tokens_total=self.num_scheduled_tokens_total,
+            last_step=self._last_step,
+            prefix_hit_rate=kv.prefix.hit_rate,
+            usage=kv.usage,
+            kv=kv,
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (never added, or finished)")
+        return req
+
+    def _prefill_entry(
+        self, req: Request, n: int, last_chunk: bool, slots: list[int]
+    ) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        bs = self.block_size
+        if n <= 16:
+            table = req._block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        else:
+            pos = np.arange(start, start + n)
+            slots.extend((req._table[pos // bs].astype(np.int64) * bs + pos % bs).tolist())
+        tokens = req.all_token_ids[start : start + n]
+        return ScheduledRequest(
+            req.request_id, start, tokens, n, req._table, _EMPTY, True, last_chunk
+        )
+
+    def _allocate_or_preempt(
+        self,
+        req: Request,
+        n: int,
+        lookahead: int,
+        copies: list[tuple[int, int]],
+        preempted: list[str],
+        done: set[str],
+        protect: set[str] | None = None,
+    ) -> bool:
+        """Allocate ``n`` slots for a running request, preempting victims from the back of the
+        running list until it fits. Returns False when ``req`` itself was preempted or skipped."""
+        mgr = self.manager
+        while True:
+            try:
+                alloc = mgr.allocate_slots(req.request_id, n, lookahead)
+            except OutOfBlocksError:
+                victim = self._pick_victim(req, protect)
+                if victim is None:  # only scheduled requests are left to take from: wait
+                    return False
+                if victim is req and len(self.running) == 1 and not self.remote_waiting:
+                    # Alone and still too big: preempting would loop forever.
+                    logger.warning(
+                        "request %s cannot grow: the pool is full with it alone; finishing it",
+                        req.request_id,
+                    )
+                    self._remove_running(req)
+                    self._finish(req, FinishReason.LENGTH)
+                    return False
+                self._preempt(victim, preempted)
+                if victim is req:
+                    return False
+                continue
+            if alloc.new_block_ids or alloc.copies:
+                copies.extend(alloc.copies)
+                self._refresh_table(req)
+            return True
+
+    def _pick_victim(self, req: Request, protect: set[str] | None) -> Request | None:
+        """The lowest-priority, latest running request that is not protected (maybe ``req``)."""
+        for victim in reversed(self.running):
+            if victim is req or protect is None or victim.request_id not in protect:
+                return victim
+        return None  # pragma: no cover - req is always in the running list
+
+    def _preempt(self, req: Request, preempted: list[str]) -> None:
+        self.manager.preempt(req.request_id)
+        self._remove_running(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.draft_token_ids = []
+        req._block_ids = []
+        req._table = _EMPTY
+        self.waiting.push_front(req)
+        preempted.append(req.request_id)
+        self.num_preemptions += 1
+
+    def _admit_remote(self, req: Request, num_to_receive: int) -> None:
+        """Admit a RECEIVE request: allocate its prompt's slots and wait for the KV to arrive."""
+        self.waiting.pop()
+        rid = req.request_id
+        self.manager.allocate_slots(rid, num_to_receive)
+        self._refresh_table(req)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote_waiting[rid] = req
+        req.num_computed_tokens = self.manager.num_computed_tokens(rid)
+        req.num_cached_tokens = self.manager.num_hit_tokens(rid)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Mark a request finished (already out of the running list) and free or hold its KV."""
+        rid = req.request_id
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.num_finished += 1
+        self._finished_ids.append(rid)
+        if req.kv_transfer is KVTransfer.SEND and reason is not FinishReason.ABORT:
+            mgr = self.manager
+            pending = mgr.num_pending_tokens(rid)
+            if pending:
+                mgr.rollback(rid, pending)
+            mgr.hold(rid)
+            self.sending[rid] = req
+            return
+        self.manager.free(rid)
+        del self.requests[rid]
+
+    def _remove_running(self, req: Request) -> None:
+        running = self.running
+        i = bisect.bisect_left(running, req.sort_key(), key=Request.sort_key)
+        if i < len(running) and running[i] is req:
+            del running[i]
+        else:  # pragma: no cover - S2 guarantees the bisect finds it
+            running.remove(req)
+
+    def _refresh_table(self, req: Request) -> None:
+        ids = self.manager.block_ids(req.request_id)
+        req._block_ids = ids
+        req._table = np.array(ids, dtype=np.int32)
+
+    def check_invariants(self) -> None:
+        """Verify S1..S5 from scratch; raise InvariantViolation naming the broken one."""
+        self.manager.check_invariants()
+        keys = [r.sort_key() for r in self.running]
+        if keys != sorted(keys):
+            raise InvariantViolation("S2: the running list is out of serving order")
+        if len(self.running) > self.config.max_num_seqs:
+            raise InvariantViolation(f"S2: {len(self.running)} running > max_num_seqs")
+        queued = 0
+        for rid, req in self.requests.items():
+            st = req.status
+            if st in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                queued += 1
+            in_running = any(r is req for r in self.running)
+            if (st is RequestStatus.RUNNING) != in_running:
+                raise InvariantViolation(f"S1: {rid} is {st.value} but in_running={in_running}")
+            if (st is RequestStatus.WAITING_FOR_REMOTE_KV) != (rid in self.remote_waiting):
+                raise InvariantViolation(f"S1: {rid} is {st.value} vs the remote wait set")
+            if (st is RequestStatus.FINISHED) != (rid in self.sending):
+                raise InvariantViolation(f"S1: {rid} is {st.value} vs the sending set")
+            if rid not in self.manager:
+                raise InvariantViolation(f"S4: {rid} is unfinished but unknown to the manager")
+            holds = bool(self.manager.block_ids(rid))
+            if holds != (
+                st
+                in (
+                    RequestStatus.RUNNING,
+                    RequestStatus.WAITING_FOR_REMOTE_KV,
+                    RequestStatus.FINISHED,
+                )
+            ):
+                raise InvariantViolation(f"S4: {rid} is {st.value} and holds blocks={holds}")
+            if (
+                st is RequestStatus.RUNNING
+                and req.num_computed_tokens != self.manager.num_computed_tokens(rid)
+            ):
+                raise InvariantViolation(f"S3: {rid} computed count differs from the manager's")
+            if st is RequestStatus.RUNNING and req._block_ids != self.manager.block_ids(rid):
+                raise InvariantViolation(f"S3: {rid} block table mirror is stale")
+        if queued != len(self.waiting):
+            raise InvariantViolation(
+                f"S1: {queued} queued requests but len(waiting)={len(self.waiting)}"
+            )
+        if len(self.requests) != queued + len(self.running) + len(self.remote_waiting) + len(
+            self.sending
+        ):
+            raise InvariantViolation("S1: a request is in no place or in two")
+
+
+_EMPTY = np.zeros(0, dtype=np.int32)
