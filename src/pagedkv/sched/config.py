@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pagedkv.config import check_invariants_default
 from pagedkv.errors import InvalidRequestError
 
 
@@ -14,7 +15,8 @@ class SchedulerConfig:
     ``max_num_batched_tokens`` is the per-step token budget shared by decodes and prefill chunks;
     ``max_num_seqs`` caps running requests; ``num_lookahead_tokens`` extra slots are allocated per
     decode so drafts proposed after this step fit without another allocation. ``policy`` is
-    ``"fcfs"`` or ``"priority"``.
+    ``"fcfs"`` or ``"priority"``. ``max_waiting`` bounds the waiting queue (``add_request``
+    raises OverloadedError past it). ``check_invariants`` defaults to PAGEDKV_CHECK_INVARIANTS.
     """
 
     max_num_batched_tokens: int = 2048
@@ -24,7 +26,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     num_lookahead_tokens: int = 0
     max_waiting: int | None = None
-    check_invariants: bool = False
+    check_invariants: bool = field(default_factory=check_invariants_default)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
