@@ -32,7 +32,7 @@ import numpy as np
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import CacheConfig, ReservationPolicy
-from pagedkv.core.hashing import BlockHashChain, HashContext, pack_tokens
+from pagedkv.core.hashing import BlockHash, BlockHashChain, HashContext, pack_tokens
 from pagedkv.core.stats import KVCacheStats, PrefixStats
 from pagedkv.errors import (
     InvalidRequestError,
@@ -508,6 +508,10 @@ class KVCacheManager:
     @property
     def num_requests(self) -> int:
         return len(self._seqs)
+
+    def block_hashes(self, request_id: str) -> list[BlockHash]:
+        """The request's full-block hashes so far (the manager's own list: do not mutate)."""
+        return self._get(request_id).chain.hashes
 
     def num_computed_tokens(self, request_id: str) -> int:
         return self._get(request_id).num_computed

@@ -34,7 +34,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     """A step's batch: decodes first, then prefill chunks.
 
-    Apply ``block_copies`` (copy-on-write, (src, dst) block ids) before running the batch.
+    Before running the batch: apply ``block_copies`` (copy-on-write, (src, dst) block ids), then
+    fill each ``(block_id, block_hash)`` of ``block_loads`` from the KV tiers; report the ids of
+    ``loading_ids`` requests whose loads failed to ``update(..., failed_loads=...)``.
     """
 
     step: int
@@ -43,6 +45,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    block_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    loading_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

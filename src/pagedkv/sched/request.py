@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"  # holds blocks, scheduled every step
     PREEMPTED = "preempted"  # blocks freed under pressure, queued at the front to resume
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, KV arriving from elsewhere
+    LOADING = "loading"  # blocks allocated, prefix KV loading from a lower tier this step
     FINISHED = "finished"
 
     @property

@@ -25,7 +25,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -49,14 +50,25 @@ from pagedkv.sched.stats import SchedulerStats, StepStats
 logger = logging.getLogger(__name__)
 
 
+class TierIndex(Protocol):
+    """What the scheduler asks of the KV tiers: how many of these blocks can be loaded."""
+
+    def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """Length of the run of consecutive hashes, from the first, that a lower tier holds
+        (0 when loading them would be slower than recomputing)."""
+        ...
+
+
 class Scheduler:
     """Decides, each step, which requests compute which tokens, within the budget and the pool.
 
     Invariants (``check_invariants()`` verifies each):
       S1  every unfinished request is in exactly one place: the waiting queue (WAITING or
-          PREEMPTED), the running list (RUNNING) or the remote wait set (WAITING_FOR_REMOTE_KV);
+          PREEMPTED), the running list (RUNNING), the remote wait set (WAITING_FOR_REMOTE_KV)
+          or the loading set (LOADING);
           held senders (FINISHED, SEND) are in the sending set
-      S2  the running list is sorted by ``sort_key``; ``len(running) <= max_num_seqs``
+      S2  the running list is sorted by ``sort_key``; running + loading + remote-waiting requests
+          number at most ``max_num_seqs``
       S3  a running request's ``num_computed_tokens`` equals the manager's committed count
       S4  requests holding blocks are exactly the running, remote-wait and sending ones
       S5  the manager's invariants hold
@@ -64,7 +76,12 @@ class Scheduler:
     waiting queue beyond the requests it admits.
     """
 
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache_config: CacheConfig,
+        tier_index: TierIndex | None = None,
+    ) -> None:
         self.config = config
         self.cache_config = cache_config
         self.manager = KVCacheManager(cache_config)
@@ -73,6 +90,9 @@ class Scheduler:
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []  # sorted by Request.sort_key
         self.remote_waiting: dict[str, Request] = {}
+        self.loading: dict[str, Request] = {}  # loading prefix blocks from a tier this step
+        self.tier_index = tier_index
+        self.num_loaded_blocks = 0
         self.sending: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # finished or aborted since the last schedule()
         self._step = 0
@@ -130,6 +150,8 @@ class Scheduler:
             self.waiting.discard(req)
         elif req.status is RequestStatus.RUNNING:
             self._remove_running(req)
+        elif req.status is RequestStatus.LOADING:
+            del self.loading[request_id]
         else:
             del self.remote_waiting[request_id]
         self.manager.free(request_id)
@@ -187,6 +209,7 @@ class Scheduler:
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
         preempted: list[str] = []
+        loads: list[tuple[int, bytes]] = []
         done: set[str] = set()  # scheduled (or deliberately skipped) this step
         running = self.running
 
@@ -243,7 +266,11 @@ class Scheduler:
         # 3. admissions: stop at the first head that does not fit (no scan past it).
         t0 = time.perf_counter()
         num_admitted = 0
-        while not preempted and budget > 0 and len(running) < cfg.max_num_seqs:
+        while (
+            not preempted
+            and budget > 0
+            and len(running) + len(self.loading) + len(self.remote_waiting) < cfg.max_num_seqs
+        ):
             head = self.waiting.try_peek()
             if head is None:
                 break
@@ -259,6 +286,10 @@ class Scheduler:
                     self._admit_remote(req, remaining - 1)
                     continue
                 req.kv_transfer = KVTransfer.NONE  # all but the last token is cached already
+            if self.tier_index is not None and self._try_admit_load(
+                req, match.num_cached_tokens, loads
+            ):
+                continue
             if not cfg.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
@@ -297,16 +328,33 @@ class Scheduler:
             num_preempted=len(preempted),
             admission_s=admission_s,
         )
-        out = SchedulerOutput(self._step, scheduled, num_tokens, copies, preempted, finished)
+        out = SchedulerOutput(
+            self._step,
+            scheduled,
+            num_tokens,
+            copies,
+            preempted,
+            finished,
+            loads,
+            list(self.loading),
+        )
         if cfg.check_invariants:
             self.check_invariants()
         return out
 
     def update(
-        self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, Sequence[int]],
+        *,
+        failed_loads: Collection[str] = (),
     ) -> list[RequestOutput]:
         """Apply a step's results: ``sampled[rid]`` holds the accepted tokens of every sampling
-        request (accepted drafts, then the bonus token). Returns one output per sampling request."""
+        request (accepted drafts, then the bonus token). Returns one output per sampling request.
+
+        Requests in ``output.loading_ids`` become running with their loaded prefix committed,
+        except those in ``failed_loads``: they drop the loaded blocks and recompute.
+        """
         mgr = self.manager
         results: list[RequestOutput] = []
         max_len = self.config.max_model_len
@@ -364,13 +412,17 @@ class Scheduler:
                     req.num_cached_tokens,
                 )
             )
+        for rid in output.loading_ids:
+            req_l = self.loading.pop(rid, None)
+            if req_l is not None:
+                self._finish_load(req_l, success=rid not in failed_loads)
         if self.config.check_invariants:
             self.check_invariants()
         return results
 
     # ------------------------------------------------------------------ queries
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or len(self.waiting) or self.remote_waiting)
+        return bool(self.running or len(self.waiting) or self.remote_waiting or self.loading)
 
     def get_request(self, request_id: str) -> Request:
         return self._get(request_id)
@@ -494,6 +546,51 @@ class Scheduler:
         req.num_computed_tokens = self.manager.num_computed_tokens(rid)
         req.num_cached_tokens = self.manager.num_hit_tokens(rid)
 
+    def _try_admit_load(
+        self, req: Request, num_cached: int, loads: list[tuple[int, bytes]]
+    ) -> bool:
+        """Admit a request whose prefix continues in a lower tier: allocate fresh blocks for the
+        tier's run and have the runner load them this step (no token budget is used)."""
+        rid = req.request_id
+        bs = self.block_size
+        first = num_cached // bs
+        last = (req.num_tokens - 1) // bs  # a hit never covers the last token
+        if last <= first or self.tier_index is None:
+            return False
+        hashes = self.manager.block_hashes(rid)[first:last]
+        num_blocks = self.tier_index.contains_prefix(hashes)
+        if num_blocks <= 0:
+            return False
+        try:
+            self.manager.allocate_slots(rid, num_blocks * bs)
+        except OutOfBlocksError:
+            return False
+        self.waiting.pop()
+        self._refresh_table(req)
+        ids = req._block_ids[first : first + num_blocks]
+        loads.extend(zip(ids, hashes[:num_blocks], strict=True))
+        req.status = RequestStatus.LOADING
+        req.num_computed_tokens = num_cached
+        req.num_cached_tokens = self.manager.num_hit_tokens(rid)
+        self.loading[rid] = req
+        return True
+
+    def _finish_load(self, req: Request, *, success: bool) -> None:
+        rid = req.request_id
+        mgr = self.manager
+        pending = mgr.num_pending_tokens(rid)
+        if success:
+            mgr.commit(rid, pending)
+            self.num_loaded_blocks += pending // self.block_size
+            req.num_cached_tokens += pending
+        else:
+            logger.warning("loading the prefix of %s from a tier failed; recomputing", rid)
+            mgr.rollback(rid, pending)
+            self._refresh_table(req)
+        req.num_computed_tokens = mgr.num_computed_tokens(rid)
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=Request.sort_key)
+
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """Mark a request finished (already out of the running list) and free or hold its KV."""
         rid = req.request_id
@@ -531,8 +628,9 @@ class Scheduler:
         keys = [r.sort_key() for r in self.running]
         if keys != sorted(keys):
             raise InvariantViolation("S2: the running list is out of serving order")
-        if len(self.running) > self.config.max_num_seqs:
-            raise InvariantViolation(f"S2: {len(self.running)} running > max_num_seqs")
+        active = len(self.running) + len(self.loading) + len(self.remote_waiting)
+        if active > self.config.max_num_seqs:
+            raise InvariantViolation(f"S2: {active} active requests > max_num_seqs")
         queued = 0
         for rid, req in self.requests.items():
             st = req.status
@@ -541,6 +639,8 @@ class Scheduler:
             in_running = any(r is req for r in self.running)
             if (st is RequestStatus.RUNNING) != in_running:
                 raise InvariantViolation(f"S1: {rid} is {st.value} but in_running={in_running}")
+            if (st is RequestStatus.LOADING) != (rid in self.loading):
+                raise InvariantViolation(f"S1: {rid} is {st.value} vs the loading set")
             if (st is RequestStatus.WAITING_FOR_REMOTE_KV) != (rid in self.remote_waiting):
                 raise InvariantViolation(f"S1: {rid} is {st.value} vs the remote wait set")
             if (st is RequestStatus.FINISHED) != (rid in self.sending):
@@ -553,6 +653,7 @@ class Scheduler:
                 in (
                     RequestStatus.RUNNING,
                     RequestStatus.WAITING_FOR_REMOTE_KV,
+                    RequestStatus.LOADING,
                     RequestStatus.FINISHED,
                 )
             ):
@@ -568,9 +669,8 @@ class Scheduler:
             raise InvariantViolation(
                 f"S1: {queued} queued requests but len(waiting)={len(self.waiting)}"
             )
-        if len(self.requests) != queued + len(self.running) + len(self.remote_waiting) + len(
-            self.sending
-        ):
+        placed = len(self.running) + len(self.remote_waiting) + len(self.loading)
+        if len(self.requests) != queued + placed + len(self.sending):
             raise InvariantViolation("S1: a request is in no place or in two")
 
 
