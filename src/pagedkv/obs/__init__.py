@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics built from stats snapshots."""
