@@ -39,5 +39,12 @@ class SchedulerConfig:
             )
         if self.policy not in ("fcfs", "priority"):
             raise InvalidRequestError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Unchunked, a longer prompt (or a preempted request's recompute) could never be
+            # scheduled: it would wait forever at the head of the queue, blocking the rest.
+            raise InvalidRequestError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is False"
+            )
         if self.max_waiting is not None and self.max_waiting <= 0:
             raise InvalidRequestError(f"max_waiting must be positive, got {self.max_waiting}")
