@@ -70,6 +70,9 @@ class PoolConfig:
             )
         if self.growth_blocks <= 0:
             raise InvalidRequestError(f"growth_blocks must be positive, got {self.growth_blocks}")
+        if self.max_events <= 0:
+            raise InvalidRequestError(f"max_events must be positive, got {self.max_events}")
+        make_policy(self.eviction_policy)  # raises InvalidRequestError for an unknown name
 
     @property
     def initial_num_blocks(self) -> int:

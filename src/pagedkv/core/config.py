@@ -50,10 +50,11 @@ class CacheConfig:
             raise InvalidRequestError(f"block_size must be positive, got {self.block_size}")
         if not 0.0 <= self.watermark < 1.0:
             raise InvalidRequestError(f"watermark must be in [0, 1), got {self.watermark}")
-        if not isinstance(self.hash_algo, HashAlgo):
+        try:
             object.__setattr__(self, "hash_algo", HashAlgo(self.hash_algo))
-        if not isinstance(self.reservation, ReservationPolicy):
             object.__setattr__(self, "reservation", ReservationPolicy(self.reservation))
+        except ValueError as exc:  # an unknown name: a typed error, like every bad value
+            raise InvalidRequestError(str(exc)) from None
         self.pool_config()  # validates the pool sizes
 
     def pool_config(self) -> PoolConfig:

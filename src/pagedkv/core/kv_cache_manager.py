@@ -396,12 +396,12 @@ class KVCacheManager:
                 f"request {parent_id!r} must be running with every scheduled token committed "
                 "to be forked"
             )
+        if max_tokens is not None and max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
         shared = parent.block_ids[: -(-parent.num_computed // self.block_size)]
         self.pool.touch(shared)
         max_total = parent.max_total_tokens
         if max_tokens is not None:
-            if max_tokens < 0:
-                raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
             max_total = len(parent.token_ids) + max_tokens
         child = _Seq(child_id, list(parent.token_ids), parent.chain.copy(), max_total)
         child.num_prompt_tokens = parent.num_prompt_tokens
