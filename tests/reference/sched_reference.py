@@ -16,7 +16,7 @@ position is computed exactly once per admission, contiguously, starting at the p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,16 +131,27 @@ def run_model(sched: Scheduler, out: SchedulerOutput, kv: ShadowKV) -> dict[str,
     return sampled
 
 
-def write_remote_kv(sched: Scheduler, request_id: str, kv: ShadowKV) -> None:
-    """Play the remote prefill engine: write a RECEIVE request's uncached prompt KV."""
+def write_kv(sched: Scheduler, request_id: str, kv: ShadowKV, start: int, end: int) -> None:
+    """Play a remote prefill engine or a KV tier: write the request's KV at ``[start, end)``."""
     req = sched.get_request(request_id)
     table = sched.manager.block_ids(request_id)
-    start = req.num_cached_tokens
     _, pid = kv.read(table, start)
-    end = req.num_tokens - 1
     bs = sched.block_size
     slots = [table[p // bs] * bs + p % bs for p in range(start, end)]
     kv.write(slots, req.all_token_ids[start:end], pid)
+
+
+def write_remote_kv(sched: Scheduler, request_id: str, kv: ShadowKV) -> None:
+    """The remote prefill of a RECEIVE request: every uncached prompt position but the last."""
+    req = sched.get_request(request_id)
+    write_kv(sched, request_id, kv, req.num_cached_tokens, req.num_tokens - 1)
+
+
+def write_loaded_kv(sched: Scheduler, request_id: str, kv: ShadowKV) -> None:
+    """A tier load of a LOADING request: its allocated, not yet committed prefix positions."""
+    req = sched.get_request(request_id)
+    start = req.num_computed_tokens
+    write_kv(sched, request_id, kv, start, start + sched.manager.num_pending_tokens(request_id))
 
 
 @dataclass(slots=True)
@@ -268,15 +279,22 @@ class StepChecker:
 
 
 def step(
-    sched: Scheduler, kv: ShadowKV, checker: StepChecker | None = None
+    sched: Scheduler,
+    kv: ShadowKV,
+    checker: StepChecker | None = None,
+    failed_loads: Collection[str] = (),
 ) -> tuple[SchedulerOutput, list[RequestOutput]]:
-    """One full step: schedule, check, run the fake model, update, check invariants."""
+    """One full step: schedule, check, run the fake model (and the tier loads, except
+    ``failed_loads``), update, check invariants."""
     out = sched.schedule()
     sched.check_invariants()
     if checker is not None:
         checker.check_schedule(out)
+    for rid in out.loading_ids:
+        if rid not in failed_loads:
+            write_loaded_kv(sched, rid, kv)
     sampled = run_model(sched, out, kv)
-    results = sched.update(out, sampled)
+    results = sched.update(out, sampled, failed_loads=failed_loads)
     sched.check_invariants()
     if checker is not None:
         checker.check_update(out, sampled, results)
@@ -313,8 +331,10 @@ class Driver:
         self.outputs[request_id] = []
         return req
 
-    def step(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
-        out, results = step(self.sched, self.kv, self.checker)
+    def step(
+        self, failed_loads: Collection[str] = ()
+    ) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        out, results = step(self.sched, self.kv, self.checker, failed_loads)
         self.preempted.extend(out.preempted_ids)
         self.history.append(out)
         for res in results:
