@@ -70,7 +70,8 @@ class Scheduler:
       S2  the running list is sorted by ``sort_key``; running + loading + remote-waiting requests
           number at most ``max_num_seqs``
       S3  a running request's ``num_computed_tokens`` equals the manager's committed count
-      S4  requests holding blocks are exactly the running, remote-wait and sending ones
+      S4  requests holding blocks are exactly the running, loading, remote-wait and sending
+          ones (a running request with nothing computed may hold none: its tier load failed)
       S5  the manager's invariants hold
     Complexity per step: O(scheduled requests + admitted requests); admission never scans the
     waiting queue beyond the requests it admits.
@@ -648,15 +649,10 @@ class Scheduler:
             if rid not in self.manager:
                 raise InvariantViolation(f"S4: {rid} is unfinished but unknown to the manager")
             holds = bool(self.manager.block_ids(rid))
-            if holds != (
-                st
-                in (
-                    RequestStatus.RUNNING,
-                    RequestStatus.WAITING_FOR_REMOTE_KV,
-                    RequestStatus.LOADING,
-                    RequestStatus.FINISHED,
-                )
-            ):
+            must_hold = st in _HOLDING
+            if st is RequestStatus.RUNNING and req.num_computed_tokens == 0:
+                must_hold = holds  # a failed tier load with no device prefix leaves none
+            if holds != must_hold:
                 raise InvariantViolation(f"S4: {rid} is {st.value} and holds blocks={holds}")
             if (
                 st is RequestStatus.RUNNING
@@ -675,3 +671,9 @@ class Scheduler:
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_HOLDING = (
+    RequestStatus.RUNNING,
+    RequestStatus.WAITING_FOR_REMOTE_KV,
+    RequestStatus.LOADING,
+    RequestStatus.FINISHED,
+)
