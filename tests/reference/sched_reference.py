@@ -256,11 +256,13 @@ class StepChecker:
     def check_update(
         self, out: SchedulerOutput, sampled: dict[str, list[int]], results: list[RequestOutput]
     ) -> None:
+        accepted = {res.request_id: len(res.new_token_ids) for res in results}
         for sr in out.scheduled:
             track = self.tracks.get(sr.request_id)
-            if track is None or not sr.samples:
+            if track is None or not sr.samples or sr.request_id not in accepted:
                 continue
-            rejected = sr.num_draft_tokens - (len(sampled[sr.request_id]) - 1)
+            # positions of drafts not kept (rejected, or after a stop token) are rolled back
+            rejected = sr.num_draft_tokens - (accepted[sr.request_id] - 1)
             assert track.next_pos is not None
             track.next_pos -= rejected
         for res in results:
