@@ -1,0 +1,100 @@
+"""The model runner: executes one scheduler step on the paged KV cache and returns logits.
+
+Per step: apply copy-on-write block copies first, grow the KV tensors if the (elastic) pool handed
+out a block past their end, lay the scheduled tokens out back to back, run the model once and
+project to the vocabulary only the rows that sample: the last token of a sampling sequence, or,
+for a speculative decode, the last token and every draft (row i predicts the token after input i).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from pagedkv.engine.attention import build_metadata
+from pagedkv.engine.kv_cache import PagedKVCache
+from pagedkv.engine.models.llama import LlamaModel
+from pagedkv.errors import InvalidRequestError
+from pagedkv.sched.output import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+
+class StepBatch(Protocol):
+    """What the runner reads of a step (``SchedulerOutput`` satisfies it)."""
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]: ...
+    @property
+    def block_copies(self) -> list[tuple[int, int]]: ...
+
+
+class ModelRunner:
+    """Runs a model over paged KV. Stateless between steps apart from the KV tensors."""
+
+    def __init__(
+        self, model: LlamaModel, kv_cache: PagedKVCache, *, batched_decode: bool = True
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.batched_decode = batched_decode
+        self.device = model.device
+
+    def ensure_blocks(self, num_blocks: int) -> None:
+        """Grow the KV tensors to hold block ids below ``num_blocks`` (elastic pools)."""
+        if num_blocks > self.kv_cache.num_blocks:
+            logger.info(
+                "growing KV tensors from %d to %d blocks", self.kv_cache.num_blocks, num_blocks
+            )
+            self.kv_cache.grow(num_blocks)
+
+    def execute(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+        """Run one step; returns ``request_id -> float32 logits [rows, vocab]`` for every
+        sequence that samples (1 row, or 1 + num_draft_tokens rows for a speculative decode)."""
+        seqs: Sequence[ScheduledRequest] = batch.scheduled
+        top = max((int(s.block_table.max()) for s in seqs if len(s.block_table)), default=-1)
+        for src, dst in batch.block_copies:
+            top = max(top, src, dst)
+        self.ensure_blocks(top + 1)
+        self.kv_cache.copy_blocks(batch.block_copies)
+        if not seqs:
+            return {}
+        vocab = self.model.config.vocab_size
+        ids: list[int] = []
+        rows: list[int] = []
+        owners: list[tuple[str, int]] = []
+        offset = 0
+        for s in seqs:
+            if len(s.token_ids) != s.num_tokens:
+                raise InvalidRequestError(
+                    f"request {s.request_id!r}: {len(s.token_ids)} token ids for "
+                    f"{s.num_tokens} positions"
+                )
+            bad = [t for t in s.token_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"request {s.request_id!r} has token ids outside [0, {vocab}): {bad[:5]}"
+                )
+            ids.extend(s.token_ids)
+            offset += s.num_tokens
+            if s.samples:
+                k = s.num_draft_tokens
+                rows.extend(range(offset - 1 - k, offset))
+                owners.append((s.request_id, k + 1))
+        meta = build_metadata(
+            seqs, self.kv_cache.spec.block_size, self.device, batched_decode=self.batched_decode
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model.forward(input_ids, meta, self.kv_cache)
+        if not rows:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        result: dict[str, torch.Tensor] = {}
+        start = 0
+        for rid, count in owners:
+            result[rid] = logits[start : start + count]
+            start += count
+        return result
