@@ -7,7 +7,7 @@ import pytest
 
 from pagedkv.core import CacheConfig
 from pagedkv.errors import InvalidRequestError, OverloadedError, PromptTooLongError
-from pagedkv.sched import Request, Scheduler, SchedulerConfig
+from pagedkv.sched import KVTransfer, Request, Scheduler, SchedulerConfig
 from reference.sched_reference import Driver
 
 
@@ -170,3 +170,26 @@ def test_request_already_scheduled_cannot_be_added_to_another_scheduler() -> Non
     other = Scheduler(d.sched.config, d.sched.cache_config)
     with pytest.raises(InvalidRequestError):
         other.add_request(req)
+
+
+@pytest.mark.parametrize("kv_transfer", [KVTransfer.NONE, KVTransfer.RECEIVE])
+def test_admission_uses_the_fresh_prefix_hit_not_a_stale_match(kv_transfer: KVTransfer) -> None:
+    """B waits while A computes (and caches) B's prefix. The manager's memoized match of B is
+    stale-short (no eviction happened, so it is not refreshed); B must start at the fresh hit."""
+    d = make_driver(num_blocks=11)  # 10 usable blocks: A reserves 5, B needs 6
+    prefix = list(range(30, 46))
+    d.add("A", prefix, max_tokens=4)
+    d.add("B", [*prefix, 1, 2, 3, 4], max_tokens=4, kv_transfer=kv_transfer)
+    while "B" not in d.sched.remote_waiting and d.sched.get_request("B").status.value == "waiting":
+        d.step()
+    if kv_transfer is KVTransfer.RECEIVE:
+        assert d.sched.manager.num_pending_tokens("B") == 3  # positions 16..18 arrive
+        d.finish_remote_kv("B", success=True)
+    else:
+        first = next(sr for sr in d.history[-1].scheduled if sr.request_id == "B")
+        assert first.start_position == 16
+        assert first.num_tokens == 4
+    assert d.sched.get_request("B").num_cached_tokens == 16
+    d.run()
+    d.assert_outputs_match()
+    d.assert_no_leaks()
