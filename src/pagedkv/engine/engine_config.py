@@ -1,0 +1,48 @@
+"""The engine's configuration: built once at the edge (CLI, server, ``LLM(...)``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedkv.config import check_invariants_default
+from pagedkv.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Sizes and switches of one engine.
+
+    KV blocks: ``num_blocks`` when given, else as many as fit in ``kv_cache_bytes``, else 1024.
+    ``initial_blocks`` below that makes the pool (and the KV tensors) grow on demand.
+    ``num_speculative_tokens > 0`` turns on prompt-lookup speculative decoding.
+    """
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    initial_blocks: int | None = None
+    max_model_len: int | None = None  # default: min(model's max positions, 4096)
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_speculative_tokens: int = 0
+    batched_decode: bool = True
+    watermark: float = 0.01
+    reservation: str = "max_tokens"
+    model_id: str = ""
+    check_invariants: bool = field(default_factory=check_invariants_default)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise InvalidRequestError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise InvalidRequestError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.num_speculative_tokens < 0:
+            raise InvalidRequestError(
+                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}"
+            )
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise InvalidRequestError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -1,0 +1,444 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time.
+
+A step::
+
+    propose drafts (prompt lookup) for decoding requests      -> Request.draft_token_ids
+    SchedulerOutput = scheduler.schedule()
+    logits = runner.execute(output)                            paged KV written, attention run
+    sample each sampling request; verify drafts                accepted tokens (+ bonus)
+    scheduler.update(output, accepted)                         commit / roll back / finish
+    detokenize, stop strings (scheduler.finish), fork n > 1 samples
+
+``n > 1`` samples share the prompt's KV through a copy-on-write fork. The first sample is
+scheduled with the prompt minus its last token, and the engine "samples" that last token for it,
+so after its prefill every sample has the same tokens and the same KV, with the last prompt
+position still to compute. The other samples are forked there (full blocks shared by
+reference, the partial last block copied on first write) and each computes the last prompt
+position itself, so each draws its own first token from its own generator.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.core.config import CacheConfig
+from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
+from pagedkv.engine.models.llama import LlamaModel
+from pagedkv.engine.outputs import CompletionOutput, GenerationOutput
+from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.sampler import SamplingParams, make_generator, sample
+from pagedkv.engine.spec_decode import DraftProposer, NgramProposer, accept_drafts
+from pagedkv.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagedkv.errors import (
+    InvalidRequestError,
+    InvariantViolation,
+    PromptTooLongError,
+    UnknownRequestError,
+)
+from pagedkv.sched import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One sample of a request: one scheduler request."""
+
+    seq_id: str
+    index: int
+    generator: torch.Generator
+    detok: IncrementalDetokenizer | None
+    force_token: int | None = None  # the hidden last prompt token (n > 1 parent), until forked
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    delta_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class _Group:
+    """One user request and its samples."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    stop_token_ids: tuple[int, ...]
+    arrival_s: float
+    samples: list[_Sample] = field(default_factory=list)
+    first_token_s: float | None = None
+    num_cached_tokens: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching generation over paged KV.
+
+    Invariants (``check_invariants()`` verifies each):
+      E1  every live sample's ``seq_id`` maps back to its group in ``_samples``
+      E2  the scheduler's invariants hold; the KV tensors cover every block holding computed KV
+    """
+
+    def __init__(
+        self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        mcfg = model.config
+        max_len = config.max_model_len or min(mcfg.max_position_embeddings, 4096)
+        spec = KVCacheSpec(
+            mcfg.num_hidden_layers,
+            config.block_size,
+            mcfg.num_key_value_heads,
+            mcfg.head_dim,
+            parse_dtype(config.dtype),
+        )
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            budget = config.kv_cache_bytes
+            num_blocks = spec.num_blocks_for(budget) if budget is not None else 1024
+        cache_cfg = CacheConfig(
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            initial_blocks=config.initial_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            model_id=config.model_id,
+            watermark=config.watermark,
+            reservation=config.reservation,  # type: ignore[arg-type]  # validated by CacheConfig
+        )
+        sched_cfg = SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            check_invariants=config.check_invariants,
+        )
+        self.scheduler = Scheduler(sched_cfg, cache_cfg)
+        self.max_model_len = max_len
+        pool = self.scheduler.manager.pool
+        kv = PagedKVCache(spec, pool.num_materialized_blocks, model.device)
+        self.runner = ModelRunner(model, kv, batched_decode=config.batched_decode)
+        self.proposer: DraftProposer | None = (
+            NgramProposer(config.num_speculative_tokens) if config.num_speculative_tokens else None
+        )
+        eos = set(mcfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self._groups: dict[str, _Group] = {}
+        self._samples: dict[str, tuple[_Group, _Sample]] = {}  # seq_id -> owner
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str, config: EngineConfig | None = None) -> LLMEngine:
+        """Load the model (and tokenizer, when the folder has one)."""
+        from pathlib import Path
+
+        from pagedkv.engine.loader import load_model
+
+        cfg = config or EngineConfig()
+        model = load_model(model_dir, dtype=cfg.dtype, device=_device(cfg.device))
+        tok = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
+        if not cfg.model_id:
+            from dataclasses import replace
+
+            cfg = replace(cfg, model_id=str(Path(model_dir).resolve()))
+        return cls(model, tok, cfg)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request. Bad input raises a typed error and leaves the engine unchanged."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request {request_id!r} already exists")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer.json; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        group = _Group(request_id, params, ids, tuple(sorted(stops)), time.perf_counter())
+        fork = params.n > 1 and len(ids) > 1 and ids[-1] not in stops
+        if fork:  # see the module docstring: the last prompt token is "sampled" for sample 0
+            sample0 = self._new_sample(group, 0, force_token=ids[-1])
+            req = self._make_request(sample0.seq_id, ids[:-1], params.max_tokens + 1, group)
+        else:
+            sample0 = self._new_sample(group, 0)
+            req = self._make_request(sample0.seq_id, ids, params.max_tokens, group)
+        self.scheduler.add_request(req)  # may raise PromptTooLongError: nothing registered yet
+        self._register(group, sample0)
+        self._groups[request_id] = group
+        if not fork:
+            for i in range(1, params.n):
+                self._add_independent(group, i)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (all its samples) in any state."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        for s in group.samples:
+            self._samples.pop(s.seq_id, None)
+            if s.finish_reason is None and s.seq_id in self.scheduler.requests:
+                self.scheduler.abort(s.seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[GenerationOutput]:
+        """Run one scheduler step; return the state of every request that changed."""
+        sched = self.scheduler
+        if self.proposer is not None:
+            self._propose_drafts()
+        out = sched.schedule()
+        try:
+            logits = self.runner.execute(out)
+        except Exception:
+            logger.exception("model step failed; finishing its %d requests", len(out.scheduled))
+            return self._fail_step([s.request_id for s in out.scheduled])
+        sampled: dict[str, list[int]] = {}
+        for sr in out.scheduled:
+            if not sr.samples or sr.request_id not in logits:
+                continue
+            group, smp = self._samples[sr.request_id]
+            if smp.force_token is not None:
+                sampled[sr.request_id] = [smp.force_token]
+                continue
+            toks = sample(logits[sr.request_id], group.params, smp.generator)
+            if sr.num_draft_tokens:
+                drafts = sr.token_ids[1:]
+                toks = accept_drafts(drafts, toks)
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_draft_tokens += len(toks) - 1
+            sampled[sr.request_id] = toks
+        results = sched.update(out, sampled)
+        now = time.perf_counter()
+        changed: dict[str, _Group] = {}
+        for r in results:
+            group, smp = self._samples[r.request_id]
+            changed[group.request_id] = group
+            if smp.index == 0:
+                group.num_cached_tokens = r.num_cached_tokens
+            if smp.force_token is not None:
+                smp.force_token = None
+                if r.finished:  # cannot happen with max_tokens + 1 >= 2; keep it finished
+                    smp.finish_reason = r.finish_reason
+                else:
+                    self._fork_samples(group, smp)
+                continue
+            if group.first_token_s is None:
+                group.first_token_s = now
+            self._append(group, smp, r.new_token_ids)
+            if r.finished and smp.finish_reason is None:
+                smp.finish_reason = r.finish_reason
+        return [self._emit(g, now) for g in changed.values()]
+
+    # ------------------------------------------------------------------ internals
+    def _new_sample(self, group: _Group, index: int, force_token: int | None = None) -> _Sample:
+        seq_id = group.request_id if group.params.n == 1 else f"{group.request_id}#{index}"
+        seed = group.params.seed
+        gen = make_generator(None if seed is None else seed + index, self.model.device)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids)
+        return _Sample(seq_id, index, gen, detok, force_token)
+
+    def _register(self, group: _Group, smp: _Sample) -> None:
+        group.samples.append(smp)
+        self._samples[smp.seq_id] = (group, smp)
+
+    def _make_request(self, seq_id: str, ids: list[int], max_tokens: int, group: _Group) -> Request:
+        return Request(
+            seq_id,
+            ids,
+            max_tokens=max_tokens,
+            stop_token_ids=group.stop_token_ids,
+            arrival_time=group.arrival_s,
+        )
+
+    def _add_independent(self, group: _Group, index: int) -> None:
+        smp = self._new_sample(group, index)
+        req = self._make_request(smp.seq_id, group.prompt_token_ids, group.params.max_tokens, group)
+        self.scheduler.add_request(req)
+        self._register(group, smp)
+
+    def _fork_samples(self, group: _Group, parent: _Sample) -> None:
+        """Fork samples 1..n-1 from sample 0 right after its prefill (copy-on-write)."""
+        sched = self.scheduler
+        for i in range(1, group.params.n):
+            active = len(sched.running) + len(sched.loading) + len(sched.remote_waiting)
+            if active >= sched.config.max_num_seqs:
+                self._add_independent(group, i)  # no room to run it now: queue it instead
+                continue
+            smp = self._new_sample(group, i)
+            fork_request(sched, parent.seq_id, smp.seq_id)
+            self._register(group, smp)
+
+    def _propose_drafts(self) -> None:
+        assert self.proposer is not None  # only called when speculation is on
+        for req in self.scheduler.running:
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            room = req.max_tokens - req.num_output_tokens - 1
+            room = min(room, self.max_model_len - req.num_tokens - 1)
+            req.draft_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []
+
+    def _append(self, group: _Group, smp: _Sample, new_ids: Sequence[int]) -> None:
+        smp.token_ids.extend(new_ids)
+        smp.delta_ids.extend(new_ids)
+        if smp.detok is None:
+            return
+        delta = smp.detok.add(new_ids)
+        stops = group.params.stop
+        if not stops or smp.finish_reason is not None:
+            smp.text += delta
+            smp.delta_text += delta
+            return
+        old_len = len(smp.text)
+        text = smp.text + delta
+        window = max(0, old_len - max(len(s) for s in stops) + 1)
+        hits = [i for i in (text.find(s, window) for s in stops) if i >= 0]
+        if hits:
+            cut = min(hits)
+            text = text[:cut]
+            smp.finish_reason = FinishReason.STOP
+            req = self.scheduler.requests.get(smp.seq_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                self.scheduler.finish(smp.seq_id, FinishReason.STOP)
+        smp.delta_text += text[old_len:] if len(text) > old_len else ""
+        smp.text = text
+
+    def _emit(self, group: _Group, now: float) -> GenerationOutput:
+        comps = []
+        for s in group.samples:
+            comps.append(
+                CompletionOutput(
+                    s.index,
+                    s.text,
+                    tuple(s.token_ids),
+                    s.delta_text,
+                    tuple(s.delta_ids),
+                    None if s.finish_reason is None else s.finish_reason.value,
+                )
+            )
+            s.delta_ids = []
+            s.delta_text = ""
+        n = group.params.n
+        finished = len(group.samples) == n and all(s.finish_reason for s in group.samples)
+        if finished:
+            del self._groups[group.request_id]
+            for s in group.samples:
+                self._samples.pop(s.seq_id, None)
+        ttft = None if group.first_token_s is None else group.first_token_s - group.arrival_s
+        return GenerationOutput(
+            group.request_id,
+            tuple(group.prompt_token_ids),
+            tuple(sorted(comps, key=lambda c: c.index)),
+            finished,
+            group.num_cached_tokens,
+            ttft,
+            now - group.arrival_s,
+        )
+
+    def _fail_step(self, seq_ids: list[str]) -> list[GenerationOutput]:
+        changed: dict[str, _Group] = {}
+        for sid in seq_ids:
+            group, smp = self._samples[sid]
+            req = self.scheduler.requests.get(sid)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                self.scheduler.finish(sid, FinishReason.ERROR)
+            smp.finish_reason = FinishReason.ERROR
+            for other in group.samples:  # a group cannot complete without its failed sample
+                if other.finish_reason is None:
+                    if other.seq_id in self.scheduler.requests:
+                        self.scheduler.abort(other.seq_id)
+                    other.finish_reason = FinishReason.ERROR
+            while len(group.samples) < group.params.n:
+                missing = self._new_sample(group, len(group.samples))
+                missing.finish_reason = FinishReason.ERROR
+                self._register(group, missing)
+            changed[group.request_id] = group
+        now = time.perf_counter()
+        return [self._emit(g, now) for g in changed.values()]
+
+    def check_invariants(self) -> None:
+        for sid, (group, smp) in self._samples.items():
+            if smp.seq_id != sid or self._groups.get(group.request_id) is not group:
+                raise InvariantViolation(f"E1: sample {sid} is not owned by a live group")
+        self.scheduler.check_invariants()
+        kv = self.runner.kv_cache
+        kv.check_invariants()
+        for req in self.scheduler.running:  # tensors grow before a step uses a new block
+            if req.num_computed_tokens and max(req._block_ids) >= kv.num_blocks:
+                raise InvariantViolation(f"E2: {req.request_id} holds a block past the KV tensors")
+
+
+def fork_request(sched: Scheduler, parent_id: str, child_id: str) -> Request:
+    """Start ``child_id`` as a running copy of running request ``parent_id``, sharing its KV
+    blocks through the manager's copy-on-write fork.
+
+    The scheduler has no fork of its own yet, so this fills in its request table and running
+    list the way ``add_request`` and admission would (see the report to the lead: a
+    ``Scheduler.fork`` would own this).
+    """
+    parent = sched.get_request(parent_id)
+    if parent.status is not RequestStatus.RUNNING:
+        raise InvalidRequestError(f"request {parent_id!r} is {parent.status.value}, not running")
+    if child_id in sched.requests:
+        raise InvalidRequestError(f"request {child_id!r} already exists")
+    child = Request(
+        child_id,
+        parent.all_token_ids[: parent.num_prompt_tokens],
+        max_tokens=parent.max_tokens,
+        stop_token_ids=tuple(parent.stop_token_ids),
+        priority=parent.priority,
+        arrival_time=parent.arrival_time,
+        cache_salt=parent.cache_salt,
+        hash_context=parent.hash_context,
+    )
+    sched.manager.fork(parent_id, child_id)
+    child.all_token_ids = list(parent.all_token_ids)
+    child.status = RequestStatus.RUNNING
+    child.num_computed_tokens = parent.num_computed_tokens
+    child.num_cached_tokens = parent.num_cached_tokens
+    sched._refresh_table(child)
+    sched.requests[child_id] = child
+    bisect.insort(sched.running, child, key=Request.sort_key)
+    return child
+
+
+def _device(name: str) -> torch.device:
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {name!r} was asked for but CUDA is not available")
+    return torch.device(name)

@@ -1,0 +1,144 @@
+"""Paged KV tensors and paged attention: the batched decode path against the reference path,
+block bytes round trips, copies, growth and typed errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv.engine.attention import build_metadata, paged_attention
+from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
+from pagedkv.errors import CorruptBlockError, InvalidRequestError
+from pagedkv.sched.output import ScheduledRequest
+
+BS = 4
+
+
+def _seq(rid: str, table: list[int], start: int, n: int) -> ScheduledRequest:
+    t = np.array(table, dtype=np.int32)
+    pos = np.arange(start, start + n)
+    slots = (t[pos // BS] * BS + pos % BS).astype(np.int32)
+    return ScheduledRequest(rid, start, [0] * n, n, t, slots, n > 1, True)
+
+
+def _fill_cache(cache: PagedKVCache, gen: torch.Generator) -> None:
+    for buf in (*cache.k, *cache.v):
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+
+
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Textbook causal attention over a contiguous context, GQA by head repetition."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, 1)
+    v = v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    qpos = torch.arange(start, start + q.shape[0])[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+
+
+def test_mixed_step_matches_dense_attention_on_both_paths() -> None:
+    spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=2, head_dim=8)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [
+        _seq("d1", [5, 2, 7], 9, 1),  # decodes of different context lengths
+        _seq("d2", [1], 2, 1),
+        _seq("d3", [3, 4, 6, 8], 15, 1),
+        _seq("p1", [10, 11, 12], 5, 6),  # prefill chunk over a 5-token cached prefix
+        _seq("p2", [13, 14], 0, 7),  # fresh prefill
+    ]
+    n = sum(s.num_tokens for s in seqs)
+    q = torch.randn(n, 4, 8, generator=gen)
+    k = torch.randn(n, 2, 8, generator=gen)
+    v = torch.randn(n, 2, 8, generator=gen)
+    outs = []
+    for batched in (False, True):
+        cache = PagedKVCache(spec, 16)
+        _fill_cache(cache, torch.Generator().manual_seed(1))
+        meta = build_metadata(seqs, BS, torch.device("cpu"), batched_decode=batched)
+        assert (meta.decode is not None) == batched
+        outs.append(paged_attention(0, q, k, v, cache, meta, 8**-0.5))
+        # dense reference from the cache contents after the write
+        off = 0
+        for s in seqs:
+            ctx = s.start_position + s.num_tokens
+            pos = np.arange(ctx)
+            slots = torch.from_numpy(s.block_table[pos // BS].astype(np.int64) * BS + pos % BS)
+            kk, vv = cache.gather(0, slots)
+            ref = _dense_attention(q[off : off + s.num_tokens], kk, vv, s.start_position)
+            torch.testing.assert_close(outs[-1][off : off + s.num_tokens], ref, atol=1e-5, rtol=0)
+            off += s.num_tokens
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+def test_write_lands_at_the_slot_and_nowhere_else() -> None:
+    spec = KVCacheSpec(2, BS, 1, 2)
+    cache = PagedKVCache(spec, 4)
+    k = torch.ones(2, 1, 2)
+    cache.write(1, torch.tensor([6, 13]), k, 2 * k)
+    flat_k = cache.k[1].view(-1, 1, 2)
+    assert flat_k[6].eq(1).all()
+    assert flat_k[13].eq(1).all()
+    assert cache.v[1].view(-1, 1, 2)[13].eq(2).all()
+    assert float(flat_k.sum()) == 4.0
+    assert float(cache.k[0].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_block_bytes_round_trip_and_copy(dtype: str) -> None:
+    spec = KVCacheSpec(3, BS, 2, 4, parse_dtype(dtype))
+    cache = PagedKVCache(spec, 6)
+    _fill_cache(cache, torch.Generator().manual_seed(2))
+    data = cache.read_block(3)
+    assert len(data) == spec.bytes_per_block == 2 * 3 * BS * 2 * 4 * cache.k[0].element_size()
+    other = PagedKVCache(spec, 6)
+    other.write_block(5, data)
+    for a, b in zip((*cache.k, *cache.v), (*other.k, *other.v), strict=True):
+        assert torch.equal(a[3], b[5])
+        assert float(b[4].float().abs().sum()) == 0.0
+    cache.copy_blocks([(3, 1), (2, 4)])
+    for buf in (*cache.k, *cache.v):
+        assert torch.equal(buf[1], buf[3])
+        assert torch.equal(buf[4], buf[2])
+
+
+def test_bad_payloads_and_ids_raise_typed_errors() -> None:
+    spec = KVCacheSpec(1, BS, 1, 2)
+    cache = PagedKVCache(spec, 3)
+    with pytest.raises(CorruptBlockError, match="must be 64 bytes"):
+        cache.write_block(1, b"\0" * 63)
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        cache.read_block(3)
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        cache.copy_blocks([(0, -1)])
+    with pytest.raises(InvalidRequestError, match="unsupported dtype"):
+        parse_dtype("int8")
+    with pytest.raises(InvalidRequestError, match="holds 1 blocks"):
+        PagedKVCache.from_budget(spec, spec.bytes_per_block + 1)
+    with pytest.raises(InvalidRequestError, match="shrink"):
+        cache.grow(2)
+
+
+def test_grow_keeps_contents_and_budget_sizing() -> None:
+    spec = KVCacheSpec(2, BS, 2, 4)
+    cache = PagedKVCache.from_budget(spec, 5 * spec.bytes_per_block + 7)
+    assert cache.num_blocks == 5
+    _fill_cache(cache, torch.Generator().manual_seed(3))
+    before = [cache.read_block(b) for b in range(5)]
+    cache.grow(9)
+    cache.check_invariants()
+    assert cache.num_blocks == 9
+    assert [cache.read_block(b) for b in range(5)] == before
+    assert cache.read_block(8) == b"\0" * spec.bytes_per_block
+
+
+def test_slot_mapping_that_disagrees_with_the_table_is_rejected() -> None:
+    s = _seq("x", [2, 3], 4, 2)
+    s.slot_mapping = np.array([8, 10], dtype=np.int32)  # position 5 is slot 13, not 10
+    with pytest.raises(InvalidRequestError, match="disagrees"):
+        build_metadata([s], BS, torch.device("cpu"))
+    short = _seq("y", [2, 3], 3, 2)
+    short.block_table = short.block_table[:1]
+    with pytest.raises(InvalidRequestError, match="blocks; the table has 1"):
+        build_metadata([short], BS, torch.device("cpu"))
