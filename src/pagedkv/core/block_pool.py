@@ -38,6 +38,7 @@ from pagedkv.errors import (
 )
 
 NULL_BLOCK_ID = 0
+_MATCH_CHUNK = 64  # hashes looked up per step of match_prefix
 """With ``use_null_block``, block 0 is never allocated: runners point padding at it."""
 
 
@@ -171,14 +172,17 @@ class BlockPool:
         self, block_hashes: Sequence[BlockHash], max_blocks: int | None = None
     ) -> list[int]:
         """Block ids of the longest run of cached hashes from the start (read-only, no refs)."""
-        index = self._index
+        get = self._index.get
         limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
         out: list[int] = []
-        for i in range(limit):
-            b = index.get(block_hashes[i])
-            if b is None:
-                break
-            out.append(b)
+        # Look up in chunks with C-level map/index (~3x faster than a Python loop per block)
+        # while keeping the cost O(hit blocks + one chunk) when the hit is short.
+        for start in range(0, limit, _MATCH_CHUNK):
+            ids = list(map(get, block_hashes[start : min(start + _MATCH_CHUNK, limit)]))
+            if None in ids:
+                out.extend(ids[: ids.index(None)])  # type: ignore[arg-type]
+                return out
+            out.extend(ids)  # type: ignore[arg-type]
         return out
 
     def eviction_order(self) -> list[int]:
@@ -244,18 +248,22 @@ class BlockPool:
         """
         ids = list(block_ids)
         ref, hashes = self._ref, self._hash
+        n = len(ref)
         for b in ids:
-            self._check_id(b)
+            if not 0 <= b < n:
+                self._check_id(b)  # raises the typed error
             if ref[b] == 0 and hashes[b] is None:
                 raise RequestStateError(f"block {b} is free and uncached; it cannot be shared")
-        policy = self._policy
+        remove = self._policy.remove
+        num_newly_shared = 0
         for b in ids:
             r = ref[b]
             if r == 0:
-                policy.remove(b)
+                remove(b)
             elif r == 1:
-                self._num_shared += 1
+                num_newly_shared += 1
             ref[b] = r + 1
+        self._num_shared += num_newly_shared
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block, in the given order. All or nothing.
@@ -275,17 +283,19 @@ class BlockPool:
                 counts[b] = counts.get(b, 0) + 1
                 if counts[b] > ref[b]:
                     raise RequestStateError(f"block {b} freed more times than it is referenced")
-        hashes, policy, stack = self._hash, self._policy, self._free_uncached
+        hashes, push, stack_push = self._hash, self._policy.push, self._free_uncached.append
+        num_unshared = 0
         for b in block_ids:
             r = ref[b] - 1
             ref[b] = r
             if r == 0:
                 if hashes[b] is None:
-                    stack.append(b)
+                    stack_push(b)
                 else:
-                    policy.push(b)
+                    push(b)
             elif r == 1:
-                self._num_shared -= 1
+                num_unshared += 1
+        self._num_shared -= num_unshared
 
     def cache_blocks(
         self,

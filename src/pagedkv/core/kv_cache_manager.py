@@ -207,8 +207,7 @@ class KVCacheManager:
         if self.config.enable_prefix_caching:
             max_blocks = (len(seq.token_ids) - 1) // self.block_size
             ids = self.pool.match_prefix(seq.chain.hashes, max_blocks)
-            ref = self.pool._ref
-            evictable = sum(1 for b in ids if ref[b] == 0)
+            evictable = list(map(self.pool._ref.__getitem__, ids)).count(0)
         else:
             ids, evictable = [], 0
         match = PrefixMatch(tuple(ids), len(ids) * self.block_size, evictable, self.pool.epoch)
