@@ -1,0 +1,408 @@
+"""Benchmarks of pagedkv.core: admission checks, allocate/free, cached-prefix hits, hashing.
+
+Run ``python benchmarks/bench_core.py`` (about a minute on 2 cores) or ``pagedkv bench-core``;
+``--quick`` takes a few seconds; ``--json PATH`` writes every row; ``--peer-vllm PATH`` and
+``--peer-infinilm PATH`` run the same fixtures on a peer's extracted source tree in this process
+and print ratios (peer time / pagedkv time). Fixtures (see benchmarks/RESULTS.md for numbers):
+
+admission  InfiniLM's capacity-check fixture. Block size 16. Running requests (16 prompt tokens,
+           max_tokens=128, 64 tokens generated one decode step at a time: 5 blocks each, 4 more
+           claimed) are built through the manager API; filler requests then take every remaining
+           page (prefilled and committed, so their blocks are hashed); then whole fillers are
+           freed until half the pages are free again. Those pages stay cached (ref 0, hashed, in
+           the LRU), so free capacity includes evictable blocks. The candidate has 128 prompt
+           tokens (its first 64 hit a released filler: 4 evictable hit blocks) and
+           max_tokens=128; its prefix match runs once beforehand. Timed: 32 ``can_admit`` calls
+           per group, median of 5 rounds of 5 groups after 5 warm-up groups.
+alloc      ``BlockPool.allocate(n)`` + ``free`` of the same blocks, per block, on an idle pool.
+evict      ``BlockPool.allocate(n)`` when every free block is cached (each one is evicted), per
+           block; the blocks are re-cached and freed untimed between calls.
+prefix     ``match_prefix`` + ``allocate_slots`` of a prompt whose every full block is cached-free
+           (a finished request computed it); ``add_request`` (hashing) before the timer, ``free``
+           after it.
+hash       ``BlockHashChain.extend`` over a 32K-token prompt given as a Python list, per block.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import (
+    Case,
+    Result,
+    add_ratios,
+    base_parser,
+    flatness,
+    print_table,
+    run_cases,
+    set_clock,
+    write_json,
+)
+from pagedkv.core import (
+    BlockHashChain,
+    BlockPool,
+    CacheConfig,
+    HashAlgo,
+    HashContext,
+    KVCacheManager,
+    PoolConfig,
+)
+
+BLOCK_SIZE = 16
+VOCAB = 32_000
+RUNNING_PROMPT_TOKENS = 16
+RUNNING_MAX_TOKENS = 128
+RUNNING_GENERATED = 64
+CANDIDATE_PROMPT_TOKENS = 128
+CANDIDATE_MAX_TOKENS = 128
+CHECKS_PER_GROUP = 32
+FILLER_BLOCKS = 64
+
+TARGET_ADMIT_US = 2.0
+TARGET_ALLOC_US = 0.4
+TARGET_HASH_US = 0.6
+ADMIT_FLAT = 1.25
+
+FIXTURES = ("admission", "alloc", "evict", "prefix", "hash")
+ALLOC_POOL_SIZES = (1024, 131_072, 16_384, 1_048_576)  # the first two in --quick
+ALLOC_BATCHES = (1, 64)
+PREFIX_LENGTHS = (4096, 32_768)
+HASH_TOKENS, HASH_TOKENS_QUICK = 32_768, 4096
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------- admission
+def build_admission_state(
+    num_pages: int, num_running: int, seed: int = 0
+) -> tuple[KVCacheManager, str, dict[str, Any]]:
+    """The InfiniLM admission fixture built through the public manager API (see module doc)."""
+    rng = random.Random(seed)
+    m = KVCacheManager(CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_pages))
+    cap = m.pool.capacity_blocks
+    per_running = -(-(RUNNING_PROMPT_TOKENS + RUNNING_GENERATED) // BLOCK_SIZE)
+    if num_running * per_running > cap:
+        raise ValueError(
+            f"{num_running} running requests x {per_running} blocks exceed {cap} pages"
+        )
+    for i in range(num_running):
+        rid = f"run{i}"
+        m.add_request(rid, _tokens(rng, RUNNING_PROMPT_TOKENS), max_tokens=RUNNING_MAX_TOKENS)
+        m.allocate_slots(rid, RUNNING_PROMPT_TOKENS)
+        m.commit(rid, RUNNING_PROMPT_TOKENS)
+        for _ in range(RUNNING_GENERATED):  # one decode step per generated token
+            m.append_tokens(rid, [rng.randrange(VOCAB)])
+            m.allocate_slots(rid, 1)
+            m.commit(rid, 1)
+    fillers: list[tuple[str, list[int]]] = []
+    while m.pool.num_free_blocks:
+        n = min(FILLER_BLOCKS, m.pool.num_free_blocks)
+        rid, toks = f"fill{len(fillers)}", _tokens(rng, n * BLOCK_SIZE)
+        m.add_request(rid, toks)
+        m.allocate_slots(rid, len(toks))
+        m.commit(rid, len(toks))
+        fillers.append((rid, toks))
+    all_allocated = m.pool.num_free_blocks == 0
+    released: list[list[int]] = []
+    while fillers and m.pool.num_free_blocks < cap // 2:
+        rid, toks = fillers.pop()
+        m.free(rid)
+        released.append(toks)
+    cand = "candidate"
+    shared = released[0][:64] if released else []
+    m.add_request(
+        cand,
+        shared + _tokens(rng, CANDIDATE_PROMPT_TOKENS - len(shared)),
+        max_tokens=CANDIDATE_MAX_TOKENS,
+    )
+    match = m.match_prefix(cand)  # once beforehand, as InfiniLM does
+    m.check_invariants()
+    info = {
+        "pages": num_pages,
+        "running": num_running,
+        "all_allocated_first": all_allocated,
+        "free_fraction": m.pool.num_free_blocks / cap,
+        "cached_free_blocks": m.pool.num_cached_free_blocks,
+        "running_claim_blocks": m.running_claim_blocks,
+        "candidate_hit_blocks": len(match.block_ids),
+        "admits": m.can_admit(cand),
+    }
+    return m, cand, info
+
+
+def admission_cases(quick: bool) -> list[Case]:
+    sizes = (512, 8192) if quick else (512, 8192, 32_768, 131_072)
+    runnings = (32,) if quick else (32, 1024)
+    cases: list[Case] = []
+    for running in runnings:
+        for pages in sizes:
+            try:
+                m, cand, info = build_admission_state(pages, running)
+            except ValueError as exc:
+                print(f"admission pages={pages} running={running}: skipped ({exc})")
+                continue
+
+            def group(can_admit: Callable[[str], bool] = m.can_admit, cand: str = cand) -> None:
+                for _ in range(CHECKS_PER_GROUP):
+                    can_admit(cand)
+
+            cases.append(
+                Case(
+                    "admission",
+                    f"pages={pages:,} running={running:,}",
+                    "pagedkv",
+                    "check",
+                    group,
+                    ops=CHECKS_PER_GROUP,
+                    calls_per_round=5,  # 5 rounds of 5 groups after 5 warm-up groups
+                    rounds=5,
+                    warmup=5,
+                    target_us=TARGET_ADMIT_US,
+                    params=info,
+                    note=f"free {info['free_fraction']:.0%}, admits={info['admits']}",
+                    interleave="admission",  # every size alike under load
+                )
+            )
+    return cases
+
+
+# ---------------------------------------------------------------------------- pool
+def alloc_cases(quick: bool) -> list[Case]:
+    cases: list[Case] = []
+    for num_blocks in sorted(ALLOC_POOL_SIZES[:2] if quick else ALLOC_POOL_SIZES):
+        for batch in ALLOC_BATCHES:
+            pool = BlockPool(PoolConfig(num_blocks=num_blocks))
+
+            def group(
+                allocate: Callable[[int], list[int]] = pool.allocate,
+                free: Callable[[list[int]], None] = pool.free,
+                batch: int = batch,
+            ) -> None:
+                free(allocate(batch))
+
+            cases.append(
+                Case(
+                    "alloc+free",
+                    f"pool={num_blocks:,} batch={batch}",
+                    "pagedkv",
+                    "block",
+                    group,
+                    ops=batch,
+                    calls_per_round=max(1, 640 // batch),
+                    target_us=TARGET_ALLOC_US if batch > 1 else None,
+                    params={"pool_blocks": num_blocks, "batch": batch},
+                    check=pool.check_invariants,
+                )
+            )
+    return cases
+
+
+def evict_cases(quick: bool) -> list[Case]:
+    batch = 64
+    cases: list[Case] = []
+    for num_blocks in (1024,) if quick else (1024, 16_384, 131_072):
+        pool = BlockPool(PoolConfig(num_blocks=num_blocks))
+        counter = [0]
+
+        def cache_and_free(ids: list[int], pool: BlockPool = pool, c: list[int] = counter) -> None:
+            hashes = [(c[0] + i).to_bytes(16, "little") for i in range(len(ids))]
+            c[0] += len(ids)
+            pool.cache_blocks(ids, hashes, parent_hash=None)
+            pool.free(ids[::-1])
+
+        cache_and_free(pool.allocate(pool.num_free_blocks))  # every free block is cached
+        held: list[list[int]] = []
+
+        def check(pool: BlockPool = pool) -> None:
+            pool.check_invariants()
+            if pool.num_cached_free_blocks != pool.capacity_blocks:
+                raise RuntimeError("evict fixture: a free block was left uncached")
+
+        cases.append(
+            Case(
+                "evict",
+                f"pool={num_blocks:,} batch={batch}",
+                "pagedkv",
+                "block",
+                lambda pool=pool, held=held: held.append(pool.allocate(batch)),
+                ops=batch,
+                teardown=lambda held=held, f=cache_and_free: f(held.pop()),
+                rounds=9 if quick else 41,
+                warmup=3,
+                params={"pool_blocks": num_blocks, "batch": batch},
+                check=check,
+            )
+        )
+    return cases
+
+
+# ---------------------------------------------------------------------------- prefix hit
+def prefix_prompt(num_tokens: int, seed: int = 1) -> list[int]:
+    return _tokens(random.Random(seed), num_tokens)
+
+
+def prefix_cases(quick: bool) -> list[Case]:
+    cases: list[Case] = []
+    for num_tokens in PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS:
+        prompt = prefix_prompt(num_tokens)
+        m = KVCacheManager(
+            CacheConfig(block_size=BLOCK_SIZE, num_blocks=2 * num_tokens // BLOCK_SIZE + 64)
+        )
+        m.add_request("warm", prompt)
+        m.allocate_slots("warm", num_tokens)
+        m.commit("warm", num_tokens)
+        m.free("warm")  # every full block is now cached-free
+        state: dict[str, Any] = {"n": 0}
+
+        def setup(m: KVCacheManager = m, st: dict[str, Any] = state, p: list[int] = prompt) -> None:
+            st["n"] += 1
+            st["rid"] = f"r{st['n']}"
+            m.add_request(st["rid"], p)  # hashes computed here, untimed
+
+        def op(m: KVCacheManager = m, st: dict[str, Any] = state, n: int = num_tokens) -> None:
+            st["hit"] = m.match_prefix(st["rid"]).num_cached_tokens
+            m.allocate_slots(st["rid"], n - st["hit"])
+
+        def check(m: KVCacheManager = m, st: dict[str, Any] = state, n: int = num_tokens) -> None:
+            m.check_invariants()
+            if st["hit"] != (n - 1) // BLOCK_SIZE * BLOCK_SIZE:
+                raise RuntimeError(f"prefix fixture hit {st['hit']} tokens, not a full hit")
+
+        cases.append(
+            Case(
+                "prefix",
+                f"cached prompt={num_tokens:,} tokens",
+                "pagedkv",
+                "prompt",
+                op,
+                setup=setup,
+                teardown=lambda m=m, st=state: m.free(st["rid"]),
+                rounds=5 if quick else 21,
+                warmup=2,
+                params={"prompt_tokens": num_tokens},
+                check=check,
+            )
+        )
+    return cases
+
+
+# ---------------------------------------------------------------------------- hashing
+def hash_cases(quick: bool) -> list[Case]:
+    num_tokens = HASH_TOKENS_QUICK if quick else HASH_TOKENS
+    prompt = prefix_prompt(num_tokens, seed=2)
+    cases: list[Case] = []
+    for algo in (HashAlgo.XXH3_128, HashAlgo.SHA256):
+        ctx = HashContext(algo=algo)
+        chains: list[BlockHashChain] = []
+        cases.append(
+            Case(
+                "hash",
+                f"{algo.value}, {num_tokens:,}-token prompt",
+                "pagedkv",
+                "block",
+                lambda chains=chains, prompt=prompt: chains[-1].extend(prompt),
+                ops=num_tokens // BLOCK_SIZE,
+                setup=lambda chains=chains, ctx=ctx: chains.append(BlockHashChain(BLOCK_SIZE, ctx)),
+                teardown=chains.clear,
+                rounds=5 if quick else 11,
+                warmup=2,
+                target_us=TARGET_HASH_US if algo is HashAlgo.XXH3_128 else None,
+                params={"algo": algo.value, "prompt_tokens": num_tokens},
+            )
+        )
+    return cases
+
+
+# ---------------------------------------------------------------------------- main
+def _footer(results: list[Result]) -> list[str]:
+    lines: list[str] = []
+    for running in sorted({r.params["running"] for r in results if r.bench == "admission"}):
+        rows = [r for r in results if r.bench == "admission" and r.params["running"] == running]
+        if len(rows) > 1:
+            f = flatness(rows)
+            ok = "ok" if f <= ADMIT_FLAT else "MISS"
+            lines.append(
+                f"admission, running={running}: max/min across pool sizes = {f:.2f} "
+                f"(target <= {ADMIT_FLAT}) {ok}"
+            )
+    by_pages: dict[int, list[Result]] = {}
+    for r in results:
+        if r.bench == "admission":
+            by_pages.setdefault(r.params["pages"], []).append(r)
+    for pages, rows in sorted(by_pages.items()):
+        if len(rows) > 1:
+            f = flatness(rows)
+            ok = "ok" if f <= ADMIT_FLAT else "MISS"
+            lines.append(
+                f"admission, pages={pages:,}: max/min across running counts = {f:.2f} {ok}"
+            )
+    alloc = [r for r in results if r.bench == "alloc+free" and r.impl == "pagedkv"]
+    for batch in sorted({r.params["batch"] for r in alloc}):
+        rows = [r for r in alloc if r.params["batch"] == batch]
+        if len(rows) > 1:
+            lines.append(
+                f"alloc+free batch={batch}: max/min across pool sizes = {flatness(rows):.2f}"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = base_parser(__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--peer-vllm", metavar="PATH", help="an extracted vLLM source tree")
+    parser.add_argument(
+        "--peer-infinilm", metavar="PATH", help="an InfiniLM checkout (python/infinilm/llm)"
+    )
+    args = parser.parse_args(argv)
+    set_clock(args.clock)
+    only = set(args.only or FIXTURES)
+    unknown = only - set(FIXTURES)
+    if unknown:
+        parser.error(f"unknown fixture(s) {sorted(unknown)}; choose from {', '.join(FIXTURES)}")
+    ours: dict[str, Callable[[bool], list[Case]]] = {
+        "admission": admission_cases,
+        "alloc": alloc_cases,
+        "evict": evict_cases,
+        "prefix": prefix_cases,
+        "hash": hash_cases,
+    }
+    peers = []
+    for name, path in (("vllm", args.peer_vllm), ("infinilm", args.peer_infinilm)):
+        if path is not None:
+            from peers import load_peer
+
+            try:
+                peers.append(load_peer(name, path))
+            except (ImportError, OSError) as exc:
+                print(f"peer {name} at {path}: cannot load ({type(exc).__name__}: {exc})")
+                return 2
+    results: list[Result] = []
+    for fixture in FIXTURES:
+        if fixture not in only:
+            continue
+        cases = ours[fixture](args.quick)
+        for peer in peers:
+            cases += peer.cases(fixture, args.quick)
+        results += run_cases(cases)  # built and timed one fixture at a time (memory)
+    add_ratios(results)
+    first_row: dict[tuple[str, str], int] = {}
+    for i, r in enumerate(results):
+        first_row.setdefault((r.bench, r.case), i)
+    # Each peer row right under the pagedkv row of the same case.
+    results.sort(key=lambda r: first_row[(r.bench, r.case)])
+    print_table("pagedkv.core benchmarks (time per operation)", results, _footer(results))
+    if args.json:
+        write_json(args.json, results)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""vLLM v1's KV cache manager, block pool and block hashing on pagedkv's fixtures.
+
+``--peer-vllm PATH``: PATH holds ``vllm/v1/core/*.py`` (unzip the wheel from
+``pip download --no-deps vllm`` there). Its modules are loaded from PATH; the rest of the vLLM
+package is replaced by the stand-ins in ``vllm_shims.py``. One KV cache group (full attention,
+block size 16), prefix caching on, events and stats off: vLLM's defaults for a plain decoder.
+
+The fixtures mirror bench_core's, through vLLM's public manager API (what its scheduler calls):
+
+prefix  ``get_computed_blocks(req)`` + ``allocate_slots(req, n, hit, blocks)`` of a prompt whose
+        blocks a finished request cached; the request's block hashes are computed untimed
+        (vLLM hashes on ``Request`` creation); ``free(req)`` untimed.
+alloc   ``BlockPool.get_new_blocks(n)`` + ``free_blocks`` of the same blocks, per block.
+hash    vLLM's request block hasher (``hash_block_tokens`` chained, pickle + digest) over the
+        same 32K-token prompt, per block: ``xxhash`` against pagedkv's xxh3_128, ``sha256``
+        against pagedkv's sha256.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _harness import Case
+from peers._loader import PeerImporter, install
+from peers.vllm_shims import REAL, SHIMS
+
+BLOCK_SIZE = 16
+
+
+class _Request:
+    """What vLLM's KV cache manager reads of a request (its own ``Request`` needs the engine)."""
+
+    def __init__(self, request_id: str, token_ids: list[int], status: Any) -> None:
+        self.request_id = request_id
+        self.all_token_ids = list(token_ids)
+        self.prompt_token_ids = self.all_token_ids
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
+        self.num_preemptions = 0
+        self.status = status
+        self.block_hashes: list[bytes] = []
+        self.mm_features: list[Any] = []
+        self.lora_request = None
+        self.cache_salt = None
+        self.prompt_embeds = None
+        self.skip_reading_prefix_cache = False
+        self.session_id = None
+        self.shared_prefix_boundary = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class VLLMPeer:
+    """vLLM's modules loaded from a tree, and its cases for bench_core's fixtures."""
+
+    def __init__(self, mods: dict[str, types.ModuleType]) -> None:
+        self.mods = mods
+
+    def cases(self, fixture: str, quick: bool) -> list[Case]:
+        builders = {"prefix": self.prefix_cases, "alloc": self.alloc_cases, "hash": self.hash_cases}
+        return builders[fixture](quick) if fixture in builders else []
+
+    def _manager(self, num_blocks: int, max_model_len: int) -> Any:
+        import torch
+
+        iface = self.mods["iface"]
+        spec = iface.FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.float16
+        )
+        group = iface.KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)
+        config = iface.KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[group]
+        )
+        return self.mods["manager"].KVCacheManager(
+            config,
+            max_model_len=max_model_len,
+            scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE,
+            enable_caching=True,
+        )
+
+    def prefix_cases(self, quick: bool) -> list[Case]:
+        from bench_core import PREFIX_LENGTHS, prefix_prompt
+
+        utils, hashing = self.mods["utils"], self.mods["hashing"]
+        waiting = self.mods["request"].RequestStatus.WAITING
+        hash_fn = hashing.sha256  # vLLM's default prefix-caching hash
+        utils.init_none_hash(hash_fn)
+        hasher = utils.get_request_block_hasher(BLOCK_SIZE, hash_fn)
+        cases: list[Case] = []
+        for num_tokens in PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS:
+            prompt = prefix_prompt(num_tokens)
+            mgr = self._manager(2 * num_tokens // BLOCK_SIZE + 64, 2 * num_tokens)
+
+            def new_request(rid: str, prompt: list[int] = prompt) -> _Request:
+                req = _Request(rid, prompt, waiting)
+                req.block_hashes.extend(hasher(req))  # vLLM hashes when a Request is built
+                return req
+
+            warm = new_request("warm")
+            blocks, hit, _ = mgr.get_computed_blocks(warm)
+            if mgr.allocate_slots(warm, num_tokens - hit, hit, blocks) is None:
+                raise ValueError("vLLM could not allocate the warm-up request")
+            warm.num_computed_tokens = num_tokens
+            mgr.free(warm)  # every full block is now cached-free
+            st: dict[str, Any] = {"n": 0}
+
+            def setup(st: dict[str, Any] = st, new_request: Any = new_request) -> None:
+                st["n"] += 1
+                st["req"] = new_request(f"r{st['n']}")
+
+            def op(st: dict[str, Any] = st, mgr: Any = mgr, n: int = num_tokens) -> None:
+                req = st["req"]
+                blocks, hit, _ = mgr.get_computed_blocks(req)
+                st["out"] = mgr.allocate_slots(req, n - hit, hit, blocks)
+                st["hit"] = hit
+
+            def check(st: dict[str, Any] = st, n: int = num_tokens) -> None:
+                if st["out"] is None or st["hit"] != (n - 1) // BLOCK_SIZE * BLOCK_SIZE:
+                    raise RuntimeError(f"vLLM prefix fixture hit {st['hit']} tokens, not all")
+
+            cases.append(
+                Case(
+                    "prefix",
+                    f"cached prompt={num_tokens:,} tokens",
+                    "vllm",
+                    "prompt",
+                    op,
+                    setup=setup,
+                    teardown=lambda st=st, mgr=mgr: mgr.free(st["req"]),
+                    rounds=5 if quick else 21,
+                    warmup=2,
+                    params={"prompt_tokens": num_tokens},
+                    note="KVCacheManager",
+                    check=check,
+                )
+            )
+        return cases
+
+    def alloc_cases(self, quick: bool) -> list[Case]:
+        from bench_core import ALLOC_BATCHES, ALLOC_POOL_SIZES
+
+        cases: list[Case] = []
+        for num_blocks in sorted(ALLOC_POOL_SIZES[:2] if quick else ALLOC_POOL_SIZES):
+            for batch in ALLOC_BATCHES:
+                pool = self.mods["pool"].BlockPool(num_blocks, True, BLOCK_SIZE)
+
+                def group(
+                    get: Callable[..., Any] = pool.get_new_blocks,
+                    free: Callable[..., Any] = pool.free_blocks,
+                    batch: int = batch,
+                ) -> None:
+                    free(get(batch))
+
+                cases.append(
+                    Case(
+                        "alloc+free",
+                        f"pool={num_blocks:,} batch={batch}",
+                        "vllm",
+                        "block",
+                        group,
+                        ops=batch,
+                        calls_per_round=max(1, 640 // batch),
+                        params={"pool_blocks": num_blocks, "batch": batch},
+                        note="BlockPool",
+                    )
+                )
+        return cases
+
+    def hash_cases(self, quick: bool) -> list[Case]:
+        from bench_core import HASH_TOKENS, HASH_TOKENS_QUICK, prefix_prompt
+
+        utils, hashing = self.mods["utils"], self.mods["hashing"]
+        waiting = self.mods["request"].RequestStatus.WAITING
+        num_tokens = HASH_TOKENS_QUICK if quick else HASH_TOKENS
+        prompt = prefix_prompt(num_tokens, seed=2)
+        cases: list[Case] = []
+        for ours, theirs in (("xxh3_128", "xxhash"), ("sha256", "sha256")):
+            hash_fn = hashing.get_hash_fn_by_name(theirs)
+            hasher = utils.get_request_block_hasher(BLOCK_SIZE, hash_fn)
+            reqs: list[_Request] = []
+
+            def setup(reqs: list[_Request] = reqs, hash_fn: Any = hash_fn) -> None:
+                utils.init_none_hash(hash_fn)  # the root hash belongs to the hash function
+                reqs.append(_Request("h", prompt, waiting))
+
+            cases.append(
+                Case(
+                    "hash",
+                    f"{ours}, {num_tokens:,}-token prompt",
+                    "vllm",
+                    "block",
+                    lambda reqs=reqs, hasher=hasher: reqs[-1].block_hashes.extend(hasher(reqs[-1])),
+                    ops=num_tokens // BLOCK_SIZE,
+                    setup=setup,
+                    teardown=reqs.clear,
+                    rounds=5 if quick else 11,
+                    warmup=2,
+                    params={"algo": theirs, "prompt_tokens": num_tokens},
+                    note=f"{theirs} (pickle)",
+                )
+            )
+        return cases
+
+
+def load(path: str) -> VLLMPeer:
+    """Load vLLM's KV cache modules from the tree at ``path`` (see the module docstring)."""
+    tree = Path(path).expanduser().resolve()
+    if not (tree / "vllm" / "v1" / "core" / "kv_cache_manager.py").is_file():
+        raise OSError(f"{tree} has no vllm/v1/core/kv_cache_manager.py (extract the wheel there)")
+    install(PeerImporter("vllm", tree, REAL, SHIMS))
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # xxhash's per-process seed warning
+    names = {
+        "manager": "vllm.v1.core.kv_cache_manager",
+        "pool": "vllm.v1.core.block_pool",
+        "utils": "vllm.v1.core.kv_cache_utils",
+        "iface": "vllm.v1.kv_cache_interface",
+        "hashing": "vllm.utils.hashing",
+        "request": "vllm.v1.request",
+    }
+    return VLLMPeer({k: importlib.import_module(v) for k, v in names.items()})
