@@ -1,0 +1,103 @@
+"""End-to-end fixtures: a real ``redis-server`` on a free loopback port in a temporary folder.
+
+The server runs without persistence (``--save ""``, no AOF) so a stop loses every key, as an
+evicting or restarted cache server would. Tests marked ``redis`` use it; ``.ci/run`` installs the
+binary, and a missing binary fails those tests (deselect them with ``-m "not redis"``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A ``redis-server`` child process that tests can stop and start again on the same port."""
+
+    def __init__(self, folder: Path, extra_args: tuple[str, ...] = ()) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
+        self.exe = exe
+        self.folder = folder
+        self.port = _free_port()
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = [
+            self.exe,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.folder),
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--logfile", str(self.folder / "redis.log"),
+            *self.extra_args,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = (self.folder / "redis.log").read_text(errors="replace")[-2000:]
+                pytest.fail(f"redis-server exited with {self.proc.returncode}: {log}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        self.stop()
+        pytest.fail(f"redis-server did not answer on port {self.port} within 10 s")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh redis-server for one test, stopped afterwards."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def small_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server with 4 MB of memory that evicts least recently used keys."""
+    server = RedisServer(tmp_path, ("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
