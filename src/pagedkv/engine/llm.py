@@ -1,0 +1,83 @@
+"""Offline generation: ``LLM(model_dir).generate(prompts, sampling)`` with a progress bar."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.outputs import GenerationOutput
+from pagedkv.engine.sampler import SamplingParams
+from pagedkv.errors import InvalidRequestError
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Load a local model folder once; generate for batches of prompts.
+
+    Keyword arguments are :class:`EngineConfig` fields (``block_size=16``,
+    ``enable_prefix_caching=False``, ``num_speculative_tokens=4``, ...).
+    """
+
+    def __init__(self, model_dir: str, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        cfg = config or EngineConfig()
+        if kwargs:
+            try:
+                cfg = replace(cfg, **kwargs)
+            except TypeError as exc:
+                raise InvalidRequestError(f"unknown engine option: {exc}") from None
+        self.engine = LLMEngine.from_model_dir(model_dir, cfg)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = True,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt (text or token ids); results in the prompts' order."""
+        items: list[Prompt]
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            items = [prompts]  # type: ignore[list-item]  # one prompt (text or ids)
+        else:
+            items = list(prompts)  # type: ignore[arg-type]
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling or SamplingParams()] * len(items)
+        else:
+            params = list(sampling)
+            if len(params) != len(items):
+                raise InvalidRequestError(
+                    f"{len(params)} sampling params for {len(items)} prompts; give one or one each"
+                )
+        ids = [f"gen-{next(self._ids)}" for _ in items]
+        for rid, prompt, p in zip(ids, items, params, strict=True):
+            self.engine.add_request(rid, prompt, p)
+        results: dict[str, GenerationOutput] = {}
+        if progress:
+            from rich.progress import Progress
+
+            with Progress(transient=True) as bar:
+                task = bar.add_task("generating", total=len(items))
+                self._drain(results, lambda: bar.update(task, completed=len(results)))
+        else:
+            self._drain(results, lambda: None)
+        return [results[rid] for rid in ids]
+
+    def _drain(self, results: dict[str, GenerationOutput], on_step: Any) -> None:
+        engine = self.engine
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+            on_step()
