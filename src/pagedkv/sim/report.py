@@ -1,0 +1,117 @@
+"""What a simulation reports: latency percentiles, throughput, cache numbers and time series.
+
+Every field except :attr:`SimReport.wall` is a function of the workload, the configuration and
+the seed, so two runs of the same simulation compare equal (``wall`` is excluded from ``==``).
+Times are simulated seconds unless a name says ``wall``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    """Summary of a sample; every statistic is 0.0 when ``count`` is 0."""
+
+    count: int = 0
+    mean: float = 0.0
+    p50: float = 0.0
+    p90: float = 0.0
+    p99: float = 0.0
+    max: float = 0.0
+
+    @classmethod
+    def of(cls, values: Sequence[float] | np.ndarray) -> Percentiles:
+        arr = np.asarray(values, dtype=np.float64)
+        if arr.size == 0:
+            return cls()
+        p50, p90, p99 = (float(x) for x in np.percentile(arr, [50, 90, 99]))
+        return cls(int(arr.size), float(arr.mean()), p50, p90, p99, float(arr.max()))
+
+    def scaled(self, factor: float) -> Percentiles:
+        """The same summary in another unit (e.g. seconds to milliseconds)."""
+        f = factor
+        return Percentiles(
+            self.count, self.mean * f, self.p50 * f, self.p90 * f, self.p99 * f, self.max * f
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TimeSeries:
+    """Per-step samples for plotting, bucketed down to at most ``max_series_points`` points.
+
+    A point is one bucket of consecutive steps: ``t_s`` is the simulated time at its end,
+    ``usage``/``num_running``/``num_waiting`` are the bucket's maxima (peaks stay visible) and
+    ``step_s`` its mean step time (the inter-token latency of every decode in those steps).
+    ``ttft_at_s[i]`` is when a request got its first token and ``ttft_s[i]`` how long it waited.
+    """
+
+    t_s: tuple[float, ...] = ()
+    usage: tuple[float, ...] = ()
+    num_running: tuple[int, ...] = ()
+    num_waiting: tuple[int, ...] = ()
+    step_s: tuple[float, ...] = ()
+    ttft_at_s: tuple[float, ...] = ()
+    ttft_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WallTimings:
+    """Wall-clock costs of the real scheduler during the run (vary run to run)."""
+
+    total_s: float = 0.0
+    schedule_us: Percentiles = field(default_factory=Percentiles)  # one schedule() call
+    admission_us: Percentiles = field(default_factory=Percentiles)  # its admission part
+    update_us: Percentiles = field(default_factory=Percentiles)  # one update() call
+
+
+@dataclass(frozen=True, slots=True)
+class SimReport:
+    """The result of one simulation. Latencies in seconds; rates per simulated second."""
+
+    label: str
+    workload: str
+    seed: int
+    params: tuple[tuple[str, str], ...]  # the variant's settings, for tables
+    num_requests: int  # in the workload
+    num_finished: int
+    num_truncated: int  # finished before their output length (max_model_len or pool too small)
+    num_rejected: int  # refused at add_request (prompt can never fit, queue full)
+    num_steps: int
+    makespan_s: float  # first arrival to last finish
+    ttft_s: Percentiles
+    itl_s: Percentiles  # every gap between consecutive output tokens of one request
+    e2e_s: Percentiles  # arrival to last token
+    num_prompt_tokens: int  # of the requests that were admitted
+    num_output_tokens: int
+    num_prefill_tokens_computed: int  # prompt tokens actually computed (recompute included)
+    output_tokens_per_s: float
+    total_tokens_per_s: float  # (prompt + output tokens) / makespan
+    requests_per_s: float
+    prefix_hit_rate: float  # hit tokens / prompt tokens queried at admission
+    prefix_block_hit_rate: float  # hit blocks / cacheable full blocks
+    num_preemptions: int
+    peak_usage: float
+    mean_usage: float  # time-weighted over steps
+    peak_running: int
+    peak_waiting: int
+    series: TimeSeries
+    wall: WallTimings = field(compare=False)
+
+    @property
+    def requests_per_wall_s(self) -> float:
+        """Simulated requests per second of wall time (the simulator's own speed)."""
+        return self.num_requests / self.wall.total_s if self.wall.total_s > 0 else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (time series included)."""
+        out = asdict(self)
+        out["params"] = dict(self.params)
+        out["requests_per_wall_s"] = self.requests_per_wall_s
+        return out

@@ -1,0 +1,323 @@
+"""Replay a workload through the real :class:`Scheduler` and :class:`KVCacheManager`.
+
+A virtual clock drives the loop::
+
+    while requests remain:
+        add every request whose arrival time has come      (add_request; rejections counted)
+        out = scheduler.schedule()                          (wall time measured)
+        clock += cost_model.step_time_of(out)               (simulated time)
+        scheduler.update(out, one synthetic token per sampling request)
+        record first tokens (TTFT), token gaps (ITL), finishes; release followers
+
+A request that ``follows`` another arrives ``think_s`` after that one finishes. The synthetic
+token of output position ``i`` is ``output_token_ids[i]`` when the workload gives them (a chat's
+next turn re-sends exactly these), otherwise the ``i``-th draw of a generator seeded by the
+simulation seed and the request id, so every variant of a comparison produces the same tokens.
+Requests never stop early: max_tokens is the output length and there are no stop tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedkv.core.config import CacheConfig
+from pagedkv.errors import (
+    InvalidRequestError,
+    InvariantViolation,
+    OverloadedError,
+    PromptTooLongError,
+)
+from pagedkv.sched.config import SchedulerConfig
+from pagedkv.sched.request import Request
+from pagedkv.sched.scheduler import Scheduler
+from pagedkv.sim.cost_model import CostModel
+from pagedkv.sim.report import Percentiles, SimReport, TimeSeries, WallTimings
+from pagedkv.sim.workload import VOCAB_HIGH, VOCAB_LOW, SimRequest, Workload, stable_seed
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, float], None]
+"""``progress(num_done, num_requests, clock_s)``: called every few hundred steps and at the end."""
+
+
+def _default_scheduler() -> SchedulerConfig:
+    return SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=8192)
+
+
+def _default_cache() -> CacheConfig:
+    return CacheConfig(block_size=16, num_blocks=4096, model_id="sim")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulation variant. ``params`` names its settings for tables (e.g. caching=off)."""
+
+    scheduler: SchedulerConfig = field(default_factory=_default_scheduler)
+    cache: CacheConfig = field(default_factory=_default_cache)
+    cost: CostModel = field(default_factory=CostModel)
+    seed: int = 0
+    label: str = "default"
+    params: tuple[tuple[str, str], ...] = ()
+    max_series_points: int = 2_000
+    max_steps: int = 10_000_000  # a guard against a scheduler that never finishes
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise InvalidRequestError(f"seed must be >= 0, got {self.seed}")
+        if self.max_series_points < 2:
+            raise InvalidRequestError(
+                f"max_series_points must be >= 2, got {self.max_series_points}"
+            )
+        if self.max_steps <= 0:
+            raise InvalidRequestError(f"max_steps must be positive, got {self.max_steps}")
+
+
+class _Track:
+    """What the simulator remembers of one admitted request (a hot mutable record)."""
+
+    __slots__ = ("arrival_s", "first_s", "last_s", "output", "req", "sim")
+
+    def __init__(self, sim: SimRequest, req: Request, arrival_s: float, output: list[int]) -> None:
+        self.sim = sim
+        self.req = req
+        self.arrival_s = arrival_s
+        self.first_s = -1.0  # no token yet
+        self.last_s = -1.0
+        self.output = output
+
+
+def _output_tokens(sim: SimRequest, seed: int) -> list[int]:
+    if sim.output_token_ids is not None:
+        return list(sim.output_token_ids)
+    rng = np.random.default_rng(stable_seed(seed, "output", sim.request_id))
+    return rng.integers(VOCAB_LOW, VOCAB_HIGH, size=sim.output_len).tolist()  # type: ignore[no-any-return]
+
+
+def simulate(
+    workload: Workload, config: SimConfig | None = None, *, progress: Progress | None = None
+) -> SimReport:
+    """Run ``workload`` through a fresh scheduler built from ``config`` and report what happened.
+
+    Raises InvariantViolation if the scheduler stops making progress with requests left.
+    """
+    cfg = config or SimConfig()
+    wall0 = time.perf_counter()
+    sched = Scheduler(cfg.scheduler, cfg.cache)
+    mgr = sched.manager
+    cost = cfg.cost
+
+    followers: dict[str, list[SimRequest]] = {}
+    arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
+    for order, r in enumerate(workload.requests):
+        if r.follows is None:
+            arrivals.append((r.arrival_s, order, r))
+        else:
+            followers.setdefault(r.follows, []).append(r)
+    heapq.heapify(arrivals)
+    order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
+
+    tracks: dict[str, _Track] = {}
+    num_done = num_rejected = num_truncated = 0
+    num_prompt = num_output = 0
+    ttft: list[float] = []
+    ttft_at: list[float] = []
+    itl: list[float] = []
+    e2e: list[float] = []
+    series_t: list[float] = []
+    series_usage: list[float] = []
+    series_running: list[int] = []
+    series_waiting: list[int] = []
+    series_step: list[float] = []
+    sched_us: list[float] = []
+    admit_us: list[float] = []
+    update_us: list[float] = []
+    first_arrival = workload.requests[0].arrival_s if workload.requests else 0.0
+    clock = first_arrival
+    last_finish = first_arrival
+    prefill_computed = 0
+
+    def release(rid: str, at: float) -> None:
+        for child in followers.pop(rid, ()):
+            when = max(child.arrival_s, at + child.think_s)
+            heapq.heappush(arrivals, (when, order_of[child.request_id], child))
+
+    def finish(rid: str, at: float) -> None:
+        nonlocal num_done, num_truncated, last_finish, num_output
+        tr = tracks.pop(rid)
+        num_done += 1
+        produced = tr.req.num_output_tokens
+        num_output += produced
+        if produced < tr.sim.output_len:
+            num_truncated += 1
+        if tr.last_s >= 0.0:
+            e2e.append(tr.last_s - tr.arrival_s)
+        last_finish = max(last_finish, at)
+        release(rid, at)
+
+    step = 0
+    while arrivals or tracks:
+        while arrivals and arrivals[0][0] <= clock:
+            at, _, sim = heapq.heappop(arrivals)
+            req = Request(
+                sim.request_id,
+                sim.prompt_token_ids,
+                max_tokens=sim.output_len,
+                priority=sim.priority,
+                arrival_time=at,
+                cache_salt=sim.cache_salt,
+            )
+            try:
+                sched.add_request(req)
+            except (PromptTooLongError, OverloadedError) as exc:
+                logger.debug("request %s rejected: %s", sim.request_id, exc)
+                num_rejected += 1
+                num_done += 1
+                release(sim.request_id, clock)
+                continue
+            tracks[sim.request_id] = _Track(sim, req, at, _output_tokens(sim, cfg.seed))
+            num_prompt += sim.num_prompt_tokens
+        if not tracks:
+            if arrivals:
+                clock = max(clock, arrivals[0][0])
+            continue
+        step += 1
+        if step > cfg.max_steps:
+            raise InvariantViolation(f"simulation passed max_steps={cfg.max_steps}")
+
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        for rid in out.finished_ids:  # finished by the scheduler itself (pool too small)
+            if rid in tracks:
+                finish(rid, clock)
+        if out.is_empty:
+            if out.preempted_ids or out.finished_ids:
+                continue  # the state changed; the next step can admit again
+            if arrivals and not sched.num_running:
+                clock = max(clock, arrivals[0][0])
+                continue
+            raise InvariantViolation(
+                f"the scheduler scheduled nothing at step {out.step} with {len(tracks)} "
+                f"requests unfinished ({sched.num_running} running, {sched.num_waiting} waiting)"
+            )
+        usage = mgr.usage
+        dt = cost.step_time_of(out)
+        clock += dt
+        sampled: dict[str, list[int]] = {}
+        for sr in out.scheduled:
+            if sr.is_prefill:
+                prefill_computed += sr.num_tokens
+            if sr.samples:
+                tr = tracks[sr.request_id]
+                sampled[sr.request_id] = [tr.output[tr.req.num_output_tokens]]
+        t2 = time.perf_counter()
+        results = sched.update(out, sampled)
+        t3 = time.perf_counter()
+        for res in results:
+            tr = tracks[res.request_id]
+            if tr.first_s < 0.0:
+                tr.first_s = clock
+                ttft.append(clock - tr.arrival_s)
+                ttft_at.append(clock)
+            else:
+                itl.append(clock - tr.last_s)
+            tr.last_s = clock
+            if res.finished:
+                finish(res.request_id, clock)
+        sched_us.append((t1 - t0) * 1e6)
+        admit_us.append(sched.stats().last_step.admission_s * 1e6)
+        update_us.append((t3 - t2) * 1e6)
+        series_t.append(clock)
+        series_usage.append(usage)
+        series_running.append(sched.num_running)
+        series_waiting.append(sched.num_waiting)
+        series_step.append(dt)
+        if progress is not None and step % 256 == 0:
+            progress(num_done, len(workload), clock)
+
+    if progress is not None:
+        progress(num_done, len(workload), clock)
+    kv = mgr.stats()
+    makespan = max(last_finish - first_arrival, 0.0)
+    steps_dt = np.asarray(series_step)
+    per_s = 1.0 / makespan if makespan > 0 else 0.0
+    return SimReport(
+        label=cfg.label,
+        workload=workload.name,
+        seed=cfg.seed,
+        params=cfg.params,
+        num_requests=len(workload),
+        num_finished=num_done - num_rejected,
+        num_truncated=num_truncated,
+        num_rejected=num_rejected,
+        num_steps=step,
+        makespan_s=makespan,
+        ttft_s=Percentiles.of(ttft),
+        itl_s=Percentiles.of(itl),
+        e2e_s=Percentiles.of(e2e),
+        num_prompt_tokens=num_prompt,
+        num_output_tokens=num_output,
+        num_prefill_tokens_computed=prefill_computed,
+        output_tokens_per_s=num_output * per_s,
+        total_tokens_per_s=(num_prompt + num_output) * per_s,
+        requests_per_s=(num_done - num_rejected) * per_s,
+        prefix_hit_rate=kv.prefix.hit_rate,
+        prefix_block_hit_rate=kv.prefix.block_hit_rate,
+        num_preemptions=sched.num_preemptions,
+        peak_usage=max(series_usage, default=0.0),
+        mean_usage=(
+            float(np.dot(series_usage, steps_dt) / steps_dt.sum()) if steps_dt.sum() > 0 else 0.0
+        ),
+        peak_running=max(series_running, default=0),
+        peak_waiting=max(series_waiting, default=0),
+        series=_bucket(
+            cfg.max_series_points,
+            series_t,
+            series_usage,
+            series_running,
+            series_waiting,
+            series_step,
+            ttft_at,
+            ttft,
+        ),
+        wall=WallTimings(
+            total_s=time.perf_counter() - wall0,
+            schedule_us=Percentiles.of(sched_us),
+            admission_us=Percentiles.of(admit_us),
+            update_us=Percentiles.of(update_us),
+        ),
+    )
+
+
+def _bucket(
+    max_points: int,
+    t: list[float],
+    usage: list[float],
+    running: list[int],
+    waiting: list[int],
+    step_s: list[float],
+    ttft_at: list[float],
+    ttft: list[float],
+) -> TimeSeries:
+    """Per-step lists -> at most ``max_points`` buckets (maxima, mean step time)."""
+    n = len(t)
+    stride = max(1, math.ceil(n / max_points))
+    ends = list(range(stride, n, stride)) + ([n] if n else [])
+    starts = [0, *ends[:-1]]
+    tstride = max(1, math.ceil(len(ttft) / max_points))
+    return TimeSeries(
+        t_s=tuple(t[e - 1] for e in ends),
+        usage=tuple(max(usage[s:e]) for s, e in zip(starts, ends, strict=True)),
+        num_running=tuple(max(running[s:e]) for s, e in zip(starts, ends, strict=True)),
+        num_waiting=tuple(max(waiting[s:e]) for s, e in zip(starts, ends, strict=True)),
+        step_s=tuple(sum(step_s[s:e]) / (e - s) for s, e in zip(starts, ends, strict=True)),
+        ttft_at_s=tuple(ttft_at[::tstride]),
+        ttft_s=tuple(ttft[::tstride]),
+    )

@@ -1,0 +1,137 @@
+"""``--compare KEY=V1,V2``: named settings a comparison varies, and their cross product.
+
+Each key sets one field of the scheduler or cache config. Several ``--compare`` options combine
+as a cross product (``caching=on,off`` x ``num_blocks=2048,8192`` is four variants), capped at
+:data:`MAX_VARIANTS` so a typo cannot start an hour-long run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+from pagedkv.core.config import ReservationPolicy
+from pagedkv.errors import InvalidRequestError
+from pagedkv.sim.simulator import SimConfig
+
+MAX_VARIANTS = 16
+
+
+def _on_off(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("on", "true", "yes", "1"):
+        return True
+    if v in ("off", "false", "no", "0"):
+        return False
+    raise InvalidRequestError(f"expected on or off, got {value!r}")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise InvalidRequestError(f"expected an integer, got {value!r}") from None
+    if n <= 0:
+        raise InvalidRequestError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _set_cache(cfg: SimConfig, **changes: object) -> SimConfig:
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, **changes))  # type: ignore[arg-type]
+
+
+def _set_sched(cfg: SimConfig, **changes: object) -> SimConfig:
+    return dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, **changes))  # type: ignore[arg-type]
+
+
+def _float(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidRequestError(f"expected a number, got {value!r}") from None
+
+
+# key -> (help, apply(config, raw value) -> config)
+KEYS: dict[str, tuple[str, Callable[[SimConfig, str], SimConfig]]] = {
+    "caching": (
+        "prefix caching on/off",
+        lambda c, v: _set_cache(c, enable_prefix_caching=_on_off(v)),
+    ),
+    "num_blocks": (
+        "KV pool size in blocks",
+        lambda c, v: _set_cache(c, num_blocks=_positive_int(v)),
+    ),
+    "block_size": (
+        "tokens per block",
+        lambda c, v: _set_cache(c, block_size=_positive_int(v)),
+    ),
+    "policy": ("fcfs or priority", lambda c, v: _set_sched(c, policy=v)),
+    "reservation": (
+        "max_tokens or none (admission reserves prompt+max_tokens, or the prompt only)",
+        lambda c, v: _set_cache(c, reservation=ReservationPolicy(v)),
+    ),
+    "watermark": (
+        "fraction of the pool kept free at admission",
+        lambda c, v: _set_cache(c, watermark=_float(v)),
+    ),
+    "max_batched_tokens": (
+        "per-step token budget",
+        lambda c, v: _set_sched(c, max_num_batched_tokens=_positive_int(v)),
+    ),
+    "max_num_seqs": (
+        "maximum running requests",
+        lambda c, v: _set_sched(c, max_num_seqs=_positive_int(v)),
+    ),
+    "chunked_prefill": (
+        "chunked prefill on/off",
+        lambda c, v: _set_sched(c, enable_chunked_prefill=_on_off(v)),
+    ),
+}
+
+
+def parse_compare(spec: str) -> tuple[str, list[str]]:
+    """``"caching=on,off"`` -> ``("caching", ["on", "off"])``, the key checked."""
+    key, sep, values = spec.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not values.strip():
+        raise InvalidRequestError(f"--compare expects KEY=V1,V2,..., got {spec!r}")
+    if key not in KEYS:
+        raise InvalidRequestError(
+            f"--compare: unknown key {key!r}; known: {', '.join(sorted(KEYS))}"
+        )
+    vals = [v.strip() for v in values.split(",") if v.strip()]
+    if len(set(vals)) != len(vals):
+        raise InvalidRequestError(f"--compare {key}: repeated value in {values!r}")
+    return key, vals
+
+
+def build_variants(base: SimConfig, specs: Sequence[str]) -> list[SimConfig]:
+    """One config per combination of the ``--compare`` values, labelled ``key=value ...``.
+
+    A bad value raises InvalidRequestError naming the key.
+    """
+    parsed = [parse_compare(s) for s in specs]
+    keys = [k for k, _ in parsed]
+    if len(set(keys)) != len(keys):
+        raise InvalidRequestError(f"--compare: a key is given twice ({', '.join(keys)})")
+    total = 1
+    for _, vals in parsed:
+        total *= len(vals)
+    if total > MAX_VARIANTS:
+        raise InvalidRequestError(
+            f"--compare makes {total} variants; at most {MAX_VARIANTS} are allowed"
+        )
+    out: list[SimConfig] = []
+    for combo in itertools.product(*(vals for _, vals in parsed)):
+        cfg = base
+        params: list[tuple[str, str]] = []
+        for key, value in zip(keys, combo, strict=True):
+            try:
+                cfg = KEYS[key][1](cfg, value)
+            except (InvalidRequestError, ValueError) as exc:
+                raise InvalidRequestError(f"--compare {key}={value}: {exc}") from None
+            params.append((key, value))
+        label = " ".join(f"{k}={v}" for k, v in params) or "default"
+        out.append(dataclasses.replace(cfg, label=label, params=tuple(params)))
+    return out
