@@ -106,6 +106,9 @@ class BlockPool:
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse their memory
         self.num_duplicate_commits = 0  # blocks left unhashed because their content was cached
         self.epoch = 0  # bumped whenever cached hashes disappear (eviction, reset): stale matches
+        # Bumped by every mutation (ref counts, hashes, free lists): a prefix match taken at the
+        # current version is still exact, so the manager need not redo it before allocating.
+        self.version = 0
         self._materialize(config.initial_num_blocks)
 
     # ------------------------------------------------------------------ capacity (all O(1))
@@ -218,6 +221,7 @@ class BlockPool:
             ref[b] = 1
         if n_stack < num_blocks:
             out.extend(self._evict(num_blocks - n_stack))
+        self.version += 1
         return out
 
     def _evict(self, n: int) -> list[int]:
@@ -264,6 +268,7 @@ class BlockPool:
                 num_newly_shared += 1
             ref[b] = r + 1
         self._num_shared += num_newly_shared
+        self.version += 1
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block, in the given order. All or nothing.
@@ -296,6 +301,7 @@ class BlockPool:
             elif r == 1:
                 num_unshared += 1
         self._num_shared -= num_unshared
+        self.version += 1
 
     def cache_blocks(
         self,
@@ -334,6 +340,7 @@ class BlockPool:
             index[h] = b
             hashes[b] = h
             num_new += 1
+        self.version += 1
         if num_new and self.events.enabled:
             self.events.push(
                 BlockStored(
@@ -363,6 +370,7 @@ class BlockPool:
             self._free_uncached.append(b)
         self._index.clear()
         self.epoch += 1
+        self.version += 1
         self.events.push(AllBlocksCleared())
 
     def clear(self) -> None:

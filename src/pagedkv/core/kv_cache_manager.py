@@ -76,6 +76,7 @@ class _Seq:
         "claim",
         "held",
         "match",
+        "match_key",
         "max_total_tokens",
         "num_cached_blocks",
         "num_computed",
@@ -104,6 +105,7 @@ class _Seq:
         self.held = False  # finished, blocks kept for a remote transfer
         self.started = False  # has taken its prefix and holds blocks
         self.match: PrefixMatch | None = None
+        self.match_key: tuple[int, int] | None = None  # (pool version, tokens) when matched
 
 
 class KVCacheManager:
@@ -212,6 +214,7 @@ class KVCacheManager:
             ids, evictable = [], 0
         match = PrefixMatch(tuple(ids), len(ids) * self.block_size, evictable, self.pool.epoch)
         seq.match = match
+        seq.match_key = (self.pool.version, len(seq.token_ids))
         return match
 
     def num_blocks_to_admit(self, request_id: str) -> int:
@@ -270,8 +273,13 @@ class KVCacheManager:
         num_evictable = 0
         num_computed = seq.num_computed
         if not seq.started:
-            seq.match = None  # the exact check below needs a fresh match
-            match = self.match_prefix(request_id)
+            # The exact check below needs an exact match: reuse the cached one only if neither
+            # the pool nor the request's tokens changed since it was taken (the common case:
+            # the scheduler matched, checked admission, and now allocates).
+            match = seq.match
+            if match is None or seq.match_key != (pool.version, len(seq.token_ids)):
+                seq.match = None
+                match = self.match_prefix(request_id)
             hit_ids, num_evictable = match.block_ids, match.num_evictable_blocks
             num_computed = match.num_cached_tokens
         end = num_computed + seq.num_pending + num_new_tokens
