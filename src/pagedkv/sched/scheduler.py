@@ -284,7 +284,8 @@ class Scheduler:
             remaining = req.num_tokens - cached
             if req.kv_transfer is KVTransfer.RECEIVE:
                 if remaining > 1:
-                    self._admit_remote(req, remaining - 1)
+                    if not self._admit_remote(req, remaining - 1):
+                        break
                     continue
                 req.kv_transfer = KVTransfer.NONE  # all but the last token is cached already
             if self.tier_index is not None and self._try_admit_load(
@@ -298,9 +299,17 @@ class Scheduler:
                 alloc = mgr.allocate_slots(rid, n, lookahead if n == remaining else 0)
             except OutOfBlocksError:
                 break
+            if alloc.num_cached_tokens != cached:
+                # The memoized match was stale-short (blocks were cached since, with no
+                # eviction to refresh it); the allocation took the longer, fresh hit.
+                cached = alloc.num_cached_tokens
+                remaining = req.num_tokens - cached
+                if n > remaining:
+                    mgr.rollback(rid, n - remaining)
+                    n = remaining
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
-            req.num_cached_tokens = alloc.num_cached_tokens
+            req.num_cached_tokens = cached
             req.num_computed_tokens = cached
             copies.extend(alloc.copies)
             self._refresh_table(req)
@@ -536,16 +545,26 @@ class Scheduler:
         preempted.append(req.request_id)
         self.num_preemptions += 1
 
-    def _admit_remote(self, req: Request, num_to_receive: int) -> None:
-        """Admit a RECEIVE request: allocate its prompt's slots and wait for the KV to arrive."""
-        self.waiting.pop()
+    def _admit_remote(self, req: Request, num_to_receive: int) -> bool:
+        """Admit a RECEIVE request: allocate its prompt's slots and wait for the KV to arrive.
+        Returns False, changing nothing, when the blocks cannot be had now."""
         rid = req.request_id
-        self.manager.allocate_slots(rid, num_to_receive)
+        mgr = self.manager
+        try:
+            mgr.allocate_slots(rid, num_to_receive)
+        except OutOfBlocksError:
+            return False
+        # A stale-short memoized match: the fresh hit covers part of what was to arrive.
+        excess = mgr.num_computed_tokens(rid) + num_to_receive - (req.num_tokens - 1)
+        if excess > 0:
+            mgr.rollback(rid, excess)
+        self.waiting.pop()
         self._refresh_table(req)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote_waiting[rid] = req
         req.num_computed_tokens = self.manager.num_computed_tokens(rid)
         req.num_cached_tokens = self.manager.num_hit_tokens(rid)
+        return True
 
     def _try_admit_load(
         self, req: Request, num_cached: int, loads: list[tuple[int, bytes]]
@@ -565,6 +584,11 @@ class Scheduler:
         try:
             self.manager.allocate_slots(rid, num_blocks * bs)
         except OutOfBlocksError:
+            return False
+        if self.manager.num_computed_tokens(rid) != num_cached:
+            # A stale-short memoized match: the tier run was chosen after the wrong block.
+            # Undo (the hit blocks stay cached) and let the caller admit it normally.
+            self.manager.preempt(rid)
             return False
         self.waiting.pop()
         self._refresh_table(req)
