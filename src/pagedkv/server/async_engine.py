@@ -1,0 +1,164 @@
+"""The engine behind the HTTP server: one step loop in its own thread, async streams per request.
+
+The ``LLMEngine`` is single-threaded by design. Handlers call into it only under ``_lock``
+(``add_request`` / ``abort``, which are quick and raise typed errors synchronously, so a bad
+request gets its 400 at once); the step thread holds the same lock for each ``step()``. Outputs
+travel to each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
+
+Invariants:
+  A1  ``_streams`` holds exactly the requests added and not yet finished or aborted
+  A2  only the step thread calls ``LLMEngine.step``; every engine call holds ``_lock``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.outputs import GenerationOutput
+from pagedkv.engine.sampler import SamplingParams
+from pagedkv.errors import OverloadedError
+from pagedkv.obs.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    queue: asyncio.Queue[GenerationOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+    arrival_s: float
+    last_token_s: float | None = None
+    num_tokens: int = 0
+
+
+class AsyncEngine:
+    """Runs ``LLMEngine.step`` in a background thread and streams outputs to coroutines."""
+
+    def __init__(self, engine: LLMEngine, *, max_pending: int = 256, model_name: str = "") -> None:
+        self.engine = engine
+        self.max_pending = max_pending
+        self.model_name = model_name
+        self.metrics = Metrics(model_name)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="pagedkv-engine", daemon=True)
+        self.healthy = True
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[GenerationOutput, None]:
+        """Add a request and yield its outputs until it finishes. Cancelling aborts it.
+
+        Raises the engine's typed errors (bad input) or OverloadedError before yielding.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(asyncio.Queue(), loop, time.perf_counter())
+        # The lock may be held for a whole step: wait for it off the event loop.
+        await asyncio.to_thread(self._add, request_id, list(prompt_token_ids), params, stream)
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def _add(
+        self, request_id: str, prompt: list[int], params: SamplingParams, stream: _Stream
+    ) -> None:
+        with self._lock:
+            if len(self._streams) >= self.max_pending:
+                raise OverloadedError(
+                    f"{len(self._streams)} requests in flight (limit {self.max_pending}); "
+                    "retry later"
+                )
+            self.engine.add_request(request_id, prompt, params)
+            self._streams[request_id] = stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still in flight (a client went away); frees its blocks."""
+        with self._lock:
+            if self._streams.pop(request_id, None) is not None:
+                with contextlib.suppress(KeyError):  # it finished in the same instant
+                    self.engine.abort(request_id)
+
+    def stats_snapshot(self) -> None:
+        """Refresh the gauges from the scheduler (called after each step and by /metrics)."""
+        with self._lock:
+            self.metrics.observe_scheduler(self.engine.scheduler.stats())
+
+    # ------------------------------------------------------------------ step thread
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                busy = self.engine.has_unfinished_requests()
+                outputs: list[GenerationOutput] = []
+                if busy:
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as exc:  # a bug in a step: fail those in flight, keep serving
+                        logger.exception("engine step failed")
+                        self._fail_all(exc)
+                    self.metrics.observe_scheduler(self.engine.scheduler.stats())
+                now = time.perf_counter()
+                for out in outputs:
+                    self._deliver(out, now)
+            if not busy:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+
+    def _deliver(self, out: GenerationOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if num_tokens > stream.num_tokens:
+            if stream.last_token_s is None:
+                self.metrics.ttft.observe(now - stream.arrival_s)
+            else:
+                new = num_tokens - stream.num_tokens
+                gap = (now - stream.last_token_s) / new
+                for _ in range(new):
+                    self.metrics.itl.observe(gap)
+            stream.last_token_s = now
+            stream.num_tokens = num_tokens
+        if out.finished:
+            del self._streams[out.request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            with contextlib.suppress(KeyError):
+                self.engine.abort(rid)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+        self._streams.clear()
