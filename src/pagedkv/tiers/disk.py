@@ -303,9 +303,14 @@ class DiskTier(KVTier):
             self._read_failed(block_hash, exc)
             return None
         try:
-            inode = os.fstat(fd).st_ino
-            with os.fdopen(fd, "rb", buffering=0, closefd=False) as fh:
-                data = fh.readall()
+            st = os.fstat(fd)
+            inode = st.st_ino
+            data = os.read(fd, st.st_size)  # one copy from the page cache
+            if len(data) != st.st_size:  # a short read: only from an odd file system
+                parts = [data]
+                while chunk := os.read(fd, 1 << 20):
+                    parts.append(chunk)
+                data = b"".join(parts)
         except OSError as exc:
             self._read_failed(block_hash, exc)
             return None

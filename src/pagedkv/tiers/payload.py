@@ -33,6 +33,7 @@ who can write to the tier (such a party could serve any KV anyway).
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -189,6 +190,14 @@ def encode(header: PayloadHeader, body: bytes | bytearray | memoryview) -> bytes
     return b"".join((packed, view))
 
 
+@functools.lru_cache(maxsize=256)
+def _layout(
+    model_id: str, layers: int, heads: int, hdim: int, bsize: int, dtype: str
+) -> TierLayout:
+    """Layouts are few: build and validate each once (a read parses one header per block)."""
+    return TierLayout(model_id, layers, heads, hdim, bsize, dtype)
+
+
 def _parse_header(data: memoryview) -> tuple[PayloadHeader, int, int]:
     """Header, header length and stored checksum; raises CorruptBlockError on any malformation."""
     if data.nbytes < _FIXED.size:
@@ -221,7 +230,7 @@ def _parse_header(data: memoryview) -> tuple[PayloadHeader, int, int]:
     try:
         dtype = bytes(data[pos : pos + dtype_len]).decode("ascii")
         model_id = bytes(data[pos + dtype_len : hlen]).decode("utf-8")
-        layout = TierLayout(model_id, layers, heads, hdim, bsize, dtype)
+        layout = _layout(model_id, layers, heads, hdim, bsize, dtype)
         header = PayloadHeader(layout, block_hash, ntok)
     except (UnicodeDecodeError, InvalidRequestError) as exc:
         raise CorruptBlockError(f"malformed payload header: {exc}") from None
