@@ -14,7 +14,7 @@ import pytest
 
 from pagedkv.errors import InvalidRequestError, InvariantViolation
 from pagedkv.tiers import DiskTier, FsyncPolicy, PayloadHeader, TierLayout, encode, payload_size
-from pagedkv.tiers.disk import write_file
+from pagedkv.tiers.disk_files import write_file
 
 LAYOUT = TierLayout("m", num_layers=2, num_kv_heads=1, head_dim=16, block_size=4)
 SIZE = payload_size(LAYOUT)

@@ -202,3 +202,27 @@ def test_bad_configuration_raises(stack: tuple[HostTier, DiskTier]) -> None:
         OffloadCoordinator([host, host], start=False)
     with pytest.raises(InvalidRequestError):
         OffloadCoordinator([host], max_queue_blocks=0, start=False)
+
+
+def test_a_tier_slower_than_recompute_is_skipped_then_reprobed(
+    stack: tuple[HostTier, DiskTier],
+) -> None:
+    host, disk = stack
+    for i in range(3):
+        disk.put(h(i), pl(i))
+    off = OffloadCoordinator([host, disk], promote=False, reprobe_every=3)
+    hashes = [h(0), h(1), h(2)]
+    assert len(off.load(hashes)) == 3  # measures the disk tier
+    (level, s_per_block), *_ = off.stats().load_s_per_block
+    assert level == "disk"
+    assert s_per_block > 0
+    off.set_recompute_cost(s_per_block / 1000)  # recompute is far cheaper than a disk load
+    assert off.match(hashes) == []
+    assert off.match(hashes) == []
+    assert off.match(hashes) == [("disk", x) for x in hashes]  # the third walk probes again
+    assert off.stats().skipped_slow == 2
+    off.set_recompute_cost(None)
+    assert off.contains_prefix(hashes) == 3
+    with pytest.raises(InvalidRequestError):
+        off.set_recompute_cost(0)
+    off.close()

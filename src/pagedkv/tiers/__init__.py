@@ -3,7 +3,8 @@ coordinator in front of them. ``RedisTier`` lives in :mod:`pagedkv.tiers.redis_t
 optional ``redis`` package) and is imported from there."""
 
 from pagedkv.tiers.base import KVTier, TierStats
-from pagedkv.tiers.disk import DiskTier, FsyncPolicy
+from pagedkv.tiers.disk import DiskTier
+from pagedkv.tiers.disk_files import FsyncPolicy
 from pagedkv.tiers.host import HostTier
 from pagedkv.tiers.offload import PENDING, OffloadCoordinator, OffloadStats
 from pagedkv.tiers.payload import (

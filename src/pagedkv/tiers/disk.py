@@ -1,14 +1,10 @@
 """The local-disk tier: one file per block, an in-memory LRU index rebuilt from a scan at start.
 
-Layout on disk (``root`` is created 0700, files 0600)::
-
-    root/ab/ab12...ef.<tag>.kvb          a block: hex hash, layout tag, the encoded payload
-    root/ab/.ab12...ef.<tag>.<pid>.<n>.tmp  a write in progress (removed at start if left over)
-
-``<tag>`` is :attr:`TierLayout.tag` (a digest of format version, model id and layout), so files
-of another model or layout are recognised by name alone and ignored, never deleted, and a
-restart scan needs one ``stat`` per file and no reads (100,000 blocks index in well under a
-second; see benchmarks/RESULTS.md). Fan-out by the first two hex digits keeps directories small.
+File names, the writer and the scan are in :mod:`pagedkv.tiers.disk_files`: one file per block
+named by its hex hash and layout tag, fanned out into subfolders by the first two hex digits;
+files of another model or layout are ignored (by name) and never deleted. The restart scan needs
+one ``stat`` per file and no reads (100,000 blocks in well under a second, see
+benchmarks/RESULTS.md).
 
 Writes go to a temporary file that is renamed over the final name (``os.replace`` is atomic), so
 a reader sees a whole block or none; a crash leaves at worst a temp file (removed at start) or,
@@ -28,53 +24,29 @@ warning; reads keep being served.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from enum import Enum
 from pathlib import Path
 
-from pagedkv.errors import (
-    CorruptBlockError,
-    InvalidRequestError,
-    InvariantViolation,
-    TierUnavailableError,
-)
+from pagedkv.errors import CorruptBlockError, InvalidRequestError, InvariantViolation
 from pagedkv.tiers.base import KVTier, TierStats
+from pagedkv.tiers.disk_files import (
+    BLOCK_SUFFIX,
+    DISK_FULL_ERRNOS,
+    FileWriter,
+    FsyncPolicy,
+    fsync_dir,
+    open_root,
+    scan,
+    unlink_quietly,
+    write_file,
+)
 from pagedkv.tiers.payload import TierLayout, decode, read_header
 
 logger = logging.getLogger(__name__)
-
-FileWriter = Callable[[str, bytes, bool], None]
-"""``writer(path, data, fsync)``: create ``path`` (0600, must not exist), write all of ``data``,
-fsync it if asked. Injectable so tests can simulate a full disk."""
-
-_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
-_HEX = frozenset("0123456789abcdef")
-
-
-class FsyncPolicy(Enum):
-    """How hard a finished write is pushed to stable storage."""
-
-    NONE = "none"  # rely on the checksum: a write lost in a crash reads as a miss
-    FILE = "file"  # fsync the file before the rename
-    FILE_AND_DIR = "file+dir"  # also fsync the folder after the rename (the name is durable)
-
-
-def write_file(path: str, data: bytes, fsync: bool) -> None:
-    """The default :data:`FileWriter`."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DiskTier(KVTier):
@@ -119,7 +91,7 @@ class DiskTier(KVTier):
         self._writer = writer
         self._clock = clock
         self._tag = layout.tag
-        self._suffix = f".{self._tag}.kvb"
+        self._suffix = f".{self._tag}{BLOCK_SUFFIX}"
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, LRU first
         self._num_bytes = 0  # I1: sum(_index.values())
         self._writing: dict[bytes, int] = {}  # hash -> size, writes in progress (I5)
@@ -136,46 +108,18 @@ class DiskTier(KVTier):
 
     # ------------------------------------------------------------------ start-up
     def _open_root(self) -> None:
-        try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise TierUnavailableError(
-                f"cannot create disk tier folder {self.root}: {exc}"
-            ) from exc
-        if not self.root.is_dir():
-            raise TierUnavailableError(f"disk tier path {self.root} is not a folder")
-        mode = self.root.stat().st_mode & 0o777
+        mode = open_root(self.root)
         if mode & 0o077:
             logger.warning("disk tier folder %s has mode %o; 0700 is recommended", self.root, mode)
 
     def _scan(self) -> None:
         """Index this layout's blocks by last use; remove our leftover temp files."""
         t0 = time.perf_counter()
-        entries: list[tuple[int, bytes, int]] = []
-        tmp_mark = f".{self._tag}."
-        suffix, slen = self._suffix, len(self._suffix)
-        with os.scandir(self.root) as top:
-            subs = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-        for sub in subs:
-            self._subdirs.add(sub)
-            with os.scandir(sub) as it:
-                for e in it:
-                    name = e.name
-                    if name.endswith(".tmp"):
-                        if tmp_mark in name:
-                            self._unlink(e.path)
-                            self.num_temp_files_removed += 1
-                        continue
-                    if not name.endswith(suffix):
-                        if name.endswith(".kvb"):
-                            self.num_foreign_files += 1
-                        continue
-                    hexhash = name[:-slen]
-                    if len(hexhash) % 2 or not set(hexhash) <= _HEX or not hexhash:
-                        continue
-                    st = e.stat(follow_symlinks=False)
-                    entries.append((st.st_mtime_ns, bytes.fromhex(hexhash), st.st_size))
-        entries.sort()
+        found = scan(self.root, self._tag)
+        self._subdirs |= found.subdirs
+        self.num_foreign_files = found.num_foreign_files
+        self.num_temp_files_removed = found.num_temp_files_removed
+        entries = found.entries
         if entries:
             self._last_stamp_ns = entries[-1][0]
         for _, h, size in entries:
@@ -221,11 +165,6 @@ class DiskTier(KVTier):
             self._subdirs.add(sub)
         return sub
 
-    @staticmethod
-    def _unlink(path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
     def _next_stamp_ns(self) -> int:
         """A strictly increasing wall-clock time for the next mtime (lock held). File times
         tick with the kernel's coarse clock (milliseconds), so two blocks written in one tick
@@ -239,7 +178,7 @@ class DiskTier(KVTier):
         self._num_bytes -= size
         self._counters.evictions += 1
         try:
-            self._unlink(self.path_of(h))
+            unlink_quietly(self.path_of(h))
         except OSError as exc:
             self._counters.errors += 1
             logger.warning("disk tier: could not delete evicted block %s: %s", h.hex(), exc)
@@ -355,7 +294,7 @@ class DiskTier(KVTier):
                 except FileNotFoundError:
                     same = True
                 if same:
-                    self._unlink(path)
+                    unlink_quietly(path)
             if same and block_hash in self._index:
                 self._num_bytes -= self._index.pop(block_hash)
         logger.warning("disk tier: block %s is a miss: %s", block_hash.hex(), why)
@@ -398,14 +337,10 @@ class DiskTier(KVTier):
                 os.utime(tmp, ns=(stamp, stamp))
                 os.replace(tmp, final)
             except BaseException:
-                self._unlink(tmp)
+                unlink_quietly(tmp)
                 raise
             if self.fsync is FsyncPolicy.FILE_AND_DIR:
-                dfd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                fsync_dir(sub)
         except OSError as exc:
             self._write_failed(block_hash, size, exc)
             return False
@@ -423,7 +358,7 @@ class DiskTier(KVTier):
             self._reserved -= size
             self._counters.errors += 1
             self._counters.dropped_writes += 1
-            if exc.errno in _DISK_FULL:
+            if exc.errno in DISK_FULL_ERRNOS:
                 if self._disabled_until is None:
                     logger.warning(
                         "disk tier %s: %s; writes disabled for %.0f s, reads go on",
@@ -441,7 +376,7 @@ class DiskTier(KVTier):
             if size is None:
                 return False
             self._num_bytes -= size
-            self._unlink(self.path_of(block_hash))
+            unlink_quietly(self.path_of(block_hash))
             return True
 
     # ------------------------------------------------------------------ reporting

@@ -13,6 +13,11 @@ which blocks of a prefix it holds (:meth:`match`, :meth:`contains_prefix`) and f
 Lookups walk the stack in order: blocks still queued, then each tier from the top; the match is
 the run of consecutive blocks, from the first, that some level holds. A block loaded from a
 lower tier is promoted (queued for the tiers above it).
+
+Slower than recompute? ``load`` measures each tier's seconds per block (a moving average); once
+the engine tells the coordinator what recomputing a block costs (:meth:`set_recompute_cost`),
+``match`` skips a tier whose loads are slower, re-probing it every ``reprobe_every`` skips so a
+tier that recovers is used again.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class OffloadStats:
     promoted: int  # blocks queued for upper tiers after a load from a lower one
     loaded: int  # blocks returned by load()
     load_failures: int  # load() calls that returned fewer blocks than matched
+    skipped_slow: int  # match() walks that skipped a tier slower than recompute
+    load_s_per_block: tuple[tuple[str, float], ...]  # measured, per level that has loaded
     queue_len: int
     tiers: tuple[TierStats, ...]
 
@@ -74,11 +81,14 @@ class OffloadCoordinator:
         write_batch_blocks: int = 16,
         promote: bool = True,
         start: bool = True,
+        reprobe_every: int = 100,
     ) -> None:
         if not tiers:
             raise InvalidRequestError("an offload coordinator needs at least one tier")
-        if max_queue_blocks <= 0 or write_batch_blocks <= 0:
-            raise InvalidRequestError("max_queue_blocks and write_batch_blocks must be positive")
+        if min(max_queue_blocks, write_batch_blocks, reprobe_every) <= 0:
+            raise InvalidRequestError(
+                "max_queue_blocks, write_batch_blocks and reprobe_every must be positive"
+            )
         names = [t.name for t in tiers]
         if len(set(names)) != len(names) or PENDING in names:
             raise InvalidRequestError(f"tier names must be unique and not {PENDING!r}: {names}")
@@ -95,6 +105,11 @@ class OffloadCoordinator:
         self._closed = False
         self._submitted = self._deduped = self._dropped = self._written = 0
         self._write_errors = self._promoted = self._loaded = self._load_failures = 0
+        self.reprobe_every = reprobe_every
+        self._recompute_s: float | None = None
+        self._load_s: dict[str, float] = {}  # level -> moving average of load s per block
+        self._skips: dict[str, int] = {}  # level -> consecutive skips since the last probe
+        self._skipped_slow = 0
         self._thread: threading.Thread | None = None
         if start:
             self.start()
@@ -192,6 +207,35 @@ class OffloadCoordinator:
                 self._written += len(hashes)
                 self._cv.notify_all()
 
+    # ------------------------------------------------------------------ cost model
+    def set_recompute_cost(self, s_per_block: float | None) -> None:
+        """What recomputing one block's KV costs here (seconds; None: always load)."""
+        if s_per_block is not None and s_per_block <= 0:
+            raise InvalidRequestError(f"recompute cost must be positive, got {s_per_block}")
+        with self._cv:
+            self._recompute_s = s_per_block
+
+    def _is_worth_loading(self, level: str) -> bool:
+        with self._cv:
+            est = self._load_s.get(level)
+            if self._recompute_s is None or est is None or est < self._recompute_s:
+                return True
+            skips = self._skips.get(level, 0) + 1
+            if skips >= self.reprobe_every:
+                self._skips[level] = 0
+                return True  # probe: its next load re-measures it
+            self._skips[level] = skips
+            self._skipped_slow += 1
+            return False
+
+    def _record_load(self, level: str, seconds: float, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            return
+        per = seconds / num_blocks
+        with self._cv:
+            old = self._load_s.get(level)
+            self._load_s[level] = per if old is None else 0.8 * old + 0.2 * per
+
     # ------------------------------------------------------------------ reads
     def match(self, block_hashes: Sequence[bytes]) -> list[tuple[str, bytes]]:
         """``(level, hash)`` for the run of consecutive blocks, from the first, held somewhere
@@ -209,6 +253,8 @@ class OffloadCoordinator:
                 i += run
                 continue
             for tier in self.tiers:
+                if not self._is_worth_loading(tier.name):
+                    continue
                 run = tier.contains_prefix(block_hashes[i:])
                 if run:
                     out.extend((tier.name, h) for h in block_hashes[i : i + run])
@@ -257,7 +303,10 @@ class OffloadCoordinator:
         if level == PENDING:
             with self._cv:
                 return [e.payload if (e := self._pending.get(h)) else None for h in hashes]
-        return self.tiers[self._by_name[level]].get_many(hashes)
+        t0 = time.perf_counter()
+        got = self.tiers[self._by_name[level]].get_many(hashes)
+        self._record_load(level, time.perf_counter() - t0, len(hashes))
+        return got
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> OffloadStats:
@@ -272,6 +321,8 @@ class OffloadCoordinator:
                 promoted=self._promoted,
                 loaded=self._loaded,
                 load_failures=self._load_failures,
+                skipped_slow=self._skipped_slow,
+                load_s_per_block=tuple(sorted(self._load_s.items())),
                 queue_len=len(self._queue),
                 tiers=tiers,
             )
