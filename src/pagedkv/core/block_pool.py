@@ -202,11 +202,20 @@ class BlockPool:
             if num_blocks == 0:
                 return []
             raise InvalidRequestError(f"cannot allocate {num_blocks} blocks")
+        stack = self._free_uncached
+        if num_blocks <= len(stack):  # the common case: uncached free blocks suffice
+            out = stack[-num_blocks:]
+            del stack[-num_blocks:]
+            out.reverse()
+            ref = self._ref
+            for b in out:
+                ref[b] = 1
+            self.version += 1
+            return out
         if num_blocks > self.num_free_blocks:
             raise OutOfBlocksError(
                 f"need {num_blocks} blocks, {self.num_free_blocks} free of {self.capacity_blocks}"
             )
-        stack = self._free_uncached
         if len(stack) < num_blocks:
             headroom = self.config.num_blocks - len(self._ref)
             if headroom:
@@ -282,7 +291,7 @@ class BlockPool:
         for b in block_ids:
             if not reserved <= b < n or ref[b] <= 0:
                 raise RequestStateError(f"block {b} is not in use; it cannot be freed")
-        if len(set(block_ids)) != len(block_ids):
+        if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
             counts: dict[int, int] = {}
             for b in block_ids:
                 counts[b] = counts.get(b, 0) + 1
