@@ -17,6 +17,8 @@ redis-write ``RedisTier.put_many`` (pipelined EXISTS, then SET NX, bounded batch
             redis-py pipeline of SET of the same values in batches of the same size; FLUSHALL
             between rounds, untimed.
 redis-read  ``RedisTier.get_many`` (pipelined GET, verify) vs a raw pipelined GET.
+encode      the caller's side of an offload: ``encode`` (xxh3 checksum + one copy of the body) and
+            ``OffloadCoordinator.submit`` of N blocks (writer not started: queueing only).
 disk-scan   start-up of a ``DiskTier`` over 100,000 block files (index rebuild: scandir, one
             stat per file, sort by mtime), seconds per start-up.
 
@@ -229,6 +231,37 @@ def bench_scan(root: Path, num_blocks: int, rounds: int) -> list[Row]:
     ]
 
 
+def bench_encode(payload_mb: float, total_mb: int, rounds: int) -> list[Row]:
+    from pagedkv.tiers import HostTier, OffloadCoordinator
+
+    layout = layout_for(payload_mb)
+    n = max(4, int(total_mb / payload_mb))
+    body = os.urandom(layout.block_bytes)
+    headers = [PayloadHeader(layout, i.to_bytes(16, "big"), layout.block_size) for i in range(n)]
+
+    def enc() -> None:
+        for hd in headers:  # each result is dropped at once: no fresh-memory page faults
+            encode(hd, body)
+
+    med, spread = measure(enc, rounds)
+    nbytes = n * layout.block_bytes
+    rows = [Row("encode", f"{payload_mb:g} MB x {n}", "pagedkv", nbytes / med / 1e9, med, spread,
+                rounds, None, f"{med / n * 1e6:.0f} µs per block")]  # fmt: skip
+    payload = encode(headers[0], body)
+    items = [(hd.block_hash, payload) for hd in headers]  # submit does not read the payload
+    times = []
+    for _ in range(rounds):
+        off = OffloadCoordinator([HostTier(layout, 1 << 40)], max_queue_blocks=n, start=False)
+        t0 = time.perf_counter()
+        for hsh, p in items:
+            off.submit(hsh, p)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    rows.append(Row("submit", f"{n} blocks", "pagedkv", None, med, (max(times) - min(times)) / med,
+                    rounds, None, f"{med / n * 1e6:.1f} µs per block"))  # fmt: skip
+    return rows
+
+
 # ---------------------------------------------------------------------- redis
 @contextmanager
 def redis_server(url: str | None) -> Iterator[str]:
@@ -348,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsync", action="store_true", help="also run disk rows with fsync")
     parser.add_argument("--scan-blocks", type=int, default=100_000)
     args = parser.parse_args(argv)
-    fixtures = ("disk", "scan", "redis")
+    fixtures = ("disk", "encode", "scan", "redis")
     only = set(args.only or fixtures)
     if only - set(fixtures):
         parser.error(f"unknown fixture(s); choose from {', '.join(fixtures)}")
@@ -364,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows += bench_disk(base, mb, total_mb, rounds, fsync=False)
                 if args.fsync:
                     rows += bench_disk(base, mb, total_mb // 4, rounds, fsync=True)
+        if "encode" in only:
+            for mb in (0.5, 2.0):
+                rows += bench_encode(mb, total_mb, rounds)
         if "scan" in only:
             rows += bench_scan(base, 5_000 if quick else args.scan_blocks, 3)
         if "redis" in only:

@@ -226,3 +226,19 @@ def test_a_tier_slower_than_recompute_is_skipped_then_reprobed(
     with pytest.raises(InvalidRequestError):
         off.set_recompute_cost(0)
     off.close()
+
+
+def test_block_written_between_match_and_load_is_still_loaded(
+    stack: tuple[HostTier, DiskTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host, disk = stack
+    off = OffloadCoordinator([host, disk], start=False)
+    off.submit(h(0), pl(0))
+    stale = off.match([h(0)])
+    assert stale == [(PENDING, h(0))]
+    off.start()
+    assert off.flush(5)  # the writer dequeued it: no longer pending
+    monkeypatch.setattr(off, "match", lambda hashes: stale)
+    assert off.load([h(0)]) == [pl(0)]
+    assert off.stats().load_failures == 0
+    off.close()

@@ -302,7 +302,13 @@ class OffloadCoordinator:
     def _fetch(self, level: str, hashes: list[bytes]) -> list[bytes | None]:
         if level == PENDING:
             with self._cv:
-                return [e.payload if (e := self._pending.get(h)) else None for h in hashes]
+                got = [e.payload if (e := self._pending.get(h)) else None for h in hashes]
+            for i, h in enumerate(hashes):  # written (and dequeued) since the match
+                for tier in self.tiers:
+                    if got[i] is not None:
+                        break
+                    got[i] = tier.try_get(h)
+            return got
         t0 = time.perf_counter()
         got = self.tiers[self._by_name[level]].get_many(hashes)
         self._record_load(level, time.perf_counter() - t0, len(hashes))
