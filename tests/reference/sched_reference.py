@@ -303,6 +303,28 @@ def step(
     return out, results
 
 
+class FakeTier:
+    """A lower KV tier holding a set of block hashes (the scheduler's ``TierIndex``)."""
+
+    def __init__(self) -> None:
+        self.hashes: set[bytes] = set()
+
+    def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        n = 0
+        for h in block_hashes:
+            if h not in self.hashes:
+                break
+            n += 1
+        return n
+
+    def add_prompt(self, sched: Scheduler, prompt: Sequence[int]) -> None:
+        """Hold the full blocks of ``prompt`` (hashed by the scheduler's own manager)."""
+        mgr = sched.manager
+        mgr.add_request("__tier_probe__", prompt)
+        self.hashes.update(mgr.block_hashes("__tier_probe__"))
+        mgr.free("__tier_probe__")
+
+
 class Driver:
     """A scheduler, its shadow KV and checker, and the expected output of every request.
 

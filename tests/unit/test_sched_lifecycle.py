@@ -6,29 +6,14 @@ block for it; once everything ends the pool is all free (cached-free blocks allo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import pytest
 
 from pagedkv.core import CacheConfig
 from pagedkv.errors import InvalidRequestError, RequestStateError, UnknownRequestError
 from pagedkv.sched import FinishReason, KVTransfer, RequestStatus, Scheduler, SchedulerConfig
-from reference.sched_reference import Driver
-
-
-class FakeTier:
-    """A lower KV tier holding a set of block hashes (``TierIndex``)."""
-
-    def __init__(self) -> None:
-        self.hashes: set[bytes] = set()
-
-    def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:
-        n = 0
-        for h in block_hashes:
-            if h not in self.hashes:
-                break
-            n += 1
-        return n
+from reference.sched_reference import Driver, FakeTier
 
 
 def make_driver(
@@ -95,18 +80,10 @@ def _held_for_send(d: Driver) -> str:
 
 def _loading(d: Driver) -> str:
     assert isinstance(d.sched.tier_index, FakeTier)
-    d.sched.tier_index.hashes.update(_hashes_of(d, PROMPT))
+    d.sched.tier_index.add_prompt(d.sched, PROMPT)
     d.add("x", PROMPT, max_tokens=8)
     d.sched.schedule()
     return "x"
-
-
-def _hashes_of(d: Driver, prompt: list[int]) -> list[bytes]:
-    mgr = d.sched.manager
-    mgr.add_request("probe", prompt)
-    hashes = list(mgr.block_hashes("probe"))
-    mgr.free("probe")
-    return hashes
 
 
 STATES: dict[str, tuple[Callable[[Driver], str], RequestStatus, int]] = {
@@ -270,7 +247,7 @@ def test_aborted_send_request_is_not_held() -> None:
 def test_tier_load_then_prefill_rest_gives_same_tokens() -> None:
     tier = FakeTier()
     d = make_driver(tier=tier)
-    tier.hashes.update(_hashes_of(d, PROMPT))
+    tier.add_prompt(d.sched, PROMPT)
     d.add("x", PROMPT, max_tokens=4)
     out, _ = d.step()
     assert out.scheduled == []
@@ -288,7 +265,7 @@ def test_failed_tier_load_without_device_prefix_recomputes() -> None:
     """The rollback of a failed load may leave the request holding no block at all."""
     tier = FakeTier()
     d = make_driver(tier=tier)
-    tier.hashes.update(_hashes_of(d, PROMPT))
+    tier.add_prompt(d.sched, PROMPT)
     d.add("x", PROMPT, max_tokens=4)
     d.step(failed_loads={"x"})
     tier.hashes.clear()
@@ -349,7 +326,7 @@ def test_failed_tier_load_keeps_the_device_prefix() -> None:
     d = make_driver(tier=tier)
     d.add("warm", PROMPT[:5], max_tokens=1)  # one full block cached on the device
     d.run()
-    tier.hashes.update(_hashes_of(d, PROMPT))
+    tier.add_prompt(d.sched, PROMPT)
     d.add("x", PROMPT, max_tokens=4)
     out, _ = d.step(failed_loads={"x"})
     assert out.loading_ids == ["x"]
