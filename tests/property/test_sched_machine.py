@@ -230,7 +230,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("SCHED_MACHINE_EXAMPLES", "150")),
+    max_examples=int(os.environ.get("SCHED_MACHINE_EXAMPLES", "100")),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
