@@ -279,6 +279,7 @@ def print_table(title: str, results: list[Result], footer: Iterable[str] = ()) -
         ("impl", "left"),
         ("median / op", "right"),
         ("unit", "left"),
+        ("wall median", "right"),
         ("spread", "right"),
         ("target", "right"),
         ("ratio", "right"),
@@ -296,6 +297,7 @@ def print_table(title: str, results: list[Result], footer: Iterable[str] = ()) -
             r.impl,
             _fmt_us(r.median_us),
             r.unit,
+            _fmt_us(statistics.median(r.timing.wall_per_op_s) * 1e6),
             f"{r.timing.spread:.0%}",
             target,
             "" if r.ratio is None else f"{r.ratio:.2f}x",
@@ -307,7 +309,8 @@ def print_table(title: str, results: list[Result], footer: Iterable[str] = ()) -
         console.print(line)
     m = machine_info()
     console.print(
-        f"clock: {_clock} (per operation, median of rounds; spread = (max-min)/median); "
+        f"clock: {_clock} (median / op, spread and ratio use it; spread = (max-min)/median "
+        "over rounds; wall median is the same rounds on the wall clock); "
         f"machine: {m['cpu']}, {m['cores']} cores, load {m['load_average_1_5_15min']}, "
         f"Python {m['python']}, commit {m['commit']}"
     )
