@@ -198,6 +198,7 @@ def test_elastic_pool_grows_the_kv_tensors(model_dir: Path) -> None:
     _drain(engine)
     assert engine.runner.kv_cache.num_blocks > start
     assert engine.runner.kv_cache.num_grows >= 1
+    assert engine.runner.kv_cache.num_blocks <= 256  # never past the pool's capacity
 
 
 def test_llm_generate_and_cli(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

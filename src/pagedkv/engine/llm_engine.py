@@ -124,7 +124,9 @@ class LLMEngine:
         self.max_model_len = max_len
         pool = self.scheduler.manager.pool
         kv = PagedKVCache(spec, pool.num_materialized_blocks, model.device)
-        self.runner = ModelRunner(model, kv, batched_decode=config.batched_decode)
+        self.runner = ModelRunner(
+            model, kv, batched_decode=config.batched_decode, max_num_blocks=num_blocks
+        )
         self.proposer: DraftProposer | None = (
             NgramProposer(config.num_speculative_tokens) if config.num_speculative_tokens else None
         )

@@ -36,20 +36,34 @@ class ModelRunner:
     """Runs a model over paged KV. Stateless between steps apart from the KV tensors."""
 
     def __init__(
-        self, model: LlamaModel, kv_cache: PagedKVCache, *, batched_decode: bool = True
+        self,
+        model: LlamaModel,
+        kv_cache: PagedKVCache,
+        *,
+        batched_decode: bool = True,
+        max_num_blocks: int | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.batched_decode = batched_decode
         self.device = model.device
+        self.max_num_blocks = max_num_blocks  # the pool's capacity: tensors never grow past it
 
     def ensure_blocks(self, num_blocks: int) -> None:
-        """Grow the KV tensors to hold block ids below ``num_blocks`` (elastic pools)."""
-        if num_blocks > self.kv_cache.num_blocks:
-            logger.info(
-                "growing KV tensors from %d to %d blocks", self.kv_cache.num_blocks, num_blocks
-            )
-            self.kv_cache.grow(num_blocks)
+        """Grow the KV tensors to hold block ids below ``num_blocks`` (elastic pools).
+
+        Growth is geometric (at least double, capped at ``max_num_blocks``): each growth copies
+        the whole cache, so doubling keeps the total copy cost linear in the final size even
+        when the pool itself grows in small fixed steps.
+        """
+        current = self.kv_cache.num_blocks
+        if num_blocks <= current:
+            return
+        target = max(num_blocks, 2 * current)
+        if self.max_num_blocks is not None:
+            target = max(num_blocks, min(target, self.max_num_blocks))
+        logger.info("growing KV tensors from %d to %d blocks", current, target)
+        self.kv_cache.grow(target)
 
     def execute(self, batch: StepBatch) -> dict[str, torch.Tensor]:
         """Run one step; returns ``request_id -> float32 logits [rows, vocab]`` for every
