@@ -303,7 +303,7 @@ def print_table(title: str, results: list[Result], footer: Iterable[str] = ()) -
             "" if r.ratio is None else f"{r.ratio:.2f}x",
             r.note,
         )
-    console = Console(width=max(160, Console().width))
+    console = Console(width=max(200, Console().width))
     console.print(table)
     for line in footer:
         console.print(line)
