@@ -2,7 +2,7 @@
 
 from pagedkv.sim.cost_model import CostModel
 from pagedkv.sim.generators import WORKLOADS, make_workload
-from pagedkv.sim.report import Percentiles, SimReport, TimeSeries, WallTimings
+from pagedkv.sim.report import Percentiles, RequestRecord, SimReport, TimeSeries, WallTimings
 from pagedkv.sim.simulator import SimConfig, simulate
 from pagedkv.sim.trace import load_trace, parse_trace, save_trace
 from pagedkv.sim.variants import build_variants
@@ -12,6 +12,7 @@ __all__ = [
     "WORKLOADS",
     "CostModel",
     "Percentiles",
+    "RequestRecord",
     "SimConfig",
     "SimReport",
     "SimRequest",

@@ -177,12 +177,12 @@ def print_table(reports: Sequence[SimReport], workload: Workload, base: SimConfi
         f"{workload.name}: {len(workload):,} requests, "
         f"{workload.num_prompt_tokens / max(1, len(workload)):,.0f} prompt / "
         f"{workload.num_output_tokens / max(1, len(workload)):,.0f} output tokens on average; "
-        f"pool {cache.num_blocks:,} blocks x {cache.block_size} tokens; seed {base.seed}"
+        f"base pool {cache.num_blocks:,} blocks x {cache.block_size} tokens; seed {base.seed}"
     )
     table = Table(title=title, title_justify="left")
     table.add_column("metric")
     for r in reports:
-        table.add_column(r.label, justify="right")
+        table.add_column(r.label.replace(" ", "\n"), justify="right")  # one setting a line
     for name, cell in _ROWS:
         table.add_row(name, *(cell(r) for r in reports))
     console = Console(width=max(100, min(200, 34 + 26 * len(reports))))

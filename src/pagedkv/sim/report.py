@@ -62,6 +62,26 @@ class TimeSeries:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """What happened to one request. Times are simulated seconds; ``None`` for a rejected one.
+
+    ``num_cached_tokens`` is its prefix hit at its last admission (a preempted request is
+    admitted again, mostly from its own cached blocks).
+    """
+
+    request_id: str
+    session_id: str
+    arrival_s: float
+    first_token_s: float | None
+    finish_s: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    rejected: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class WallTimings:
     """Wall-clock costs of the real scheduler during the run (vary run to run)."""
 
@@ -102,6 +122,7 @@ class SimReport:
     peak_running: int
     peak_waiting: int
     series: TimeSeries
+    records: tuple[RequestRecord, ...]  # one per request, in the order they finished
     wall: WallTimings = field(compare=False)
 
     @property

@@ -38,7 +38,7 @@ from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sched.request import Request
 from pagedkv.sched.scheduler import Scheduler
 from pagedkv.sim.cost_model import CostModel
-from pagedkv.sim.report import Percentiles, SimReport, TimeSeries, WallTimings
+from pagedkv.sim.report import Percentiles, RequestRecord, SimReport, TimeSeries, WallTimings
 from pagedkv.sim.workload import VOCAB_HIGH, VOCAB_LOW, SimRequest, Workload, stable_seed
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ def simulate(
     order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
 
     tracks: dict[str, _Track] = {}
+    records: list[RequestRecord] = []
     num_done = num_rejected = num_truncated = 0
     num_prompt = num_output = 0
     ttft: list[float] = []
@@ -158,6 +159,20 @@ def simulate(
             num_truncated += 1
         if tr.last_s >= 0.0:
             e2e.append(tr.last_s - tr.arrival_s)
+        req = tr.req
+        records.append(
+            RequestRecord(
+                rid,
+                tr.sim.session_id,
+                tr.arrival_s,
+                tr.first_s if tr.first_s >= 0.0 else None,
+                at,
+                req.num_prompt_tokens,
+                produced,
+                req.num_cached_tokens,
+                req.num_preemptions,
+            )
+        )
         last_finish = max(last_finish, at)
         release(rid, at)
 
@@ -179,6 +194,20 @@ def simulate(
                 logger.debug("request %s rejected: %s", sim.request_id, exc)
                 num_rejected += 1
                 num_done += 1
+                records.append(
+                    RequestRecord(
+                        sim.request_id,
+                        sim.session_id,
+                        at,
+                        None,
+                        None,
+                        sim.num_prompt_tokens,
+                        0,
+                        0,
+                        0,
+                        rejected=True,
+                    )
+                )
                 release(sim.request_id, clock)
                 continue
             tracks[sim.request_id] = _Track(sim, req, at, _output_tokens(sim, cfg.seed))
@@ -287,6 +316,7 @@ def simulate(
             ttft_at,
             ttft,
         ),
+        records=tuple(records),
         wall=WallTimings(
             total_s=time.perf_counter() - wall0,
             schedule_us=Percentiles.of(sched_us),

@@ -1,8 +1,10 @@
 """``--compare KEY=V1,V2``: named settings a comparison varies, and their cross product.
 
-Each key sets one field of the scheduler or cache config. Several ``--compare`` options combine
-as a cross product (``caching=on,off`` x ``num_blocks=2048,8192`` is four variants), capped at
-:data:`MAX_VARIANTS` so a typo cannot start an hour-long run.
+Each key sets one field of the scheduler or cache config (``block_size`` also rescales
+``num_blocks`` so every variant has the same KV memory; a ``num_blocks`` given after it wins).
+Several ``--compare`` options combine as a cross product (``caching=on,off`` x
+``num_blocks=2048,8192`` is four variants), capped at :data:`MAX_VARIANTS` so a typo cannot
+start an hour-long run.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def _set_sched(cfg: SimConfig, **changes: object) -> SimConfig:
     return dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, **changes))  # type: ignore[arg-type]
 
 
+def _set_block_size(cfg: SimConfig, block_size: int) -> SimConfig:
+    """Same KV memory, other block size: keep num_blocks * block_size (the null block aside)."""
+    tokens = cfg.cache.num_blocks * cfg.cache.block_size
+    return _set_cache(cfg, block_size=block_size, num_blocks=max(2, tokens // block_size))
+
+
 def _float(value: str) -> float:
     try:
         return float(value)
@@ -63,8 +71,8 @@ KEYS: dict[str, tuple[str, Callable[[SimConfig, str], SimConfig]]] = {
         lambda c, v: _set_cache(c, num_blocks=_positive_int(v)),
     ),
     "block_size": (
-        "tokens per block",
-        lambda c, v: _set_cache(c, block_size=_positive_int(v)),
+        "tokens per block; num_blocks is rescaled so the pool holds as many tokens",
+        lambda c, v: _set_block_size(c, _positive_int(v)),
     ),
     "policy": ("fcfs or priority", lambda c, v: _set_sched(c, policy=v)),
     "reservation": (
