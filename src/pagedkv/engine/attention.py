@@ -12,9 +12,9 @@ back through its block table, so cached prefix blocks and the new chunk are read
 Two paths compute the same thing:
 * the reference path: per sequence, gather its K/V and call torch's scaled_dot_product_attention
   with an explicit causal mask (clear, and the baseline the tests trust);
-* the batched decode path: all single-token sequences at once, K/V gathered into a batch padded
-  to the longest context, padding masked out. One gather and one SDPA call (grouped-query
-  aware) instead of one per request: the win grows with the number of concurrent decodes.
+* the batched decode path: all single-token sequences at once, K/V gathered block by block into
+  a batch padded to the longest context, padding masked out. One gather and one SDPA call
+  (grouped-query aware) instead of one per request: the win grows with concurrent decodes.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class BatchedDecode:
     """All single-token sequences of the step, padded to the longest context."""
 
     token_idx: torch.Tensor  # [D] index of each decode's token in the step's flat batch
-    slots: torch.Tensor  # [D, max_ctx] padded context slots
-    mask: torch.Tensor  # [D, max_ctx] True where the slot is real
+    block_ids: torch.Tensor  # [D, max_blocks] each table, padded with block 0
+    mask: torch.Tensor  # [D, max_blocks * block_size] True at positions < the context length
 
 
 @dataclass(slots=True)
@@ -103,7 +103,8 @@ def build_metadata(
     pos_parts: list[np.ndarray] = []
     ref: list[SeqAttention] = []
     dec_idx: list[int] = []
-    dec_ctx: list[np.ndarray] = []
+    dec_len: list[int] = []
+    dec_tables: list[np.ndarray] = []
     offset = 0
     num_single = sum(1 for s in seqs if s.num_tokens == 1)
     use_batched = batched_decode and num_single >= 2
@@ -121,7 +122,8 @@ def build_metadata(
         pos_parts.append(np.arange(start, start + n, dtype=np.int64))
         if use_batched and n == 1:
             dec_idx.append(offset)
-            dec_ctx.append(ctx)
+            dec_len.append(start + n)
+            dec_tables.append(s.block_table[: -(-(start + n) // block_size)])
         else:
             ref.append(SeqAttention(offset, n, start, torch.from_numpy(ctx).to(device)))
         offset += n
@@ -131,15 +133,15 @@ def build_metadata(
         ref,
     )
     if dec_idx:
-        longest = max(len(c) for c in dec_ctx)
-        slots = np.zeros((len(dec_ctx), longest), dtype=np.int64)
-        mask = np.zeros((len(dec_ctx), longest), dtype=bool)
-        for i, c in enumerate(dec_ctx):
-            slots[i, : len(c)] = c
-            mask[i, : len(c)] = True
+        max_blocks = max(len(t) for t in dec_tables)
+        tables = np.zeros((len(dec_tables), max_blocks), dtype=np.int64)
+        for i, t in enumerate(dec_tables):
+            tables[i, : len(t)] = t
+        lengths = np.array(dec_len, dtype=np.int64)
+        mask = np.arange(max_blocks * block_size)[None, :] < lengths[:, None]
         meta.decode = BatchedDecode(
             torch.tensor(dec_idx, dtype=torch.long, device=device),
-            torch.from_numpy(slots).to(device),
+            torch.from_numpy(tables).to(device),
             torch.from_numpy(mask).to(device),
         )
     return meta
@@ -169,7 +171,9 @@ def paged_attention(
     if dec is not None:
         qd = q.index_select(0, dec.token_idx)
         out.index_copy_(
-            0, dec.token_idx, _attend_decode_batched(qd, cache, layer, dec.slots, dec.mask, scale)
+            0,
+            dec.token_idx,
+            _attend_decode_batched(qd, cache, layer, dec.block_ids, dec.mask, scale),
         )
     return out
 
@@ -199,11 +203,11 @@ def _attend_decode_batched(
     q: torch.Tensor,
     cache: PagedKVCache,
     layer: int,
-    slots: torch.Tensor,
+    block_ids: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    keys, values = cache.gather(layer, slots)  # [D, L, kv_heads, d]
+    keys, values = cache.gather_blocks(layer, block_ids)  # [D, L, kv_heads, d]
     num_seqs, num_heads, head_dim = q.shape
     # One SDPA call over the padded batch; enable_gqa shares each KV head with its query group
     # without materialising repeated keys (measured 2.4x faster than repeating, 5x faster than

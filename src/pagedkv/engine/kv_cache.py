@@ -162,6 +162,20 @@ class PagedKVCache:
         shape = (*slots.shape, spec.num_kv_heads, spec.head_dim)
         return kf.index_select(0, flat).view(shape), vf.index_select(0, flat).view(shape)
 
+    def gather_blocks(
+        self, layer: int, block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks, ``block_ids`` shaped ``[rows, blocks]``: returns
+        ``[rows, blocks * block_size, num_kv_heads, head_dim]`` (one contiguous slab per block,
+        so far fewer index operations than gathering slot by slot)."""
+        spec = self.spec
+        rows = block_ids.shape[0]
+        shape = (rows, -1, spec.num_kv_heads, spec.head_dim)
+        flat = block_ids.reshape(-1)
+        k = self.k[layer].index_select(0, flat).view(shape)
+        v = self.v[layer].index_select(0, flat).view(shape)
+        return k, v
+
     # ------------------------------------------------------------------ tiers
     def read_block(self, block_id: int) -> bytes:
         """All layers' K then V of one block, as raw bytes (``spec.bytes_per_block`` long)."""
