@@ -1,9 +1,10 @@
 """Benchmarks of pagedkv.core: admission checks, allocate/free, cached-prefix hits, hashing.
 
-Run ``python benchmarks/bench_core.py`` (about a minute on 2 cores) or ``pagedkv bench-core``;
-``--quick`` takes a few seconds; ``--json PATH`` writes every row; ``--peer-vllm PATH`` and
-``--peer-infinilm PATH`` run the same fixtures on a peer's extracted source tree in this process
-and print ratios (peer time / pagedkv time). Fixtures (see benchmarks/RESULTS.md for numbers):
+Run ``python benchmarks/bench_core.py`` (about 15 s on 2 cores; 2 minutes with both peers) or
+``pagedkv bench-core``; ``--quick`` takes 2 s; ``--json PATH`` writes every row;
+``--peer-vllm PATH`` and ``--peer-infinilm PATH`` run the same fixtures on a peer's extracted
+source tree in this process and print ratios (peer time / pagedkv time). Fixtures (numbers and
+how to get the peers' trees: benchmarks/RESULTS.md):
 
 admission  InfiniLM's capacity-check fixture. Block size 16. Running requests (16 prompt tokens,
            max_tokens=128, 64 tokens generated one decode step at a time: 5 blocks each, 4 more

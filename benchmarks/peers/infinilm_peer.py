@@ -99,10 +99,12 @@ class InfiniLMPeer:
             cm.publish_computed_blocks(table, req.block_hashes, 0, len(toks))
             fillers.append((table, toks))
         released: list[list[int]] = []
-        while fillers and cm.get_total_usable_blocks() < pages // 2:
+        num_released = 0  # == cm.get_total_usable_blocks(), which scans every page
+        while fillers and num_released < pages // 2:
             table, toks = fillers.pop()
             cm.free_blocks(table)
             released.append(toks)
+            num_released += len(table)
         shared = released[0][:64] if released else []
         cand_toks = shared + [rng.randrange(VOCAB) for _ in range(CANDIDATE_PROMPT_TOKENS - 64)]
         cand = self._request("candidate", cand_toks, CANDIDATE_MAX_TOKENS)
