@@ -234,3 +234,23 @@ def test_the_simulator_never_imports_torch() -> None:
         "assert 'matplotlib' not in sys.modules, 'matplotlib was imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_pool_too_small_rejects_or_truncates_and_an_all_rejected_run_reports_zeros() -> None:
+    w = Workload(
+        "tiny",
+        (
+            SimRequest("grows", 0.0, tuple(range(100, 200)), 500),
+            SimRequest("huge", 0.0, tuple(range(100, 900)), 5),
+        ),
+    )
+    r = simulate(w, _config(num_blocks=21, check=True))  # 20 usable blocks: 320 tokens
+    recs = {rec.request_id: rec for rec in r.records}
+    assert recs["huge"].rejected
+    # "grows" holds all 20 blocks with 320 computed tokens, then cannot grow: it is finished.
+    assert recs["grows"].num_output_tokens == 320 + 1 - 100
+    assert (r.num_rejected, r.num_finished, r.num_truncated) == (1, 1, 1)
+    none_fit = simulate(Workload("none", (w.requests[1],)), _config(num_blocks=21))
+    assert (none_fit.num_rejected, none_fit.num_steps, none_fit.makespan_s) == (1, 0, 0.0)
+    assert none_fit.series.t_s == ()
+    assert none_fit.ttft_s.count == 0

@@ -339,8 +339,8 @@ def _bucket(
     """Per-step lists -> at most ``max_points`` buckets (maxima, mean step time)."""
     n = len(t)
     stride = max(1, math.ceil(n / max_points))
-    ends = list(range(stride, n, stride)) + ([n] if n else [])
-    starts = [0, *ends[:-1]]
+    ends = [*range(stride, n, stride), n] if n else []
+    starts = [0, *ends[:-1]] if n else []
     tstride = max(1, math.ceil(len(ttft) / max_points))
     return TimeSeries(
         t_s=tuple(t[e - 1] for e in ends),
