@@ -53,9 +53,13 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """What ``update`` reports for one request: the tokens it accepted this step."""
+    """What ``update`` reports for one request: the tokens it accepted this step.
+
+    A hot record (one per sampling request per step), so not frozen: a frozen dataclass costs
+    about 1 µs more to build, a fifth of the per-request step budget. Treat it as read-only.
+    """
 
     request_id: str
     new_token_ids: tuple[int, ...]

@@ -215,30 +215,46 @@ class Scheduler:
         running = self.running
 
         # 1. decodes, in serving order; victims come from the back of the list.
+        # The common case (the allocation succeeds) is inlined: this loop runs once per running
+        # request per step. ``_allocate_or_preempt`` retries it with preemption.
+        allocate = mgr.allocate_slots
+        max_len = cfg.max_model_len
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if req.num_computed_tokens != req.num_tokens - 1:
+            all_ids = req.all_token_ids
+            pos = req.num_computed_tokens
+            if pos != len(all_ids) - 1:
                 i += 1
                 continue
             drafts = req.draft_token_ids
             if drafts:
                 room = min(
                     budget - 1,
-                    req.max_tokens - req.num_output_tokens - 1,
-                    cfg.max_model_len - req.num_tokens - 1,
+                    req.max_tokens - (len(all_ids) - req.num_prompt_tokens) - 1,
+                    max_len - len(all_ids) - 1,
                 )
                 drafts = drafts[: max(0, room)]
             n = 1 + len(drafts)
-            if not self._allocate_or_preempt(req, n, lookahead, copies, preempted, done):
-                break  # req itself was preempted; everything after it is gone too
-            pos = req.num_computed_tokens
+            try:
+                alloc = allocate(req.request_id, n, lookahead)
+            except OutOfBlocksError:
+                if not self._allocate_or_preempt(req, n, lookahead, copies, preempted, done):
+                    break  # req itself was preempted; everything after it is gone too
+            else:
+                if alloc.new_block_ids or alloc.copies:
+                    copies.extend(alloc.copies)
+                    self._refresh_table(req)
             table = req._block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(pos, pos + n))
-            tokens = [req.all_token_ids[-1], *drafts] if drafts else [req.all_token_ids[-1]]
+            if n == 1:
+                slots.append(table[pos // bs] * bs + pos % bs)
+                tokens = [all_ids[-1]]
+            else:
+                slots.extend(table[p // bs] * bs + p % bs for p in range(pos, pos + n))
+                tokens = [all_ids[-1], *drafts]
             scheduled.append(
                 ScheduledRequest(
-                    req.request_id, pos, tokens, n, req._table, _EMPTY, False, True, len(drafts)
+                    req.request_id, pos, tokens, n, req._table, _EMPTY, False, True, n - 1
                 )
             )
             done.add(req.request_id)
@@ -366,22 +382,26 @@ class Scheduler:
         except those in ``failed_loads``: they drop the loaded blocks and recompute.
         """
         mgr = self.manager
+        requests = self.requests
+        running_status = RequestStatus.RUNNING
         results: list[RequestOutput] = []
         max_len = self.config.max_model_len
         for sr in output.scheduled:  # validate everything first: all or nothing
-            req = self.requests.get(sr.request_id)
-            if not sr.samples or req is None or req.status is not RequestStatus.RUNNING:
+            if not sr.samples:
                 continue
             toks = sampled.get(sr.request_id)
             if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
+                req = requests.get(sr.request_id)
+                if req is None or req.status is not running_status:
+                    continue  # aborted or finished since schedule(): nothing to apply
                 raise InvalidRequestError(
                     f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
                     f"tokens, got {None if toks is None else len(toks)}"
                 )
         for sr in output.scheduled:
             rid = sr.request_id
-            maybe = self.requests.get(rid)
-            if maybe is None or maybe.status is not RequestStatus.RUNNING:
+            maybe = requests.get(rid)
+            if maybe is None or maybe.status is not running_status:
                 continue  # aborted or finished since schedule()
             req = maybe
             if not sr.samples:
@@ -389,26 +409,44 @@ class Scheduler:
                 req.num_computed_tokens += sr.num_tokens
                 continue
             toks = sampled[rid]
-            final: list[int] = []
-            reason: FinishReason | None = None
+            all_ids = req.all_token_ids
             stop_ids = req.stop_token_ids
-            num_out = req.num_output_tokens
-            for t in toks:
-                final.append(int(t))
+            reason: FinishReason | None = None
+            if len(toks) == 1:  # the common case: a plain decode or a last prefill chunk
+                t = toks[0]
+                final = [int(t)]
                 if t in stop_ids:
                     reason = FinishReason.STOP
-                    break
-                if num_out + len(final) >= req.max_tokens or req.num_tokens + len(final) >= max_len:
+                elif (
+                    len(all_ids) - req.num_prompt_tokens + 1 >= req.max_tokens
+                    or len(all_ids) + 1 >= max_len
+                ):
                     reason = FinishReason.LENGTH
-                    break
+            else:
+                final = []
+                num_out = len(all_ids) - req.num_prompt_tokens
+                for t in toks:
+                    final.append(int(t))
+                    if t in stop_ids:
+                        reason = FinishReason.STOP
+                        break
+                    if (
+                        num_out + len(final) >= req.max_tokens
+                        or len(all_ids) + len(final) >= max_len
+                    ):
+                        reason = FinishReason.LENGTH
+                        break
             mgr.append_tokens(rid, final)
-            req.all_token_ids.extend(final)
+            all_ids.extend(final)
             accepted = len(final) - 1
-            mgr.commit(rid, sr.num_tokens - sr.num_draft_tokens + accepted)
-            if sr.num_draft_tokens - accepted and mgr.rollback(rid, sr.num_draft_tokens - accepted):
+            num_committed = sr.num_tokens - sr.num_draft_tokens + accepted
+            mgr.commit(rid, num_committed)
+            rejected = sr.num_draft_tokens - accepted
+            if rejected and mgr.rollback(rid, rejected):
                 self._refresh_table(req)
-            req.num_computed_tokens = mgr.num_computed_tokens(rid)
-            req.draft_token_ids = []
+            req.num_computed_tokens += num_committed  # == the manager's count (S3)
+            if req.draft_token_ids:
+                req.draft_token_ids = []
             if reason is not None:
                 self._remove_running(req)
                 self._finish(req, reason)
