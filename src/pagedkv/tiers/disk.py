@@ -172,6 +172,13 @@ class DiskTier(KVTier):
         self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
         return self._last_stamp_ns
 
+    def _touch(self, block_hash: bytes) -> None:
+        """Stamp the file's mtime (lock held, so stamps follow the index order): the LRU clock
+        that survives restarts. A file gone meanwhile is left to the next read."""
+        stamp = self._next_stamp_ns()
+        with contextlib.suppress(OSError):
+            os.utime(self.path_of(block_hash), ns=(stamp, stamp))
+
     def _evict_one(self) -> None:
         """Delete the least recently used block (lock held)."""
         h, size = self._index.popitem(last=False)
@@ -261,10 +268,7 @@ class DiskTier(KVTier):
             self._forget(block_hash, inode, str(exc), corrupt=True)
             return None
         with self._lock:
-            stamp = self._next_stamp_ns()
-        with contextlib.suppress(OSError):
-            os.utime(path, ns=(stamp, stamp))  # the mtime is the LRU clock that survives restarts
-        with self._lock:
+            self._touch(block_hash)
             self._counters.hits += 1
             self._counters.bytes_out += len(data)
         return data
@@ -309,8 +313,9 @@ class DiskTier(KVTier):
             )
         size = len(payload)
         with self._lock:
-            if block_hash in self._index:
+            if block_hash in self._index:  # a put of a stored block counts as a use
                 self._index.move_to_end(block_hash)
+                self._touch(block_hash)
                 return True
             if block_hash in self._writing:
                 return True
@@ -326,7 +331,6 @@ class DiskTier(KVTier):
             self._reserved += size
             self._seq += 1
             seq = self._seq
-            stamp = self._next_stamp_ns()
         try:
             sub = self._subdir(block_hash)
             hexhash = block_hash.hex()
@@ -334,7 +338,6 @@ class DiskTier(KVTier):
             final = os.path.join(sub, hexhash + self._suffix)
             try:
                 self._writer(tmp, payload, self.fsync is not FsyncPolicy.NONE)
-                os.utime(tmp, ns=(stamp, stamp))
                 os.replace(tmp, final)
             except BaseException:
                 unlink_quietly(tmp)
@@ -348,6 +351,7 @@ class DiskTier(KVTier):
             del self._writing[block_hash]
             self._reserved -= size
             self._index[block_hash] = size
+            self._touch(block_hash)  # stamps follow the order blocks enter the index
             self._num_bytes += size
             self._counters.bytes_in += size
         return True
