@@ -227,8 +227,9 @@ def run_cases(cases: list[Case]) -> list[Result]:
                 if r < cases[i].rounds:
                     samples[i].append(_sample(cases[i], fns[i]))
         for i in members:
-            if cases[i].check is not None:
-                cases[i].check()
+            check = cases[i].check
+            if check is not None:
+                check()
     return [
         Result(
             c.bench,
