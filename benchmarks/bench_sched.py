@@ -1,0 +1,269 @@
+"""Benchmarks of pagedkv.sched: the cost of one scheduler step, and admission against a long queue.
+
+Run ``python benchmarks/bench_sched.py`` (about a minute on 2 cores); ``--quick`` takes a few
+seconds; ``--json PATH`` writes every row. Fixtures (see benchmarks/RESULTS.md for numbers):
+
+decode   N running requests (N = 64, 256, 1,024; 128-token random prompts, max_tokens=1,024, no
+         stop tokens, block size 16, a pool with room for every reservation) are prefilled
+         through the scheduler until every one decodes; then one step = ``schedule()`` +
+         ``update()`` with one sampled token per request (the sampled dict is built once,
+         untimed). Every 16th step of a request allocates a block and commits (hashes) a full
+         one, so the median over rounds of many steps includes that amortised work. Reported per
+         step and per running request; target: under 5 µs per running request per step.
+waiting  64 running decodes plus a waiting queue of Q requests (Q = 1, 100, 10,000; 128-token
+         prompts) that cannot be admitted, in two ways: ``seqs`` (max_num_seqs = 64 is reached)
+         and ``pool`` (max_num_seqs is large, but the running requests' reservations fill the
+         pool, so the head fails the O(1) ``can_admit`` check every step). One step =
+         ``schedule()`` + ``update()``; target: flat in Q (max/min of the medians <= 1.25).
+         The note gives the median wall time of the admission phase alone (``StepStats``).
+
+Invariant checking is off (as in production); the tests run it after every step.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import (
+    Case,
+    Result,
+    Timing,
+    base_parser,
+    flatness,
+    print_table,
+    run_cases,
+    set_clock,
+    write_json,
+)
+from pagedkv.core import CacheConfig
+from pagedkv.sched import Request, Scheduler, SchedulerConfig
+
+BLOCK_SIZE = 16
+VOCAB = 32_000
+PROMPT_TOKENS = 128
+MAX_TOKENS = 1024
+TARGET_PER_REQUEST_US = 5.0
+WAITING_FLAT = 1.25
+
+FIXTURES = ("decode", "waiting")
+DECODE_SIZES = (64, 256, 1024)  # the first two in --quick
+WAITING_LENGTHS = (1, 100, 10_000)  # 1 and 1,000 in --quick
+WAITING_RUNNING = 64
+ADMISSION_US: dict[str, float] = {}  # waiting case -> median admission time per step (wall)
+
+
+def _prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+
+
+def build_decoding(
+    num_running: int, *, max_num_seqs: int, num_blocks: int, seed: int = 0
+) -> Scheduler:
+    """A scheduler whose ``num_running`` requests have all finished prefill and decode."""
+    rng = random.Random(seed)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=max(8192, num_running),
+            max_num_seqs=max_num_seqs,
+            max_model_len=PROMPT_TOKENS + MAX_TOKENS + 1,
+            check_invariants=False,
+        ),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, watermark=0.0),
+    )
+    for i in range(num_running):
+        sched.add_request(Request(f"run{i}", _prompt(rng), max_tokens=MAX_TOKENS))
+    while any(r.num_output_tokens == 0 for r in sched.running) or sched.num_waiting:
+        out = sched.schedule()
+        if out.is_empty:
+            raise RuntimeError("the pool cannot hold every running request")
+        sched.update(out, {sr.request_id: [1] for sr in out.scheduled if sr.samples})
+    if sched.num_running != num_running:
+        raise RuntimeError(f"{sched.num_running} running, wanted {num_running}")
+    return sched
+
+
+def _blocks_for(num_running: int) -> int:
+    per_request = -(-(PROMPT_TOKENS + MAX_TOKENS) // BLOCK_SIZE)
+    return num_running * per_request + 1
+
+
+def _step_fn(sched: Scheduler) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One step, and a check that it really was an all-decode step with no preemption."""
+    sampled = {r.request_id: [7] for r in sched.running}
+    n = len(sampled)
+    schedule, update = sched.schedule, sched.update
+
+    def step() -> None:
+        update(schedule(), sampled)
+
+    def check() -> None:
+        out = schedule()
+        if out.num_scheduled_tokens != n or out.preempted_ids or sched.num_running != n:
+            raise RuntimeError(
+                f"not a steady decode step: {out.num_scheduled_tokens} tokens for {n} requests, "
+                f"{len(out.preempted_ids)} preempted"
+            )
+        if any(sr.is_prefill for sr in out.scheduled):
+            raise RuntimeError("a prefill chunk in a decode step")
+        update(out, sampled)
+
+    return step, check
+
+
+def decode_cases(quick: bool) -> list[Case]:
+    cases: list[Case] = []
+    for n in DECODE_SIZES[:2] if quick else DECODE_SIZES:
+        sched = build_decoding(n, max_num_seqs=n, num_blocks=_blocks_for(n))
+        step, check = _step_fn(sched)
+        steps = max(4, 2048 // n)  # about 2,000 request-steps per round
+        cases.append(
+            Case(
+                "decode",
+                f"running={n:,}",
+                "pagedkv",
+                "step",
+                step,
+                calls_per_round=steps,
+                rounds=3 if quick else 7,
+                warmup=steps,
+                params={"running": n, "prompt_tokens": PROMPT_TOKENS, "steps_per_round": steps},
+                check=check,
+            )
+        )
+    return cases
+
+
+def build_waiting(mode: str, queue_len: int, seed: int = 1) -> Scheduler:
+    """64 decoding requests and ``queue_len`` waiting ones that cannot be admitted."""
+    n = WAITING_RUNNING
+    if mode == "seqs":  # the pool has room; max_num_seqs stops admission
+        sched = build_decoding(n, max_num_seqs=n, num_blocks=_blocks_for(n) * 2)
+    else:  # reservations fill the pool exactly; the head fails can_admit every step
+        sched = build_decoding(n, max_num_seqs=100_000, num_blocks=_blocks_for(n))
+    rng = random.Random(seed)
+    for i in range(queue_len):
+        sched.add_request(Request(f"wait{i}", _prompt(rng), max_tokens=MAX_TOKENS))
+    return sched
+
+
+def waiting_cases(quick: bool) -> list[Case]:
+    cases: list[Case] = []
+    lengths = (1, 1000) if quick else WAITING_LENGTHS
+    for mode in ("seqs", "pool"):
+        for q in lengths:
+            sched = build_waiting(mode, q)
+            step, check = _step_fn(sched)
+
+            case_name = f"blocked by {mode}, queue={q:,}"
+
+            def check_waiting(
+                check: Callable[[], None] = check, sched: Scheduler = sched, name: str = case_name
+            ) -> None:
+                admission_s: list[float] = []
+                for _ in range(21):
+                    check()
+                    last = sched.stats().last_step
+                    if last.num_admitted:
+                        raise RuntimeError("a waiting request was admitted")
+                    admission_s.append(last.admission_s)
+                ADMISSION_US[name] = statistics.median(admission_s) * 1e6
+
+            cases.append(
+                Case(
+                    "waiting",
+                    case_name,
+                    "pagedkv",
+                    "step",
+                    step,
+                    calls_per_round=32,
+                    rounds=3 if quick else 7,
+                    warmup=32,
+                    params={"mode": mode, "queue": q, "running": WAITING_RUNNING},
+                    check=check_waiting,
+                    interleave=f"waiting-{mode}",  # every queue length alike under load
+                )
+            )
+    return cases
+
+
+def per_request_rows(results: list[Result]) -> list[Result]:
+    """The decode rows again, divided by the number of running requests."""
+    rows: list[Result] = []
+    for r in results:
+        if r.bench != "decode":
+            continue
+        n = int(r.params["running"])
+        t = r.timing
+        scaled = Timing(
+            tuple(x / n for x in t.cpu_per_op_s),
+            tuple(x / n for x in t.wall_per_op_s),
+            t.ops_per_round * n,
+            t.clock,
+        )
+        rows.append(
+            Result(
+                "decode",
+                r.case,
+                r.impl,
+                "request-step",
+                scaled,
+                TARGET_PER_REQUEST_US,
+                r.params,
+                f"{r.median_us:,.0f} µs per step",
+            )
+        )
+    return rows
+
+
+def _footer(results: list[Result]) -> list[str]:
+    lines: list[str] = []
+    for mode in ("seqs", "pool"):
+        rows = [r for r in results if r.bench == "waiting" and r.params.get("mode") == mode]
+        if rows:
+            f = flatness(rows)
+            verdict = "ok" if f <= WAITING_FLAT else "MISS"
+            lines.append(
+                f"waiting (blocked by {mode}): max/min over queue lengths = {f:.2f} "
+                f"(target <= {WAITING_FLAT}) {verdict}"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = base_parser(__doc__.splitlines()[0] if __doc__ else "")
+    args = parser.parse_args(argv)
+    set_clock(args.clock)
+    only = set(args.only or FIXTURES)
+    unknown = only - set(FIXTURES)
+    if unknown:
+        parser.error(f"unknown fixture(s) {sorted(unknown)}; choose from {', '.join(FIXTURES)}")
+    builders: dict[str, Callable[[bool], list[Case]]] = {
+        "decode": decode_cases,
+        "waiting": waiting_cases,
+    }
+    results: list[Result] = []
+    for fixture in FIXTURES:
+        if fixture in only:
+            results += run_cases(builders[fixture](args.quick))
+    for r in results:
+        if r.case in ADMISSION_US:
+            r.note = f"admission {ADMISSION_US[r.case]:.1f} µs/step"
+    results = [*per_request_rows(results), *results]
+    footer = _footer(results)
+    print_table("pagedkv.sched benchmarks (time per operation)", results, footer)
+    if args.json:
+        extra: dict[str, Any] = {"flatness": footer}
+        write_json(args.json, results, extra)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
