@@ -53,3 +53,34 @@ def test_prefill_and_each_decode_step_match_transformers(kind: str, tmp_path: Pa
         with torch.no_grad():
             ref = hf(torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(logits[0], ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_greedy_generation_matches_transformers_generate(kind: str, tmp_path: Path) -> None:
+    from pagedkv.engine.engine_config import EngineConfig
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.sampler import SamplingParams
+
+    hf = build_hf_model(kind, tmp_path)
+    engine = LLMEngine(load_model(tmp_path), None, EngineConfig(block_size=4, num_blocks=128))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (6, 13, 2)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=12,
+                min_new_tokens=12,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert got[f"r{i}"] == ref[0, len(p) :].tolist()
