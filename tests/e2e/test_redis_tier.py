@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from pagedkv.errors import TierUnavailableError
+from pagedkv.errors import InvalidRequestError, TierUnavailableError
 from pagedkv.tiers import HostTier, OffloadCoordinator, PayloadHeader, TierLayout, encode
 from pagedkv.tiers.redis_tier import RedisTier
 
@@ -221,3 +221,21 @@ def test_two_engines_share_prefix_blocks_through_redis(redis_server: RedisServer
     assert redis_tier_stats.dropped_writes == 1
     a.close()
     b.close()
+
+
+def test_bad_urls_raise_typed_errors() -> None:
+    with pytest.raises(InvalidRequestError, match="scheme"):
+        RedisTier("http://127.0.0.1:1/0", LAYOUT)
+    with pytest.raises(InvalidRequestError, match="looks like"):
+        RedisTier("127.0.0.1:6379", LAYOUT)
+    with pytest.raises(TierUnavailableError, match="cluster"):
+        RedisTier("redis+cluster://127.0.0.1:1", LAYOUT, connect_timeout_s=0.2)
+
+
+def test_a_server_that_was_never_up_reads_as_misses() -> None:
+    tier = RedisTier("redis://127.0.0.1:1/0", LAYOUT, connect_timeout_s=0.2)
+    assert tier.contains_prefix([h(0)]) == 0
+    assert not tier.put(h(0), pl(0))
+    assert tier.stats().errors == 1
+    with pytest.raises(TierUnavailableError):
+        tier.health_check()

@@ -49,7 +49,10 @@ _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, O
 
 
 def make_client(url: str, socket_timeout_s: float, connect_timeout_s: float) -> Any:
-    """A redis-py client for ``url`` (``RedisCluster`` for a ``redis+cluster://`` URL)."""
+    """A redis-py client for ``url`` (``RedisCluster`` for a ``redis+cluster://`` URL).
+
+    A single-node client connects lazily (a dead server shows up as misses later); a cluster
+    client must reach a node now and raises TierUnavailableError if it cannot."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise InvalidRequestError(f"a Redis URL looks like redis://host:6379/0, got {url!r}")
@@ -61,7 +64,10 @@ def make_client(url: str, socket_timeout_s: float, connect_timeout_s: float) -> 
     if scheme in _CLUSTER_SCHEMES:
         from redis.cluster import RedisCluster
 
-        return RedisCluster.from_url(f"{_CLUSTER_SCHEMES[scheme]}://{rest}", **opts)
+        try:  # a cluster client asks a node for the slot map when it is built
+            return RedisCluster.from_url(f"{_CLUSTER_SCHEMES[scheme]}://{rest}", **opts)
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise TierUnavailableError(f"Redis cluster at {url} is unreachable: {exc}") from exc
     if scheme not in ("redis", "rediss", "unix"):
         raise InvalidRequestError(f"unsupported Redis URL scheme {scheme!r} in {url!r}")
     return redis.Redis.from_url(url, **opts)
@@ -140,7 +146,7 @@ class RedisTier(KVTier):
                 return False, None
         try:
             result = fn(self._client)
-        except redis.exceptions.RedisError as exc:
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
             self._failed(exc)
             return False, None
         except OSError as exc:
