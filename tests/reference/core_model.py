@@ -57,8 +57,10 @@ class RefManager:
         use_null_block: bool = True,
         watermark: float = 0.0,
         reserve_max_tokens: bool = True,
+        prefix_caching: bool = True,
     ) -> None:
         self.bs = block_size
+        self.prefix_caching = prefix_caching
         self.num_blocks = num_blocks
         self.growth = growth_blocks
         self.reserved = 1 if use_null_block else 0
@@ -142,6 +144,8 @@ class RefManager:
 
     def hit_blocks(self, req: RefRequest) -> list[int]:
         out: list[int] = []
+        if not self.prefix_caching:
+            return out
         for i in range((len(req.tokens) - 1) // self.bs):
             b = self.index.get(self.block_key(req, i))
             if b is None:
@@ -234,6 +238,8 @@ class RefManager:
         req.pending -= n
         full = req.computed // self.bs
         num_new = 0
+        if not self.prefix_caching:
+            return 0
         for i in range(req.cached_blocks, full):
             b = req.blocks[i]
             k = self.block_key(req, i)

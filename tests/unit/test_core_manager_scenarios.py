@@ -424,3 +424,34 @@ def test_can_admit_counts_running_claim_and_evictable_hits() -> None:
     m.add_request("d", P)  # hits blocks 1, 2 which are cached-free: taking them costs 2
     assert m.num_blocks_to_admit("d") == 3
     assert m.running_claim_blocks == 0
+
+
+def test_allocate_after_hit_holder_freed_counts_hits_as_evictable() -> None:
+    m = make_manager(num_blocks=6)  # 5 usable
+    run_prompt(m, "a", P[:8])  # 1, 2 hashed
+    run_prompt(m, "d", [5] * 12)  # 3, 4, 5: the pool is full
+    m.add_request("b", [*P[:8], 9])
+    assert m.match_prefix("b").num_evictable_blocks == 0  # a holds both hit blocks
+    m.free("a")  # the hits become cached-free: taking them now costs free capacity
+    before = manager_state(m)
+    with pytest.raises(OutOfBlocksError, match="needs 3 blocks; 2 are free"):
+        m.allocate_slots("b", 1)
+    assert manager_state(m) == before
+    m.check_invariants()
+
+
+def test_match_taken_before_eviction_is_not_reused_after_it() -> None:
+    m = make_manager(num_blocks=5)  # 4 usable
+    run_prompt(m, "a", P[:8])
+    m.free("a")  # 1, 2 cached-free
+    m.add_request("w", [*P[:8], 1])
+    assert m.match_prefix("w").block_ids == (1, 2)
+    assert m.num_blocks_to_admit("w") == 3  # one new block plus the two evictable hits
+    run_prompt(m, "x", [3] * 13)  # 4 blocks: evicts 2 and 1
+    assert m.pool.eviction_order() == []
+    assert m.match_prefix("w").block_ids == ()
+    assert not m.can_admit("w")
+    m.free("x")
+    m.allocate_slots("w", 9)
+    assert m.num_hit_tokens("w") == 0
+    m.check_invariants()
