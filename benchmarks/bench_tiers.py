@@ -213,6 +213,7 @@ def bench_disk(root: Path, payload_mb: float, total_mb: int, rounds: int, fsync:
     rows += pair("disk-read", case + " cold", nbytes, c_ours, c_raw, rounds)
     if tier.stats().corrupt or tier.stats().dropped_writes:
         raise RuntimeError(f"disk tier misbehaved: {tier.stats()}")
+    tier.close()
     shutil.rmtree(tier_root)
     shutil.rmtree(raw_root)
     return rows
@@ -224,10 +225,13 @@ def bench_scan(root: Path, num_blocks: int, rounds: int) -> list[Row]:
     for i in range(num_blocks):
         h = i.to_bytes(16, "big")
         tier.put(h, encode(PayloadHeader(layout, h, 1), b"\0\0"))
+    tier.close()
     seen: list[int] = []
 
     def start() -> None:
-        seen.append(DiskTier(root / "scan", layout, 1 << 40).num_blocks)
+        again = DiskTier(root / "scan", layout, 1 << 40)
+        seen.append(again.num_blocks)
+        again.close()
 
     med, spread = measure(start, rounds)
     if set(seen) != {num_blocks}:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.errors import InvalidRequestError, InvariantViolation
+from pagedkv.errors import InvalidRequestError, InvariantViolation, TierUnavailableError
 from pagedkv.tiers import DiskTier, FsyncPolicy, PayloadHeader, TierLayout, encode, payload_size
 from pagedkv.tiers.disk_files import write_file
 
@@ -87,12 +87,23 @@ def test_restart_sees_blocks_in_lru_order(tmp_path: Path) -> None:
     second.check_invariants()
 
 
+def test_a_second_live_tier_on_the_same_folder_and_layout_is_refused(tmp_path: Path) -> None:
+    first = DiskTier(tmp_path, LAYOUT, 4 * SIZE)
+    with pytest.raises(TierUnavailableError, match="in use"):
+        DiskTier(tmp_path, LAYOUT, 4 * SIZE)
+    other = DiskTier(tmp_path, TierLayout("other", 2, 1, 16, 4), 4 * SIZE)  # another layout: fine
+    other.close()
+    first.close()
+    DiskTier(tmp_path, LAYOUT, 4 * SIZE).close()
+
+
 def test_restart_over_budget_evicts_lru_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     first = DiskTier(tmp_path, LAYOUT, 4 * SIZE)
     for i in range(4):
         first.put(h(i), pl(i))
+    first.close()
     with caplog.at_level(logging.WARNING, logger="pagedkv.tiers.disk"):
         second = DiskTier(tmp_path, LAYOUT, 2 * SIZE)
     assert second.lru_order() == [h(2), h(3)]
@@ -108,6 +119,7 @@ def test_leftover_temp_files_are_removed_at_start(tmp_path: Path) -> None:
     theirs = sub / f".{h(2).hex()}.{'0' * 16}.123.1.tmp"
     ours.write_bytes(b"half a block")
     theirs.write_bytes(b"another layout's write")
+    tier.close()
     again = DiskTier(tmp_path, LAYOUT, 4 * SIZE)
     assert not ours.exists()
     assert theirs.exists()
@@ -308,6 +320,7 @@ def test_scan_of_thousands_of_blocks_is_fast(tmp_path: Path) -> None:
     n = 3000
     for i in range(n):
         tier.put(h(i * 7919), encode(PayloadHeader(layout, h(i * 7919), 1), b"\0\0"))
+    tier.close()
     again = DiskTier(tmp_path, layout, 1 << 30)
     assert again.num_blocks == n
     assert again.lru_order() == tier.lru_order()

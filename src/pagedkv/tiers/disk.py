@@ -39,6 +39,7 @@ from pagedkv.tiers.disk_files import (
     FileWriter,
     FsyncPolicy,
     fsync_dir,
+    lock_folder,
     open_root,
     scan,
     unlink_quietly,
@@ -60,7 +61,9 @@ class DiskTier(KVTier):
       I5  no block is both indexed and being written
     Complexity: contains_prefix O(run) in memory; put/try_get one file each plus O(1) index
     work; eviction O(1) per evicted block; start-up O(files) stats and one sort.
-    One live DiskTier per folder and layout (two would not see each other's index).
+    One live DiskTier per folder and layout: two would not see each other's writes and would
+    overrun the budget together, so a second one (in any process) raises TierUnavailableError
+    (an ``flock`` on ``root/.lock.<tag>``, released by ``close()`` or when the process exits).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class DiskTier(KVTier):
         self.num_foreign_files = 0
         self.num_temp_files_removed = 0
         self.scan_s = 0.0
+        self._lock_fd: int | None = None
         self._open_root()
         self._scan()
 
@@ -111,6 +115,7 @@ class DiskTier(KVTier):
         mode = open_root(self.root)
         if mode & 0o077:
             logger.warning("disk tier folder %s has mode %o; 0700 is recommended", self.root, mode)
+        self._lock_fd = lock_folder(self.root, self._tag)
 
     def _scan(self) -> None:
         """Index this layout's blocks by last use; remove our leftover temp files."""
@@ -382,6 +387,13 @@ class DiskTier(KVTier):
             self._num_bytes -= size
             unlink_quietly(self.path_of(block_hash))
             return True
+
+    def close(self) -> None:
+        """Release the folder lock (the files stay: that is the point of a disk tier)."""
+        with self._lock:
+            fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> TierStats:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,22 @@ def open_root(root: Path) -> int:
     if not root.is_dir():
         raise TierUnavailableError(f"disk tier path {root} is not a folder")
     return root.stat().st_mode & 0o777
+
+
+def lock_folder(root: Path, tag: str) -> int:
+    """Take the exclusive lock of one layout in ``root``; return its file descriptor (closing it
+    releases the lock). Raises TierUnavailableError when another DiskTier holds it."""
+    path = root / f".lock.{tag}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise TierUnavailableError(
+            f"disk tier folder {root} is in use by another DiskTier for this layout ({path} is "
+            "locked); give each engine its own folder"
+        ) from exc
+    return fd
 
 
 @dataclass(slots=True)
