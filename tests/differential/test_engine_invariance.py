@@ -187,3 +187,15 @@ def test_prompt_lookup_speculation_matches_plain(
     path, refs = checkpoint
     engine = make_engine(path, num_speculative_tokens=4)
     assert [g[0] for g in run_engine(engine, PROMPTS, stagger=False)] == refs
+    assert engine.num_accepted_draft_tokens > 0  # greedy loops repeat: lookup finds them
+
+
+def test_forks_under_preemption(checkpoint: tuple[Path, list[list[int]]]) -> None:
+    path, refs = checkpoint
+    engine = make_engine(
+        path, block_size=4, num_blocks=24, reservation="none", watermark=0.0, max_num_seqs=8
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2)
+    got = run_engine(engine, PROMPTS, params, stagger=False)
+    assert got == [[r, r] for r in refs]
+    assert engine.scheduler.num_preemptions > 0

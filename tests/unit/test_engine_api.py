@@ -221,3 +221,38 @@ def test_demo_runs_and_outputs_match(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "outputs identical" in out
     assert "hit rate" in out
+
+
+def test_seeded_samples_differ_from_each_other_and_repeat_across_runs(model_dir: Path) -> None:
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=3)
+    runs = []
+    for _ in range(2):
+        engine = _engine(model_dir)
+        engine.add_request("s", "The quick brown fox", p)
+        runs.append([c.token_ids for c in _drain(engine)["s"].outputs])
+        engine.check_invariants()
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) == 3
+
+
+def test_a_failing_step_finishes_its_requests_with_error_and_serving_goes_on(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(model_dir)
+    engine.add_request("doomed", "hello there", SamplingParams(max_tokens=5, n=2))
+    real = engine.runner.execute
+
+    def boom(batch: Any) -> Any:
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(engine.runner, "execute", boom)
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["doomed"]
+    assert outs[0].finished
+    assert [c.finish_reason for c in outs[0].outputs] == ["error", "error"]
+    assert engine.scheduler.manager.pool.num_used_blocks == 0
+    monkeypatch.setattr(engine.runner, "execute", real)
+    engine.add_request("next", "hello there", SamplingParams(max_tokens=3, temperature=0.0))
+    done = _drain(engine)
+    assert len(done["next"].outputs[0].token_ids) >= 1
+    engine.check_invariants()
