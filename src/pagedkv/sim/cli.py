@@ -30,6 +30,17 @@ from pagedkv.sim.workload import Workload
 _D = CostModel()
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keep the epilog's line breaks; show each default that is a value (not None or False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if default is not None and default is not False and default != argparse.SUPPRESS:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedkv simulate",
@@ -37,29 +48,37 @@ def build_parser() -> argparse.ArgumentParser:
             "Replay a workload through the real scheduler and KV cache manager with a step-time "
             "cost model. Without arguments: the built-in mixed workload, prefix caching on vs off."
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
         epilog=(
-            "--compare keys: "
-            + "; ".join(f"{k} ({h})" for k, (h, _) in KEYS.items())
-            + "\n\nexample: pagedkv simulate --workload chat --compare caching=on,off "
-            "--compare num_blocks=2048,8192 --plot sim.png"
+            "--compare keys:\n"
+            + "\n".join(f"  {k:<19} {h}" for k, (h, _) in KEYS.items())
+            + "\n\nThe default pool (4,096 blocks x 16 tokens = 65,536 tokens) is ~8 GiB of KV\n"
+            "for Llama-3-8B (128 KiB per token in bf16).\n\nexample:\n  pagedkv simulate "
+            "--workload chat --compare caching=on,off \\\n      --compare num_blocks=2048,8192 "
+            "--plot sim.png"
         ),
     )
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--workload", choices=WORKLOADS, default="mixed", help="built-in workload")
     src.add_argument("--trace", metavar="FILE.jsonl", help="replay a trace (docs/trace-format.md)")
-    w.add_argument("--seed", type=int, default=0, help="workload and token seed (default 0)")
-    w.add_argument("--num-requests", type=int, default=600, help="built-in workload size")
+    w.add_argument("--seed", type=int, default=0, help="workload and token seed")
+    w.add_argument("--num-requests", type=int, default=600, help="built-in workload size (about)")
     w.add_argument("--rate", type=float, default=10.0, help="new requests per simulated second")
-    w.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT, help="longest request")
+    w.add_argument(
+        "--max-context",
+        type=int,
+        default=DEFAULT_MAX_CONTEXT,
+        help="longest prompt + output a built-in workload makes",
+    )
     w.add_argument("--save-trace", metavar="PATH", help="also write the workload as a JSONL trace")
 
     c = p.add_argument_group("KV cache and scheduler (the base every variant starts from)")
-    c.add_argument("--num-blocks", type=int, default=4096, help="pool size in blocks (4096)")
-    c.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
-    c.add_argument("--no-caching", action="store_true", help="prefix caching off")
-    c.add_argument("--watermark", type=float, default=0.01, help="kept free at admission")
+    c.add_argument("--num-blocks", type=int, default=4096, help="pool size in blocks")
+    c.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    c.add_argument(
+        "--watermark", type=float, default=0.01, help="fraction of the pool kept free at admission"
+    )
     c.add_argument(
         "--reservation",
         choices=[r.value for r in ReservationPolicy],
@@ -68,24 +87,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--max-batched-tokens", type=int, default=2048, help="per-step token budget")
     c.add_argument("--max-num-seqs", type=int, default=128, help="maximum running requests")
-    c.add_argument("--max-model-len", type=int, default=8192, help="context limit (8192)")
-    c.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
+    c.add_argument("--max-model-len", type=int, default=8192, help="context limit")
+    c.add_argument(
+        "--policy", choices=("fcfs", "priority"), default="fcfs", help="waiting-queue order"
+    )
 
     m = p.add_argument_group(
         "step cost model (defaults: a 7-8B model on one H100-class GPU; see pagedkv.sim.cost_model)"
     )
-    m.add_argument("--per-step-ms", type=float, default=_D.per_step_s * 1e3, help="6 ms")
     m.add_argument(
-        "--per-prefill-token-us", type=float, default=_D.per_prefill_token_s * 1e6, help="60 µs"
+        "--per-step-ms",
+        type=float,
+        default=round(_D.per_step_s * 1e3, 6),
+        help="fixed cost of every step (weights read once)",
     )
     m.add_argument(
-        "--per-decode-seq-us", type=float, default=_D.per_decode_seq_s * 1e6, help="80 µs"
+        "--per-prefill-token-us",
+        type=float,
+        default=round(_D.per_prefill_token_s * 1e6, 6),
+        help="cost of each prefill token",
+    )
+    m.add_argument(
+        "--per-decode-seq-us",
+        type=float,
+        default=round(_D.per_decode_seq_s * 1e6, 6),
+        help="cost of each decoding sequence",
     )
     m.add_argument(
         "--per-context-token-ns",
         type=float,
-        default=_D.per_context_token_s * 1e9,
-        help="attention cost per context token read (40 ns)",
+        default=round(_D.per_context_token_s * 1e9, 6),
+        help="attention cost per context token read by a scheduled request",
     )
 
     o = p.add_argument_group("comparison and output")
@@ -93,11 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         action="append",
         metavar="KEY=V1,V2",
-        help="vary a setting (repeatable: cross product); default caching=on,off",
+        help="vary a setting (repeatable: cross product; keys below); without it: "
+        "caching=on,off. One variant: e.g. --compare caching=off",
     )
     o.add_argument("--json", metavar="PATH", help="write every report as JSON")
     o.add_argument("--plot", metavar="FILE.png", help="draw usage, queues and latency over time")
-    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    o.add_argument("--quiet", action="store_true", help="no progress bar (none off a TTY either)")
     return p
 
 
@@ -112,7 +145,7 @@ def _base_config(a: argparse.Namespace) -> SimConfig:
         cache=CacheConfig(
             block_size=a.block_size,
             num_blocks=a.num_blocks,
-            enable_prefix_caching=not a.no_caching,
+            enable_prefix_caching=True,  # --compare caching=off turns it off
             watermark=a.watermark,
             reservation=ReservationPolicy(a.reservation),
             model_id="sim",

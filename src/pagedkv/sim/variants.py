@@ -71,12 +71,12 @@ KEYS: dict[str, tuple[str, Callable[[SimConfig, str], SimConfig]]] = {
         lambda c, v: _set_cache(c, num_blocks=_positive_int(v)),
     ),
     "block_size": (
-        "tokens per block; num_blocks is rescaled so the pool holds as many tokens",
+        "tokens per block (num_blocks rescaled: the same KV memory)",
         lambda c, v: _set_block_size(c, _positive_int(v)),
     ),
     "policy": ("fcfs or priority", lambda c, v: _set_sched(c, policy=v)),
     "reservation": (
-        "max_tokens or none (admission reserves prompt+max_tokens, or the prompt only)",
+        "max_tokens or none: admission reserves prompt+max_tokens, or the prompt only",
         lambda c, v: _set_cache(c, reservation=ReservationPolicy(v)),
     ),
     "watermark": (
