@@ -325,8 +325,9 @@ class BlockPool:
         """Register consecutive full blocks of one chain under their hashes; return how many.
 
         Blocks must be in use and unhashed. A hash already indexed (duplicate content) leaves
-        its block unhashed (see the module docstring). Emits one ``BlockStored`` for the blocks
-        indexed, when events are on.
+        its block unhashed (see the module docstring). When events are on, emits one
+        ``BlockStored`` per run of consecutive blocks newly indexed (usually one run), so a
+        consumer never hears of a hash twice while it stays cached.
         """
         if len(block_ids) != len(block_hashes):
             raise InvalidRequestError(
@@ -340,7 +341,8 @@ class BlockPool:
                     f"block {b} must be in use and unhashed (or hold this hash) to be cached"
                 )
         num_new = 0
-        for b, h in zip(block_ids, block_hashes, strict=True):
+        stored: list[int] = []  # positions in block_ids newly indexed (for events)
+        for i, (b, h) in enumerate(zip(block_ids, block_hashes, strict=True)):
             if hashes[b] is not None:  # already cached under this hash (a shared, forked block)
                 continue
             if h in index:
@@ -349,18 +351,37 @@ class BlockPool:
             index[h] = b
             hashes[b] = h
             num_new += 1
+            stored.append(i)
         self.version += 1
         if num_new and self.events.enabled:
+            self._push_stored(stored, block_hashes, parent_hash, token_ids, block_size, lora_name)
+        return num_new
+
+    def _push_stored(
+        self,
+        stored: list[int],
+        block_hashes: Sequence[BlockHash],
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        lora_name: str | None,
+    ) -> None:
+        """One ``BlockStored`` per run of consecutive newly indexed positions."""
+        run_start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, end = stored[run_start], stored[k - 1] + 1
             self.events.push(
                 BlockStored(
-                    block_hashes=tuple(block_hashes),
-                    parent_block_hash=parent_hash,
-                    token_ids=tuple(token_ids),
+                    block_hashes=tuple(block_hashes[first:end]),
+                    parent_block_hash=parent_hash if first == 0 else block_hashes[first - 1],
+                    token_ids=tuple(token_ids[first * block_size : end * block_size]),
                     block_size=block_size,
                     lora_name=lora_name,
                 )
             )
-        return num_new
+            run_start = k
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; raise CacheBusyError, changing nothing, if a block is in use.
