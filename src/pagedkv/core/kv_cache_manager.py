@@ -167,7 +167,11 @@ class KVCacheManager:
                 f"less a watermark of {self._watermark_blocks} blocks)"
             )
         ctx = hash_context or self._default_context
-        if cache_salt is not None or ctx.algo is not self.config.hash_algo:
+        if (
+            cache_salt is not None
+            or ctx.algo is not self.config.hash_algo
+            or (not ctx.model_id and self.config.model_id)  # a context never drops the model
+        ):
             ctx = HashContext(
                 model_id=ctx.model_id or self.config.model_id,
                 cache_salt=cache_salt if cache_salt is not None else ctx.cache_salt,
