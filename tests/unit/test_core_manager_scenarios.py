@@ -455,3 +455,16 @@ def test_match_taken_before_eviction_is_not_reused_after_it() -> None:
     m.allocate_slots("w", 9)
     assert m.num_hit_tokens("w") == 0
     m.check_invariants()
+
+
+def test_hash_context_without_model_id_still_isolates_models() -> None:
+    from pagedkv.core import HashContext
+
+    ctx = HashContext(adapter_id="lora")
+    llama, qwen = make_manager(model_id="llama"), make_manager(model_id="qwen")
+    for m in (llama, qwen):
+        m.add_request("r", P, hash_context=ctx)
+    assert set(llama.block_hashes("r")).isdisjoint(qwen.block_hashes("r"))
+    plain = make_manager(model_id="llama")
+    plain.add_request("r", P, hash_context=HashContext(model_id="llama", adapter_id="lora"))
+    assert plain.block_hashes("r") == llama.block_hashes("r")
