@@ -226,10 +226,16 @@ class InfiniLMPeer:
 
 def load(path: str) -> InfiniLMPeer:
     """Load InfiniLM's scheduler and cache manager from the checkout at ``path``."""
-    root = Path(path).expanduser().resolve()
-    tree = root / "python"
-    if not (tree / "infinilm" / "llm" / "cache_manager.py").is_file():
-        raise OSError(f"{root} has no python/infinilm/llm/cache_manager.py (an InfiniLM checkout)")
+    given = Path(path).expanduser().resolve()
+    # Accept the checkout, its python/ folder, or python/infinilm/llm itself.
+    candidates = [given / "python", given, given.parent.parent]
+    tree = next(
+        (t for t in candidates if (t / "infinilm" / "llm" / "cache_manager.py").is_file()), None
+    )
+    if tree is None:
+        raise OSError(
+            f"{given} is not an InfiniLM checkout (no python/infinilm/llm/cache_manager.py)"
+        )
     install(PeerImporter("infinilm", tree, REAL, {}))
     names = {n.rsplit(".", 1)[1]: n for n in REAL}
     return InfiniLMPeer({k: importlib.import_module(v) for k, v in names.items()})
