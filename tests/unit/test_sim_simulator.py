@@ -254,3 +254,20 @@ def test_a_pool_too_small_rejects_or_truncates_and_an_all_rejected_run_reports_z
     assert (none_fit.num_rejected, none_fit.num_steps, none_fit.makespan_s) == (1, 0, 0.0)
     assert none_fit.series.t_s == ()
     assert none_fit.ttft_s.count == 0
+
+
+def test_mixed_report_breaks_latency_and_hits_down_by_tag() -> None:
+    w = make_workload("mixed", seed=0, num_requests=60, rate=10.0)
+    r = simulate(w, _config())
+    tags = {t.tag: t for t in r.by_tag}
+    assert set(tags) == {"chat", "system", "agent", "rag"}
+    assert sum(t.num_requests for t in r.by_tag) == r.num_finished
+    assert sum(t.ttft_s.count for t in r.by_tag) == r.ttft_s.count
+    assert sum(t.itl_s.count for t in r.by_tag) == r.itl_s.count
+    for tag, t in tags.items():
+        n = sum(1 for q in w.requests if q.tag == tag)
+        assert t.num_requests == n
+    # chat turns re-send whole conversations; RAG shares only its head
+    assert tags["chat"].prefix_hit_rate > tags["rag"].prefix_hit_rate > 0.0
+    off = simulate(w, _config(caching=False))
+    assert all(t.prefix_hit_rate == 0.0 for t in off.by_tag)

@@ -28,7 +28,7 @@ def test_prefix_groups_expand_to_shared_runs() -> None:
         '{"request_id": "b", "arrival_s": 1.5, "prefix_group": "sys-1", "prefix_len": 256, '
         '"suffix_len": 64, "output_len": 8}',
         '{"request_id": "c", "arrival_s": 2, "prefix_group": "sys-2", "prefix_len": 512, '
-        '"output_len": 8, "session_id": "s", "priority": 3, "cache_salt": "t1"}',
+        '"output_len": 8, "session_id": "s", "priority": 3, "cache_salt": "t1", "tag": "sys"}',
         "",  # blank lines are skipped
     ]
     w = parse_trace(lines, seed=0)
@@ -39,7 +39,7 @@ def test_prefix_groups_expand_to_shared_runs() -> None:
     assert a.prompt_token_ids[:256] == b.prompt_token_ids[:256]  # the group's run
     assert a.prompt_token_ids[256:512] != b.prompt_token_ids[256:]  # b's suffix is its own
     assert a.prompt_token_ids[:64] != c.prompt_token_ids[:64]  # another group
-    assert (c.session_id, c.priority, c.cache_salt) == ("s", 3, "t1")
+    assert (c.session_id, c.priority, c.cache_salt, c.tag) == ("s", 3, "t1", "sys")
     assert parse_trace(lines, seed=0) == w  # deterministic
     assert parse_trace(lines, seed=1).requests[0].prompt_token_ids != a.prompt_token_ids
 
@@ -77,6 +77,7 @@ _GOOD = {"arrival_s": 0.0, "prompt_tokens": [1, 2, 3], "output_len": 4}
         (json.dumps({**_GOOD, "follows": "ghost"}), "no earlier line"),
         (json.dumps({**_GOOD, "priority": "high"}), "priority must be an integer"),
         (json.dumps({**_GOOD, "cache_salt": ""}), "cache_salt must be"),
+        (json.dumps({**_GOOD, "tag": 7}), "tag must be"),
     ],
 )
 def test_bad_line_raises_with_its_line_number(line: str, fragment: str) -> None:

@@ -201,6 +201,13 @@ _ROWS: list[tuple[str, Callable[[SimReport], str]]] = [
 ]
 
 
+def _tag_cell(report: SimReport, tag: str) -> str:
+    for t in report.by_tag:
+        if t.tag == tag:
+            return f"{t.ttft_s.p50 * 1e3:,.0f} / {t.ttft_s.p99 * 1e3:,.0f}, {t.prefix_hit_rate:.0%}"
+    return "-"
+
+
 def print_table(reports: Sequence[SimReport], workload: Workload, base: SimConfig) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -218,6 +225,11 @@ def print_table(reports: Sequence[SimReport], workload: Workload, base: SimConfi
         table.add_column(r.label.replace(" ", "\n"), justify="right")  # one setting a line
     for name, cell in _ROWS:
         table.add_row(name, *(cell(r) for r in reports))
+    tags = sorted({t.tag for r in reports for t in r.by_tag})
+    if len(tags) > 1:  # a mixed workload: which class gained what
+        table.add_section()
+        for tag in tags:
+            table.add_row(f"{tag}: TTFT p50 / p99 (ms), hit", *(_tag_cell(r, tag) for r in reports))
     console = Console(width=max(100, min(200, 34 + 26 * len(reports))))
     console.print(table)
     console.print(

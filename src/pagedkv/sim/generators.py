@@ -84,6 +84,7 @@ def _chat(seed: int, num_requests: int, rate: float, max_context: int) -> list[S
                     tuple(history + user),
                     n_out,
                     session_id=f"chat-s{s}",
+                    tag="chat",
                     priority=0,
                     follows=prev,
                     think_s=float(rng.exponential(5.0)) if prev else 0.0,
@@ -116,6 +117,7 @@ def _system(seed: int, num_requests: int, rate: float, max_context: int) -> list
                 tuple(prompts[p] + user),
                 max(1, n_out),
                 session_id=f"system-{i}",
+                tag="system",
                 priority=1,
                 cache_salt=tenant,
             )
@@ -147,6 +149,7 @@ def _agent(seed: int, num_requests: int, rate: float, max_context: int) -> list[
                     tuple(context),
                     n_out,
                     session_id=f"agent-s{s}",
+                    tag="agent",
                     priority=2,
                     follows=prev,
                     think_s=float(rng.exponential(0.5)) if prev else 0.0,
@@ -182,6 +185,7 @@ def _rag(seed: int, num_requests: int, rate: float, max_context: int) -> list[Si
                 tuple(prompt),
                 max(1, n_out),
                 session_id=f"rag-{i}",
+                tag="rag",
                 priority=1,
             )
         )

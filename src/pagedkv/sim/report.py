@@ -71,6 +71,7 @@ class RequestRecord:
 
     request_id: str
     session_id: str
+    tag: str
     arrival_s: float
     first_token_s: float | None
     finish_s: float | None
@@ -79,6 +80,21 @@ class RequestRecord:
     num_cached_tokens: int
     num_preemptions: int
     rejected: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TagSummary:
+    """The admitted requests of one tag (a request class such as ``chat``).
+
+    ``prefix_hit_rate`` is their cached tokens at (last) admission over their prompt tokens.
+    """
+
+    tag: str
+    num_requests: int
+    ttft_s: Percentiles
+    itl_s: Percentiles
+    e2e_s: Percentiles
+    prefix_hit_rate: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +139,7 @@ class SimReport:
     peak_waiting: int
     series: TimeSeries
     records: tuple[RequestRecord, ...]  # one per request, in the order they finished
+    by_tag: tuple[TagSummary, ...]  # one per tag of the admitted requests, sorted by tag
     wall: WallTimings = field(compare=False)
 
     @property

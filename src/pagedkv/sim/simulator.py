@@ -38,7 +38,14 @@ from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sched.request import Request
 from pagedkv.sched.scheduler import Scheduler
 from pagedkv.sim.cost_model import CostModel
-from pagedkv.sim.report import Percentiles, RequestRecord, SimReport, TimeSeries, WallTimings
+from pagedkv.sim.report import (
+    Percentiles,
+    RequestRecord,
+    SimReport,
+    TagSummary,
+    TimeSeries,
+    WallTimings,
+)
 from pagedkv.sim.workload import VOCAB_HIGH, VOCAB_LOW, SimRequest, Workload, stable_seed
 
 logger = logging.getLogger(__name__)
@@ -131,6 +138,7 @@ def simulate(
     ttft_at: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
+    by_tag: dict[str, tuple[list[float], list[float], list[float]]] = {}  # ttft, itl, e2e
     series_t: list[float] = []
     series_usage: list[float] = []
     series_running: list[int] = []
@@ -149,6 +157,12 @@ def simulate(
             when = max(child.arrival_s, at + child.think_s)
             heapq.heappush(arrivals, (when, order_of[child.request_id], child))
 
+    def tag_lists(tag: str) -> tuple[list[float], list[float], list[float]]:
+        lists = by_tag.get(tag)
+        if lists is None:
+            lists = by_tag[tag] = ([], [], [])
+        return lists
+
     def finish(rid: str, at: float) -> None:
         nonlocal num_done, num_truncated, last_finish, num_output
         tr = tracks.pop(rid)
@@ -159,11 +173,13 @@ def simulate(
             num_truncated += 1
         if tr.last_s >= 0.0:
             e2e.append(tr.last_s - tr.arrival_s)
+            tag_lists(tr.sim.tag)[2].append(tr.last_s - tr.arrival_s)
         req = tr.req
         records.append(
             RequestRecord(
                 rid,
                 tr.sim.session_id,
+                tr.sim.tag,
                 tr.arrival_s,
                 tr.first_s if tr.first_s >= 0.0 else None,
                 at,
@@ -198,6 +214,7 @@ def simulate(
                     RequestRecord(
                         sim.request_id,
                         sim.session_id,
+                        sim.tag,
                         at,
                         None,
                         None,
@@ -255,8 +272,10 @@ def simulate(
                 tr.first_s = clock
                 ttft.append(clock - tr.arrival_s)
                 ttft_at.append(clock)
+                tag_lists(tr.sim.tag)[0].append(clock - tr.arrival_s)
             else:
                 itl.append(clock - tr.last_s)
+                tag_lists(tr.sim.tag)[1].append(clock - tr.last_s)
             tr.last_s = clock
             if res.finished:
                 finish(res.request_id, clock)
@@ -317,6 +336,7 @@ def simulate(
             ttft,
         ),
         records=tuple(records),
+        by_tag=_tag_summaries(by_tag, records),
         wall=WallTimings(
             total_s=time.perf_counter() - wall0,
             schedule_us=Percentiles.of(sched_us),
@@ -324,6 +344,34 @@ def simulate(
             update_us=Percentiles.of(update_us),
         ),
     )
+
+
+def _tag_summaries(
+    by_tag: dict[str, tuple[list[float], list[float], list[float]]],
+    records: list[RequestRecord],
+) -> tuple[TagSummary, ...]:
+    counts: dict[str, list[int]] = {}  # tag -> [requests, prompt tokens, cached tokens]
+    for rec in records:
+        if not rec.rejected:
+            c = counts.setdefault(rec.tag, [0, 0, 0])
+            c[0] += 1
+            c[1] += rec.num_prompt_tokens
+            c[2] += rec.num_cached_tokens
+    out = []
+    for tag in sorted(counts):
+        n, prompt, cached = counts[tag]
+        ttft, itl, e2e = by_tag.get(tag, ([], [], []))
+        out.append(
+            TagSummary(
+                tag,
+                n,
+                Percentiles.of(ttft),
+                Percentiles.of(itl),
+                Percentiles.of(e2e),
+                cached / prompt if prompt else 0.0,
+            )
+        )
+    return tuple(out)
 
 
 def _bucket(

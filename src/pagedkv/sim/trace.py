@@ -35,6 +35,7 @@ _FIELDS = frozenset(
         "cache_salt",
         "follows",
         "think_s",
+        "tag",
     }
 )
 _GROUP_FIELDS = ("prefix_group", "prefix_len", "suffix_len")
@@ -130,6 +131,7 @@ def parse_line(obj: Any, default_id: str, seed: int) -> SimRequest:
         follows=_str(obj, "follows"),
         think_s=_float(obj, "think_s", default=0.0),
         output_token_ids=output,
+        tag=_str(obj, "tag") or "",
     )
 
 
@@ -200,6 +202,8 @@ def request_to_json(req: SimRequest) -> dict[str, Any]:
         obj["follows"] = req.follows
     if req.think_s:
         obj["think_s"] = req.think_s
+    if req.tag:
+        obj["tag"] = req.tag
     if req.output_token_ids is not None:
         obj["output_tokens"] = list(req.output_token_ids)
     return obj

@@ -35,7 +35,8 @@ class SimRequest:
     arrives ``think_s`` after the named (earlier) request finishes, and never before
     ``arrival_s``. ``output_len`` tokens are generated (the simulator sets max_tokens to it);
     lower ``priority`` is served first under the priority policy; ``cache_salt`` separates
-    tenants' prefix caches.
+    tenants' prefix caches; ``tag`` names the request's class (``chat``, ``rag``, ...) and the
+    report breaks latencies down by it.
     """
 
     request_id: str
@@ -48,6 +49,7 @@ class SimRequest:
     follows: str | None = None
     think_s: float = 0.0
     output_token_ids: tuple[int, ...] | None = None
+    tag: str = ""
 
     def __post_init__(self) -> None:
         rid = self.request_id
