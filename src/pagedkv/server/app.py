@@ -2,47 +2,50 @@
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: invalid JSON or
 fields, unknown model, prompt too long and bad sampling values get 400; a full engine gets 429
-with ``Retry-After``; a missing or wrong API key gets 401; a failure inside one request fails that
-request only (500 for it, the server keeps serving).
+with ``Retry-After``; a missing or wrong API key gets 401; unknown routes 404; a failure inside
+one request fails that request only (500 for it, the server keeps serving).
+
+A client that goes away aborts its request and frees its blocks: while it waits for its first
+token or for a whole non-streamed answer, a watcher on the connection cancels the wait; once
+streaming, Starlette cancels the response and the stream's ``finally`` aborts.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
+import hmac
+import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvalidRequestError, OverloadedError, PagedKVError
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.responses import completion_body, error_response, sse_completion
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
+logger = logging.getLogger(__name__)
+
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+_T = TypeVar("_T")
 
 
-def error_response(
-    status: int,
-    message: str,
-    err_type: str = "invalid_request_error",
-    code: str | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+class ClientGoneError(Exception):
+    """The client closed its connection before the answer was ready (nobody reads a reply)."""
 
 
 def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
     """The FastAPI application serving ``engine``; starts and stops its step thread."""
-    from contextlib import asynccontextmanager
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         try:
@@ -53,14 +56,15 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="pagedkv", lifespan=lifespan)
     model_name = engine.model_name
     created = int(time.time())
+    expected_auth = None if api_key is None else f"Bearer {api_key}".encode()
 
     @app.middleware("http")
     async def _auth(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        if api_key is not None and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
+        if expected_auth is not None and request.url.path != "/health":
+            header = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(header, expected_auth):  # constant time
                 return error_response(
                     401,
                     "missing or invalid API key (Authorization: Bearer ...)",
@@ -79,6 +83,12 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
             return error_response(400, f"invalid JSON body: {msg}")
         return error_response(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
 
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(exc.status_code, str(exc.detail), err_type, headers=headers)
+
     @app.exception_handler(OverloadedError)
     async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
         return error_response(
@@ -91,11 +101,18 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
             return error_response(400, str(exc))
         return error_response(500, str(exc), "internal_error")
 
+    @app.exception_handler(ClientGoneError)
+    async def _gone(_: Request, exc: ClientGoneError) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("request failed", exc_info=exc)
+        return error_response(500, f"internal error: {exc}", "internal_error")
+
     @app.get("/health")
     async def health() -> Response:
-        if not engine.healthy:
-            return Response(status_code=503)
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.is_healthy() else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -104,8 +121,27 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        engine.stats_snapshot()
+        await asyncio.to_thread(engine.stats_snapshot)  # waits for the engine lock
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def serve(
+        request: Request, body: _SamplingFields, prompt_ids: list[int], max_tokens: int, chat: bool
+    ) -> Response:
+        params = _sampling(body, max_tokens)
+        rid = engine.new_request_id("chatcmpl" if chat else "cmpl")
+        stream = engine.generate(rid, prompt_ids, params)
+        # typed errors (400, 429) are raised here, before any byte is sent
+        first = await _unless_disconnected(request, _first(stream))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                sse_completion(
+                    rid, model_name, first, stream, include_usage, params.stop, chat=chat
+                ),
+                media_type="text/event-stream",
+            )
+        final = await _unless_disconnected(request, _last(first, stream))
+        return JSONResponse(completion_body(rid, model_name, final, chat=chat))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -117,18 +153,8 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
             prompt_ids = tok.encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)
-        params = _sampling(body, body.max_tokens or _DEFAULT_COMPLETION_TOKENS)
-        rid = engine.new_request_id("cmpl")
-        stream = engine.generate(rid, prompt_ids, params)
-        first = await _first(stream)  # raises typed errors before any byte is sent
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                _sse_completion(rid, model_name, first, stream, include_usage, chat=False),
-                media_type="text/event-stream",
-            )
-        final = await _last(first, stream)
-        return JSONResponse(_completion_body(rid, model_name, final, chat=False))
+        max_tokens = body.max_tokens or _DEFAULT_COMPLETION_TOKENS
+        return await serve(request, body, prompt_ids, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -143,18 +169,8 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
         prompt_ids = tok.encode(text, add_special_tokens=False)
         room = max(1, engine.engine.max_model_len - len(prompt_ids))
-        params = _sampling(body, body.max_completion_tokens or body.max_tokens or room)
-        rid = engine.new_request_id("chatcmpl")
-        stream = engine.generate(rid, prompt_ids, params)
-        first = await _first(stream)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                _sse_completion(rid, model_name, first, stream, include_usage, chat=True),
-                media_type="text/event-stream",
-            )
-        final = await _last(first, stream)
-        return JSONResponse(_completion_body(rid, model_name, final, chat=True))
+        max_tokens = body.max_completion_tokens or body.max_tokens or room
+        return await serve(request, body, prompt_ids, max_tokens, chat=True)
 
     return app
 
@@ -197,118 +213,25 @@ async def _last(
     return last
 
 
-def _usage(out: GenerationOutput) -> dict[str, Any]:
-    completion = sum(len(c.token_ids) for c in out.outputs)
-    prompt = len(out.prompt_token_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
-    }
-
-
-def _completion_body(rid: str, model: str, out: GenerationOutput, *, chat: bool) -> dict[str, Any]:
-    choices: list[dict[str, Any]] = []
-    for c in out.outputs:
-        if chat:
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason,
-                    "logprobs": None,
-                }
-            )
-        else:
-            choices.append(
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": None,
-                }
-            )
-    return {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": _usage(out),
-    }
-
-
-async def _sse_completion(
-    rid: str,
-    model: str,
-    first: GenerationOutput,
-    stream: AsyncGenerator[GenerationOutput, None],
-    include_usage: bool,
-    *,
-    chat: bool,
-) -> AsyncIterator[bytes]:
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    created = int(time.time())
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "choices": choices,
-        }
-        if include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n".encode()
-
-    if chat:
-        n = len(first.outputs)
-        yield chunk(
-            [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                for i in range(n)
-            ]
-        )
-    last = first
-    out: GenerationOutput | None = first
-    reported: set[int] = set()  # samples whose finish_reason was sent
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, _T]) -> _T:
+    """Await ``work``; if the client disconnects first, cancel it (the engine stream's
+    ``finally`` aborts the request) and raise :class:`ClientGoneError`."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
     try:
-        while out is not None:
-            for piece in _chunks(out, reported, chat=chat):
-                yield chunk(piece)
-            last = out
-            out = None
-            if not last.finished:
-                try:
-                    out = await stream.__anext__()
-                except StopAsyncIteration:
-                    out = None
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        await stream.aclose()  # a client that went away aborts its request here
-    if include_usage:
-        yield chunk([], _usage(last))
-    yield b"data: [DONE]\n\n"
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientGoneError
 
 
-def _chunks(out: GenerationOutput, reported: set[int], *, chat: bool) -> list[list[dict[str, Any]]]:
-    choices: list[dict[str, Any]] = []
-    for c in out.outputs:
-        if c.index in reported or (not c.delta_text and c.finish_reason is None):
-            continue
-        if c.finish_reason is not None:
-            reported.add(c.index)
-        if chat:
-            delta = {"content": c.delta_text} if c.delta_text else {}
-            choices.append({"index": c.index, "delta": delta, "finish_reason": c.finish_reason})
-        else:
-            choices.append(
-                {
-                    "index": c.index,
-                    "text": c.delta_text,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": None,
-                }
-            )
-    return [choices] if choices else []
+async def _disconnect(request: Request) -> None:
+    """Return when the client closes the connection (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,30 +1,36 @@
 """The engine behind the HTTP server: one step loop in its own thread, async streams per request.
 
-The ``LLMEngine`` is single-threaded by design. Handlers call into it only under ``_lock``
-(``add_request`` / ``abort``, which are quick and raise typed errors synchronously, so a bad
-request gets its 400 at once); the step thread holds the same lock for each ``step()``. Outputs
-travel to each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
+The ``LLMEngine`` is single-threaded by design. Handlers add requests under ``_lock`` from a
+worker thread (``add_request`` is quick and raises typed errors synchronously, so a bad request
+gets its 400 at once); the step thread holds the same lock for each ``step()``. Aborts never
+wait for that lock on the event loop: they are queued and the step thread applies them before
+its next step. Outputs travel to each request's ``asyncio.Queue`` through
+``loop.call_soon_threadsafe``.
 
 Invariants:
-  A1  ``_streams`` holds exactly the requests added and not yet finished or aborted
-  A2  only the step thread calls ``LLMEngine.step``; every engine call holds ``_lock``
+  A1  ``_streams`` holds exactly the requests added and not yet finished or aborted (an abort
+      queued in ``_aborts`` is applied before the next step)
+  A2  only the step thread calls ``LLMEngine.step`` and ``LLMEngine.abort``; every engine call
+      holds ``_lock``
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
-from pagedkv.errors import OverloadedError
+from pagedkv.errors import InvariantViolation, OverloadedError
 from pagedkv.obs.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -51,12 +57,17 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._aborts: deque[str] = deque()  # thread-safe appends; drained by the step thread
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="pagedkv-engine", daemon=True)
         self.healthy = True
 
     def start(self) -> None:
         self._thread.start()
+
+    def is_healthy(self) -> bool:
+        """False once the step loop died (it keeps running through failed requests)."""
+        return self.healthy and (self._thread.is_alive() or self._thread.ident is None)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -76,8 +87,17 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         stream = _Stream(asyncio.Queue(), loop, time.perf_counter())
-        # The lock may be held for a whole step: wait for it off the event loop.
-        await asyncio.to_thread(self._add, request_id, list(prompt_token_ids), params, stream)
+        # The lock may be held for a whole step: wait for it off the event loop. If this
+        # coroutine is cancelled meanwhile (the client went away), the add still completes in
+        # its thread, so abort the request once it has.
+        add = asyncio.ensure_future(
+            asyncio.to_thread(self._add, request_id, list(prompt_token_ids), params, stream)
+        )
+        try:
+            await asyncio.shield(add)
+        except asyncio.CancelledError:
+            add.add_done_callback(functools.partial(self._abort_if_added, request_id))
+            raise
         self._wake.set()
         finished = False
         try:
@@ -106,11 +126,32 @@ class AsyncEngine:
             self._streams[request_id] = stream
 
     def abort(self, request_id: str) -> None:
-        """Abort a request if it is still in flight (a client went away); frees its blocks."""
-        with self._lock:
-            if self._streams.pop(request_id, None) is not None:
+        """Abort a request if it is still in flight (a client went away); the step thread frees
+        its blocks before its next step. Never blocks."""
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def _abort_if_added(self, request_id: str, add: asyncio.Future[None]) -> None:
+        if not add.cancelled() and add.exception() is None:
+            self.abort(request_id)
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            rid = self._aborts.popleft()
+            if self._streams.pop(rid, None) is not None:
                 with contextlib.suppress(KeyError):  # it finished in the same instant
-                    self.engine.abort(request_id)
+                    self.engine.abort(rid)
+
+    def check_invariants(self) -> None:
+        """A1 and the engine's own invariants (takes the lock: call from any thread)."""
+        with self._lock:
+            self._apply_aborts()
+            if len(self._streams) != self.engine.num_unfinished_requests:
+                raise InvariantViolation(
+                    f"A1: {len(self._streams)} streams for "
+                    f"{self.engine.num_unfinished_requests} unfinished engine requests"
+                )
+            self.engine.check_invariants()
 
     def stats_snapshot(self) -> None:
         """Refresh the gauges from the scheduler (called after each step and by /metrics)."""
@@ -119,23 +160,34 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ step thread
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        try:
+            while not self._stop.is_set():
+                self._step_once()
+        except BaseException as exc:  # a bug outside step(): fail everyone, report unhealthy
+            logger.exception("engine loop died")
+            self.healthy = False
             with self._lock:
-                busy = self.engine.has_unfinished_requests()
-                outputs: list[GenerationOutput] = []
-                if busy:
-                    try:
-                        outputs = self.engine.step()
-                    except Exception as exc:  # a bug in a step: fail those in flight, keep serving
-                        logger.exception("engine step failed")
-                        self._fail_all(exc)
-                    self.metrics.observe_scheduler(self.engine.scheduler.stats())
-                now = time.perf_counter()
-                for out in outputs:
-                    self._deliver(out, now)
-            if not busy:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+                self._fail_all(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            raise
+
+    def _step_once(self) -> None:
+        with self._lock:
+            self._apply_aborts()
+            busy = self.engine.has_unfinished_requests()
+            outputs: list[GenerationOutput] = []
+            if busy:
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # a bug in a step: fail those in flight, keep serving
+                    logger.exception("engine step failed")
+                    self._fail_all(exc)
+                self.metrics.observe_scheduler(self.engine.scheduler.stats())
+            now = time.perf_counter()
+            for out in outputs:
+                self._deliver(out, now)
+        if not busy:
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
 
     def _deliver(self, out: GenerationOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)

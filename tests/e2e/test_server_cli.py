@@ -1,0 +1,92 @@
+"""``pagedkv serve`` as a user starts it: a child process that binds 127.0.0.1 unless told
+otherwise and takes its API key from ``PAGEDKV_API_KEY``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_fixtures import free_port, write_endless_model
+
+from pagedkv.server.cli import build_parser
+
+pytestmark = pytest.mark.engine
+
+KEY = "sk-from-the-environment"
+
+
+def test_parser_binds_loopback_by_default() -> None:
+    args = build_parser().parse_args(["--model", "some/dir"])
+    assert args.host == "127.0.0.1"
+    assert args.api_key is None  # the environment variable is read by main(), not here
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local IPv4/IPv6 addresses (hex, as the kernel writes them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            addr, hex_port = fields[1].split(":")
+            if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                found.add(addr)
+    return found
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    folder = tmp_path_factory.mktemp("srv-cli")
+    model = write_endless_model(folder / "m")
+    log_path = folder / "serve.log"
+    port = free_port()
+    env = {**os.environ, "PAGEDKV_API_KEY": KEY}
+    cmd = [sys.executable, "-c", "import sys; from pagedkv.cli import main; sys.exit(main())"]
+    args = ["serve", "--model", str(model), "--port", str(port), "--log-level", "warning"]
+    log = log_path.open("w")
+    proc = subprocess.Popen([*cmd, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"pagedkv serve exited with {proc.returncode}: {log_path.read_text()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("pagedkv serve did not answer /health within 60 s")
+            time.sleep(0.1)
+        assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1 only, no 0.0.0.0 / ::
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        log.close()
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the Linux socket table")
+def test_serve_uses_the_key_from_the_environment(served: str) -> None:
+    assert httpx.get(f"{served}/v1/models", timeout=10).status_code == 401
+    with openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0, timeout=30) as c:
+        models = c.models.list()
+        assert [m.id for m in models.data] == ["m"]  # the folder's name by default
+        out = c.completions.create(model="m", prompt="hello", max_tokens=3, temperature=0)
+        assert out.usage is not None
+        assert out.usage.completion_tokens == 3
