@@ -256,3 +256,15 @@ def test_a_failing_step_finishes_its_requests_with_error_and_serving_goes_on(
     done = _drain(engine)
     assert len(done["next"].outputs[0].token_ids) >= 1
     engine.check_invariants()
+
+
+def test_bfloat16_on_cpu_and_generation_config_eos(model_dir: Path, tmp_path: Path) -> None:
+    engine = _engine(model_dir, dtype="bfloat16")
+    assert engine.runner.kv_cache.k[0].dtype is torch.bfloat16
+    engine.add_request("b", "hello there", SamplingParams(max_tokens=4, temperature=0.0))
+    assert 1 <= len(_drain(engine)["b"].outputs[0].token_ids) <= 4
+    import shutil
+
+    copy = Path(shutil.copytree(model_dir, tmp_path / "copy"))
+    (copy / "generation_config.json").write_text('{"eos_token_id": [1, 7, 9]}')
+    assert _engine(copy).eos_token_ids == (1, 7, 9)

@@ -23,13 +23,16 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
+from pagedkv.engine.loader import load_model
+from pagedkv.engine.model_config import generation_eos_ids
 from pagedkv.engine.models.llama import LlamaModel
 from pagedkv.engine.outputs import CompletionOutput, GenerationOutput
 from pagedkv.engine.runner import ModelRunner
@@ -142,18 +145,15 @@ class LLMEngine:
     @classmethod
     def from_model_dir(cls, model_dir: str, config: EngineConfig | None = None) -> LLMEngine:
         """Load the model (and tokenizer, when the folder has one)."""
-        from pathlib import Path
-
-        from pagedkv.engine.loader import load_model
-
         cfg = config or EngineConfig()
         model = load_model(model_dir, dtype=cfg.dtype, device=_device(cfg.device))
         tok = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
         if not cfg.model_id:
-            from dataclasses import replace
-
             cfg = replace(cfg, model_id=str(Path(model_dir).resolve()))
-        return cls(model, tok, cfg)
+        engine = cls(model, tok, cfg)
+        extra = set(generation_eos_ids(model_dir)) - set(engine.eos_token_ids)
+        engine.eos_token_ids = tuple(sorted({*engine.eos_token_ids, *extra}))
+        return engine
 
     # ------------------------------------------------------------------ requests
     def add_request(
