@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from pagedkv.core import CacheConfig, KVCacheManager, ReservationPolicy
+from pagedkv.core import CacheConfig, HashContext, KVCacheManager, ReservationPolicy
 from pagedkv.errors import PagedKVError
 from reference.core_model import RefManager
 from reference.core_state import manager_state
@@ -73,7 +73,9 @@ prompt = st.tuples(
 )
 pick = st.integers(1, 10**6)  # not 0: hypothesis favours 0, and 0 % 13 picks the unknown id
 flaw = st.sampled_from(["", "", "", "", "", "", "", "", "token", "max_tokens", "long", "dup_id"])
-salt = st.sampled_from([None, None, None, "tenant-b"])
+# A request's namespace: no salt, a cache salt, or a LoRA adapter (carried by every block). The
+# model treats each as an opaque name: requests in different namespaces never share a block.
+salt = st.sampled_from([None, None, None, "salt:tenant-b", "lora:sql"])
 
 
 class OpCounter:
@@ -190,7 +192,15 @@ class CoreManagerMachine(RuleBasedStateMachine):
         rid = self.rid(len(toks) + 1, ghost_every=10**9) if bad == "dup_id" else self.new_id()
         self.both(
             lambda: self.ref.add(rid, toks, max_tokens, salt),
-            lambda: self.m.add_request(rid, toks, max_tokens=max_tokens, cache_salt=salt),
+            lambda: self.m.add_request(
+                rid,
+                toks,
+                max_tokens=max_tokens,
+                cache_salt=salt[5:] if salt and salt.startswith("salt:") else None,
+                hash_context=HashContext(adapter_id=salt[5:])
+                if salt and salt.startswith("lora:")
+                else None,
+            ),
         )
 
     @rule(p=prompt, max_tokens=st.integers(0, 12), salt=salt)
@@ -360,6 +370,10 @@ class CoreManagerMachine(RuleBasedStateMachine):
     @rule()
     def reset_prefix_cache(self) -> None:
         self.both(self.ref.reset_prefix_cache, self.m.reset_prefix_cache)
+
+    @rule()
+    def clear(self) -> None:
+        self.both(self.ref.clear, self.m.clear)
 
     @rule(i=pick, k=st.integers(1, 4), lookahead=st.integers(0, 4), accept=st.integers(0, 4))
     @precondition(lambda self: bool(self.ref.reqs))

@@ -63,6 +63,7 @@ class RefManager:
         self.prefix_caching = prefix_caching
         self.num_blocks = num_blocks
         self.growth = growth_blocks
+        self.initial = num_blocks if initial_blocks is None else initial_blocks
         self.reserved = 1 if use_null_block else 0
         self.capacity = num_blocks - self.reserved
         self.watermark_blocks = int(watermark * self.capacity)
@@ -75,7 +76,7 @@ class RefManager:
         self.stack: list[int] = []  # uncached free blocks, next handed out at the end
         self.lru: list[int] = []  # cached free blocks, next victim first
         self.reqs: dict[str, RefRequest] = {}
-        self._grow_to(num_blocks if initial_blocks is None else initial_blocks)
+        self._grow_to(self.initial)
 
     # ------------------------------------------------------------------ pool
     def _grow_to(self, total: int) -> None:
@@ -329,3 +330,9 @@ class RefManager:
             self.stack.append(b)
         self.lru = []
         self.index = {}
+
+    def clear(self) -> None:
+        self.reset_prefix_cache()
+        self.materialized = 0
+        self.ref, self.key, self.stack = {}, {}, []
+        self._grow_to(self.initial)
