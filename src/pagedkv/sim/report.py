@@ -153,3 +153,59 @@ class SimReport:
         out["params"] = dict(self.params)
         out["requests_per_wall_s"] = self.requests_per_wall_s
         return out
+
+
+def summarize_tags(
+    by_tag: dict[str, tuple[list[float], list[float], list[float]]],
+    records: list[RequestRecord],
+) -> tuple[TagSummary, ...]:
+    """One TagSummary per tag of the admitted requests, from per-tag latency lists."""
+    counts: dict[str, list[int]] = {}  # tag -> [requests, prompt tokens, cached tokens]
+    for rec in records:
+        if not rec.rejected:
+            c = counts.setdefault(rec.tag, [0, 0, 0])
+            c[0] += 1
+            c[1] += rec.num_prompt_tokens
+            c[2] += rec.num_cached_tokens
+    out = []
+    for tag in sorted(counts):
+        n, prompt, cached = counts[tag]
+        ttft, itl, e2e = by_tag.get(tag, ([], [], []))
+        out.append(
+            TagSummary(
+                tag,
+                n,
+                Percentiles.of(ttft),
+                Percentiles.of(itl),
+                Percentiles.of(e2e),
+                cached / prompt if prompt else 0.0,
+            )
+        )
+    return tuple(out)
+
+
+def bucket_series(
+    max_points: int,
+    t: list[float],
+    usage: list[float],
+    running: list[int],
+    waiting: list[int],
+    step_s: list[float],
+    ttft_at: list[float],
+    ttft: list[float],
+) -> TimeSeries:
+    """Per-step lists -> at most ``max_points`` buckets (maxima, mean step time)."""
+    n = len(t)
+    stride = max(1, math.ceil(n / max_points))
+    ends = [*range(stride, n, stride), n] if n else []
+    starts = [0, *ends[:-1]] if n else []
+    tstride = max(1, math.ceil(len(ttft) / max_points))
+    return TimeSeries(
+        t_s=tuple(t[e - 1] for e in ends),
+        usage=tuple(max(usage[s:e]) for s, e in zip(starts, ends, strict=True)),
+        num_running=tuple(max(running[s:e]) for s, e in zip(starts, ends, strict=True)),
+        num_waiting=tuple(max(waiting[s:e]) for s, e in zip(starts, ends, strict=True)),
+        step_s=tuple(sum(step_s[s:e]) / (e - s) for s, e in zip(starts, ends, strict=True)),
+        ttft_at_s=tuple(ttft_at[::tstride]),
+        ttft_s=tuple(ttft[::tstride]),
+    )

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,9 +41,9 @@ from pagedkv.sim.report import (
     Percentiles,
     RequestRecord,
     SimReport,
-    TagSummary,
-    TimeSeries,
     WallTimings,
+    bucket_series,
+    summarize_tags,
 )
 from pagedkv.sim.workload import VOCAB_HIGH, VOCAB_LOW, SimRequest, Workload, stable_seed
 
@@ -325,7 +324,7 @@ def simulate(
         ),
         peak_running=max(series_running, default=0),
         peak_waiting=max(series_waiting, default=0),
-        series=_bucket(
+        series=bucket_series(
             cfg.max_series_points,
             series_t,
             series_usage,
@@ -336,66 +335,11 @@ def simulate(
             ttft,
         ),
         records=tuple(records),
-        by_tag=_tag_summaries(by_tag, records),
+        by_tag=summarize_tags(by_tag, records),
         wall=WallTimings(
             total_s=time.perf_counter() - wall0,
             schedule_us=Percentiles.of(sched_us),
             admission_us=Percentiles.of(admit_us),
             update_us=Percentiles.of(update_us),
         ),
-    )
-
-
-def _tag_summaries(
-    by_tag: dict[str, tuple[list[float], list[float], list[float]]],
-    records: list[RequestRecord],
-) -> tuple[TagSummary, ...]:
-    counts: dict[str, list[int]] = {}  # tag -> [requests, prompt tokens, cached tokens]
-    for rec in records:
-        if not rec.rejected:
-            c = counts.setdefault(rec.tag, [0, 0, 0])
-            c[0] += 1
-            c[1] += rec.num_prompt_tokens
-            c[2] += rec.num_cached_tokens
-    out = []
-    for tag in sorted(counts):
-        n, prompt, cached = counts[tag]
-        ttft, itl, e2e = by_tag.get(tag, ([], [], []))
-        out.append(
-            TagSummary(
-                tag,
-                n,
-                Percentiles.of(ttft),
-                Percentiles.of(itl),
-                Percentiles.of(e2e),
-                cached / prompt if prompt else 0.0,
-            )
-        )
-    return tuple(out)
-
-
-def _bucket(
-    max_points: int,
-    t: list[float],
-    usage: list[float],
-    running: list[int],
-    waiting: list[int],
-    step_s: list[float],
-    ttft_at: list[float],
-    ttft: list[float],
-) -> TimeSeries:
-    """Per-step lists -> at most ``max_points`` buckets (maxima, mean step time)."""
-    n = len(t)
-    stride = max(1, math.ceil(n / max_points))
-    ends = [*range(stride, n, stride), n] if n else []
-    starts = [0, *ends[:-1]] if n else []
-    tstride = max(1, math.ceil(len(ttft) / max_points))
-    return TimeSeries(
-        t_s=tuple(t[e - 1] for e in ends),
-        usage=tuple(max(usage[s:e]) for s, e in zip(starts, ends, strict=True)),
-        num_running=tuple(max(running[s:e]) for s, e in zip(starts, ends, strict=True)),
-        num_waiting=tuple(max(waiting[s:e]) for s, e in zip(starts, ends, strict=True)),
-        step_s=tuple(sum(step_s[s:e]) / (e - s) for s, e in zip(starts, ends, strict=True)),
-        ttft_at_s=tuple(ttft_at[::tstride]),
-        ttft_s=tuple(ttft[::tstride]),
     )
