@@ -179,3 +179,27 @@ def test_request_alone_that_outgrows_the_pool_finishes_with_length() -> None:
     assert d.history[-1].finished_ids == [] or "big" in d.history[-1].finished_ids
     assert d.sched.num_preemptions == 0
     d.assert_no_leaks()
+
+
+def test_victim_grown_past_the_watermark_limit_resumes_into_an_empty_pool() -> None:
+    """Running requests grow past the admission watermark (it only guards admissions). A victim
+    preempted with 199 blocks of tokens needs more than the 198 the watermark ever admits; once
+    the pool is empty it must still resume, not wait forever at the head of the queue."""
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, max_model_len=2000, check_invariants=True)
+    cache = CacheConfig(block_size=4, num_blocks=201, reservation="none", watermark=0.01)
+    d = Driver(Scheduler(cfg, cache))
+    mgr = d.sched.manager
+    assert mgr.watermark_blocks == 2
+    d.add("B", [1, 2, 3, 4], max_tokens=1500, priority=1)
+    while len(mgr.block_ids("B")) < 197:
+        d.step()
+    d.step()
+    d.add("A", [5], max_tokens=12, priority=0)  # admitted with 3 blocks free; B is the victim
+    while not d.preempted:
+        d.step()
+    assert d.preempted == ["B"]
+    assert mgr.num_blocks_to_admit("B") == 199  # more than capacity less the watermark
+    d.add("C", [6, 7], max_tokens=2)  # queued behind B
+    d.run(max_steps=3_000)
+    d.assert_outputs_match()
+    d.assert_no_leaks()
