@@ -4,6 +4,8 @@ closed-loop arrivals, rejection, preemption and conservation of output tokens.""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import subprocess
 import sys
 
@@ -271,3 +273,28 @@ def test_mixed_report_breaks_latency_and_hits_down_by_tag() -> None:
     assert tags["chat"].prefix_hit_rate > tags["rag"].prefix_hit_rate > 0.0
     off = simulate(w, _config(caching=False))
     assert all(t.prefix_hit_rate == 0.0 for t in off.by_tag)
+
+
+def test_reports_are_identical_across_processes_and_hash_seeds() -> None:
+    code = (
+        "import json\n"
+        "from pagedkv.sim import make_workload, simulate\n"
+        "r = simulate(make_workload('mixed', num_requests=30, rate=20)).to_dict()\n"
+        "r.pop('wall'); r.pop('requests_per_wall_s')\n"
+        "print(json.dumps(r, sort_keys=True))\n"
+    )
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    ]
+    assert outs[0] == outs[1]
+    assert json.loads(outs[0])["num_finished"] == len(
+        make_workload("mixed", num_requests=30, rate=20)
+    )
