@@ -239,7 +239,7 @@ def bench_scan(root: Path, num_blocks: int, rounds: int) -> list[Row]:
     shutil.rmtree(root / "scan")
     note = f"{med / num_blocks * 1e6:.1f} µs per block"
     return [
-        Row("disk-scan", f"{num_blocks:,} blocks", "pagedkv", None, med, spread, rounds, None, note)
+        Row("disk-scan", f"{num_blocks:,} blocks", "pagedkv", None, med, spread, rounds, note=note)
     ]
 
 
@@ -257,8 +257,9 @@ def bench_encode(payload_mb: float, total_mb: int, rounds: int) -> list[Row]:
 
     med, spread = measure(enc, rounds)
     nbytes = n * layout.block_bytes
-    rows = [Row("encode", f"{payload_mb:g} MB x {n}", "pagedkv", nbytes / med / 1e9, med, spread,
-                rounds, None, f"{med / n * 1e6:.0f} µs per block")]  # fmt: skip
+    note = f"{med / n * 1e6:.0f} µs per block"
+    case = f"{payload_mb:g} MB x {n}"
+    rows = [Row("encode", case, "pagedkv", nbytes / med / 1e9, med, spread, rounds, note=note)]
     payload = encode(headers[0], body)
     items = [(hd.block_hash, payload) for hd in headers]  # submit does not read the payload
     times = []
@@ -269,8 +270,9 @@ def bench_encode(payload_mb: float, total_mb: int, rounds: int) -> list[Row]:
             off.submit(hsh, p)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    rows.append(Row("submit", f"{n} blocks", "pagedkv", None, med, (max(times) - min(times)) / med,
-                    rounds, None, f"{med / n * 1e6:.1f} µs per block"))  # fmt: skip
+    spread = (max(times) - min(times)) / med
+    note = f"{med / n * 1e6:.1f} µs per block"
+    rows.append(Row("submit", f"{n} blocks", "pagedkv", None, med, spread, rounds, note=note))
     return rows
 
 
