@@ -3,6 +3,7 @@ coordinator in front of them. ``RedisTier`` lives in :mod:`pagedkv.tiers.redis_t
 optional ``redis`` package) and is imported from there."""
 
 from pagedkv.tiers.base import KVTier, TierStats
+from pagedkv.tiers.config import TierConfig, build_offload
 from pagedkv.tiers.disk import DiskTier
 from pagedkv.tiers.disk_files import FsyncPolicy
 from pagedkv.tiers.host import HostTier
@@ -29,8 +30,10 @@ __all__ = [
     "OffloadCoordinator",
     "OffloadStats",
     "PayloadHeader",
+    "TierConfig",
     "TierLayout",
     "TierStats",
+    "build_offload",
     "decode",
     "encode",
     "payload_size",
