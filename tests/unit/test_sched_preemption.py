@@ -190,7 +190,7 @@ def test_victim_grown_past_the_watermark_limit_resumes_into_an_empty_pool() -> N
     d = Driver(Scheduler(cfg, cache))
     mgr = d.sched.manager
     assert mgr.watermark_blocks == 2
-    d.add("B", [1, 2, 3, 4], max_tokens=1500, priority=1)
+    d.add("B", [1, 2, 3, 4], max_tokens=795, priority=1)  # fits the 200-block pool alone
     while len(mgr.block_ids("B")) < 197:
         d.step()
     d.step()
