@@ -29,7 +29,7 @@ def test_default_comparison_prints_caching_on_and_off(capsys: pytest.CaptureFixt
         "preemptions",
         "peak / mean KV usage",
         "output tokens/s",
-        "admission part",
+        "admission wall",
     ):
         assert row in out
     hit_row = next(line for line in out.splitlines() if "prefix hit rate" in line)

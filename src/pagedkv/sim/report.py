@@ -99,12 +99,19 @@ class TagSummary:
 
 @dataclass(frozen=True, slots=True)
 class WallTimings:
-    """Wall-clock costs of the real scheduler during the run (vary run to run)."""
+    """What the real scheduler cost on this machine during the run (varies run to run).
+
+    ``*_cpu_us`` are the calling thread's CPU time (robust on a shared machine, where a
+    descheduled process turns wall-clock tails into 10x outliers); ``*_wall_us`` the wall clock.
+    ``admission_wall_us`` is the scheduler's own timing of its admission loop.
+    """
 
     total_s: float = 0.0
-    schedule_us: Percentiles = field(default_factory=Percentiles)  # one schedule() call
-    admission_us: Percentiles = field(default_factory=Percentiles)  # its admission part
-    update_us: Percentiles = field(default_factory=Percentiles)  # one update() call
+    schedule_cpu_us: Percentiles = field(default_factory=Percentiles)  # one schedule() call
+    schedule_wall_us: Percentiles = field(default_factory=Percentiles)
+    admission_wall_us: Percentiles = field(default_factory=Percentiles)  # its admission part
+    update_cpu_us: Percentiles = field(default_factory=Percentiles)  # one update() call
+    update_wall_us: Percentiles = field(default_factory=Percentiles)
 
 
 @dataclass(frozen=True, slots=True)
