@@ -4,9 +4,11 @@ A step::
 
     propose drafts (prompt lookup) for decoding requests      -> Request.draft_token_ids
     SchedulerOutput = scheduler.schedule()
+    load tier blocks (block_loads) into their device blocks    (with an offload coordinator)
     logits = runner.execute(output)                            paged KV written, attention run
     sample each sampling request; verify drafts                accepted tokens (+ bonus)
-    scheduler.update(output, accepted)                         commit / roll back / finish
+    scheduler.update(output, accepted, failed_loads)           commit / roll back / finish
+    offload the full blocks this step computed                 (with an offload coordinator)
     detokenize, stop strings (scheduler.finish), fork n > 1 samples
 
 ``n > 1`` samples share the prompt's KV through a copy-on-write fork. The first sample is
@@ -38,6 +40,7 @@ from pagedkv.engine.outputs import CompletionOutput, GenerationOutput
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SamplingParams, make_generator, sample
 from pagedkv.engine.spec_decode import DraftProposer, NgramProposer, accept_drafts
+from pagedkv.engine.tier_io import TierIO
 from pagedkv.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedkv.errors import (
     InvalidRequestError,
@@ -46,6 +49,8 @@ from pagedkv.errors import (
     UnknownRequestError,
 )
 from pagedkv.sched import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig
+from pagedkv.tiers.offload import OffloadCoordinator
+from pagedkv.tiers.payload import TierLayout
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +94,12 @@ class LLMEngine:
     """
 
     def __init__(
-        self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer | None,
+        config: EngineConfig,
+        *,
+        offload: OffloadCoordinator | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -123,7 +133,18 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             check_invariants=config.check_invariants,
         )
-        self.scheduler = Scheduler(sched_cfg, cache_cfg)
+        self.scheduler = Scheduler(sched_cfg, cache_cfg, tier_index=offload)
+        self.tier_io: TierIO | None = None
+        if offload is not None:
+            layout = TierLayout(
+                config.model_id or "model",
+                mcfg.num_hidden_layers,
+                mcfg.num_key_value_heads,
+                mcfg.head_dim,
+                config.block_size,
+                str(spec.dtype).removeprefix("torch."),
+            )
+            self.tier_io = TierIO(offload, layout)
         self.max_model_len = max_len
         pool = self.scheduler.manager.pool
         kv = PagedKVCache(spec, pool.num_materialized_blocks, model.device)
@@ -143,14 +164,20 @@ class LLMEngine:
         self.num_accepted_draft_tokens = 0
 
     @classmethod
-    def from_model_dir(cls, model_dir: str, config: EngineConfig | None = None) -> LLMEngine:
-        """Load the model (and tokenizer, when the folder has one)."""
+    def from_model_dir(
+        cls,
+        model_dir: str,
+        config: EngineConfig | None = None,
+        *,
+        offload: OffloadCoordinator | None = None,
+    ) -> LLMEngine:
+        """Load the model (and tokenizer, when the folder has one); ``offload`` adds KV tiers."""
         cfg = config or EngineConfig()
         model = load_model(model_dir, dtype=cfg.dtype, device=_device(cfg.device))
         tok = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
         if not cfg.model_id:
             cfg = replace(cfg, model_id=str(Path(model_dir).resolve()))
-        engine = cls(model, tok, cfg)
+        engine = cls(model, tok, cfg, offload=offload)
         extra = set(generation_eos_ids(model_dir)) - set(engine.eos_token_ids)
         engine.eos_token_ids = tuple(sorted({*engine.eos_token_ids, *extra}))
         return engine
@@ -224,7 +251,12 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose_drafts()
         out = sched.schedule()
+        failed_loads: set[str] = set()
         try:
+            if self.tier_io is not None and out.block_loads:
+                top = max(b for b, _ in out.block_loads)
+                self.runner.ensure_blocks(top + 1)
+                failed_loads = self.tier_io.load(sched, out, self.runner.kv_cache)
             logits = self.runner.execute(out)
         except Exception:
             logger.exception("model step failed; finishing its %d requests", len(out.scheduled))
@@ -244,7 +276,17 @@ class LLMEngine:
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_draft_tokens += len(toks) - 1
             sampled[sr.request_id] = toks
-        results = sched.update(out, sampled)
+        to_store: list[tuple[int, bytes]] = []
+        if self.tier_io is not None:
+            accepted = {
+                sr.request_id: len(sampled[sr.request_id]) - 1
+                for sr in out.scheduled
+                if sr.num_draft_tokens and sr.request_id in sampled
+            }
+            to_store = self.tier_io.blocks_to_store(sched, out.scheduled, accepted)
+        results = sched.update(out, sampled, failed_loads=failed_loads)
+        if self.tier_io is not None and to_store:
+            self.tier_io.store(self.runner.kv_cache, to_store)
         now = time.perf_counter()
         changed: dict[str, _Group] = {}
         for r in results:

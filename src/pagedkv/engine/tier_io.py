@@ -1,0 +1,95 @@
+"""Moving KV blocks between the paged KV tensors and the KV tiers (host RAM, disk, Redis).
+
+Stores: after a step, every full block the step finished computing is copied out
+(``PagedKVCache.read_block``), wrapped in a checksummed payload naming the model, layout and block
+hash, and handed to the offload coordinator, whose writer thread fills the tiers (it never
+blocks the step; a full queue drops the write). Loads: when the scheduler admits a request whose
+prefix continues in a tier (``SchedulerOutput.block_loads``), the payloads are fetched, checked
+and written into the blocks the scheduler allocated; a request any of whose blocks is missing or
+corrupt is reported in ``failed_loads`` and recomputes instead. Never wrong data: a payload is
+written only after its header, hash and checksum check out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from pagedkv.engine.kv_cache import PagedKVCache
+from pagedkv.errors import CorruptBlockError
+from pagedkv.sched import Scheduler, SchedulerOutput
+from pagedkv.sched.output import ScheduledRequest
+from pagedkv.tiers.offload import OffloadCoordinator
+from pagedkv.tiers.payload import PayloadHeader, TierLayout, decode, encode
+
+logger = logging.getLogger(__name__)
+
+
+class TierIO:
+    """The engine's side of the KV tiers: store finished blocks, load admitted prefixes."""
+
+    def __init__(self, offload: OffloadCoordinator, layout: TierLayout) -> None:
+        self.offload = offload
+        self.layout = layout
+        self.num_stored = 0
+        self.num_loaded = 0
+        self.num_failed_loads = 0
+
+    # ------------------------------------------------------------------ stores
+    def blocks_to_store(
+        self, sched: Scheduler, seqs: Sequence[ScheduledRequest], accepted: dict[str, int]
+    ) -> list[tuple[int, bytes]]:
+        """``(block_id, hash)`` of each block this step fills with computed KV. Call before
+        ``update`` (a finishing request's table and hashes are gone after it); ``accepted``
+        maps a speculative request to its number of accepted drafts."""
+        bs = self.layout.block_size
+        out: list[tuple[int, bytes]] = []
+        for sr in seqs:
+            rid = sr.request_id
+            if rid not in sched.manager:
+                continue
+            rejected = sr.num_draft_tokens - accepted.get(rid, sr.num_draft_tokens)
+            end = sr.start_position + sr.num_tokens - rejected  # computed after this step
+            hashes = sched.manager.block_hashes(rid)
+            first = sr.start_position // bs
+            last = min(end // bs, len(hashes), len(sr.block_table))
+            out.extend((int(sr.block_table[i]), hashes[i]) for i in range(first, last))
+        return out
+
+    def store(self, kv: PagedKVCache, blocks: Sequence[tuple[int, bytes]]) -> None:
+        """Queue the payloads of ``blocks`` (still holding their KV: call right after update)."""
+        bs = self.layout.block_size
+        for block_id, block_hash in blocks:
+            payload = encode(PayloadHeader(self.layout, block_hash, bs), kv.read_block(block_id))
+            if self.offload.submit(block_hash, payload):
+                self.num_stored += 1
+
+    # ------------------------------------------------------------------ loads
+    def load(self, sched: Scheduler, out: SchedulerOutput, kv: PagedKVCache) -> set[str]:
+        """Fill the blocks of ``out.block_loads``; return the loading requests that failed."""
+        if not out.block_loads:
+            return set()
+        owner: dict[int, str] = {}
+        for rid in out.loading_ids:
+            for b in sched.get_request(rid)._block_ids:
+                owner[b] = rid
+        per_request: dict[str, list[tuple[int, bytes]]] = {}
+        for block_id, block_hash in out.block_loads:
+            per_request.setdefault(owner[block_id], []).append((block_id, block_hash))
+        failed: set[str] = set()
+        for rid, items in per_request.items():
+            hashes = [h for _, h in items]
+            payloads = self.offload.load(hashes)
+            try:
+                if len(payloads) < len(items):
+                    raise CorruptBlockError(f"{len(payloads)} of {len(items)} blocks came back")
+                for (block_id, block_hash), data in zip(items, payloads, strict=False):
+                    body = decode(data, self.layout, block_hash).body
+                    kv.write_block(block_id, bytes(body))
+            except CorruptBlockError as exc:
+                logger.warning("loading the prefix of %s failed (%s); recomputing it", rid, exc)
+                failed.add(rid)
+                self.num_failed_loads += 1
+                continue
+            self.num_loaded += len(items)
+        return failed
