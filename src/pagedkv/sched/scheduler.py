@@ -294,9 +294,9 @@ class Scheduler:
             req = head
             rid = req.request_id
             match = mgr.match_prefix(rid)
-            if not mgr.can_admit(rid) and (running or self.loading or self.remote_waiting):
-                # With nothing else active the watermark protects no one: a victim that grew
-                # past capacity less the watermark while running may resume if it fits at all.
+            if not mgr.can_admit(rid) and mgr.pool.num_used_blocks:
+                # In an idle pool the watermark protects no one: a victim that grew past
+                # capacity less the watermark while running may resume if it fits at all.
                 break
             cached = match.num_cached_tokens
             remaining = req.num_tokens - cached
