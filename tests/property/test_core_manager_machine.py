@@ -95,6 +95,7 @@ class CoreManagerMachine(RuleBasedStateMachine):
         self.m: KVCacheManager
         self.ref: RefManager
         self.kv: dict[int, int] = {}  # slot -> simulated KV (the token written there)
+        self.named: dict[bytes, list[int]] = {}  # block hash -> the tokens of the block it names
         self.next_id = 0
 
     @initialize(setup=st.sampled_from(SETUPS))
@@ -289,7 +290,13 @@ class CoreManagerMachine(RuleBasedStateMachine):
         start = req.computed if req is not None else 0
         ok, _ = self.both(lambda: self.ref.commit(rid, n), lambda: self.m.commit(rid, n))
         if ok:
-            self.write(rid, start, start + n, self.m.token_ids(rid)[start : start + n])
+            tokens = self.m.token_ids(rid)
+            self.write(rid, start, start + n, tokens[start : start + n])
+            hashes = self.m.block_hashes(rid)  # empty without prefix caching
+            for i in range(start // BS, min((start + n) // BS, len(hashes))):
+                block = tokens[i * BS : (i + 1) * BS]
+                named = self.named.setdefault(hashes[i], block)
+                assert named == block, f"hash {hashes[i].hex()} names {named} and {block}"
 
     @rule(i=pick, n=st.integers(-1, 9))
     @precondition(lambda self: bool(self.ref.reqs))
@@ -462,6 +469,13 @@ class CoreManagerMachine(RuleBasedStateMachine):
         assert pool._free_uncached == ref.stack
         assert m.running_claim_blocks == ref.running_claim
         assert pool.usage == ref.num_used / ref.capacity
+
+    @invariant()
+    def every_cached_block_holds_what_its_hash_names(self) -> None:
+        """Cached-free blocks too, not only hits: a stale hash fails here at once."""
+        for h, b in self.m.pool._index.items():
+            got = [self.kv.get(b * BS + o) for o in range(BS)]
+            assert got == self.named[h], f"block {b} holds {got}, its hash names {self.named[h]}"
 
     @invariant()
     def committed_positions_hold_their_tokens(self) -> None:
