@@ -7,8 +7,14 @@ must raise the same error class as the model and change nothing.
 
 The content check: each block's KV is simulated as the token ids written into its slots (drafts
 as -1 at allocation, the real token at commit, whole blocks copied for copy-on-write). Every
-request's committed positions must read back its own tokens, so a prefix hit on a stale hash,
-a wrong eviction, a collision or a write into a shared block fails.
+request's committed positions must read back its own tokens (so every prefix hit is checked),
+every block in the prefix index must hold the tokens its hash names (cached-free blocks too),
+and a hash may never name two contents: a stale hash, a wrong eviction, a collision or a write
+into a shared block fails.
+
+``pytest -s`` prints what the machine explored (operations, hits, copies, evictions, duplicate
+commits, failures by error class); the test asserts minimums for each, so a change that stops
+the machine from reaching an edge fails instead of passing vacuously.
 """
 
 from __future__ import annotations
