@@ -277,6 +277,12 @@ def main(argv: list[str]) -> int:
         variants = build_variants(base, a.compare or ["caching=on,off"])
         if a.save_trace:
             save_trace(workload, a.save_trace)
+        if base.scheduler.check_invariants:
+            print(
+                "pagedkv simulate: PAGEDKV_CHECK_INVARIANTS is set: the scheduler verifies its "
+                "invariants after every step (O(pool) each), so this run is much slower",
+                file=sys.stderr,
+            )
         show = not a.quiet and sys.stderr.isatty()
         reports: list[SimReport] = []
         with _progress_bar(show, len(workload), [v.label for v in variants]) as callbacks:
