@@ -339,3 +339,19 @@ def test_failed_tier_load_keeps_the_device_prefix() -> None:
     d.run()
     d.assert_outputs_match()
     d.assert_no_leaks()
+
+
+def test_abort_of_a_loading_request_between_schedule_and_update() -> None:
+    tier = FakeTier()
+    d = make_driver(tier=tier)
+    tier.add_prompt(d.sched, PROMPT)
+    d.add("x", PROMPT, max_tokens=4)
+    d.add("y", [1, 2, 3], max_tokens=2)
+    out = d.sched.schedule()
+    assert out.loading_ids == ["x"]
+    d.sched.abort("x")
+    results = d.sched.update(out, {"y": [d.expected["y"][0]]})
+    assert [r.request_id for r in results] == ["y"]
+    d.sched.check_invariants()
+    d.sched.abort("y")
+    d.assert_no_leaks()
