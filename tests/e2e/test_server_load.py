@@ -242,3 +242,45 @@ def test_a_failing_step_fails_only_its_requests_and_the_server_keeps_serving(
         assert good.choices[0].finish_reason == "length"
     wait_until(lambda: srv.num_used_blocks() == 0, 10)
     srv.check_invariants()
+
+
+def test_a_step_that_raises_fails_the_stream_with_an_error_event(
+    srv: ServerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = srv.engine.engine
+    real = engine.step
+    calls = 0
+
+    def step_failing_on_the_fourth_call() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise RuntimeError("simulated scheduler bug")
+        return real()
+
+    monkeypatch.setattr(engine, "step", step_failing_on_the_fourth_call)
+    with openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0, timeout=30) as oc:
+        stream = oc.completions.create(
+            model=MODEL_NAME, prompt="hello", max_tokens=LONG_GENERATION, stream=True
+        )
+        with pytest.raises(openai.APIError, match="simulated scheduler bug"):
+            for _ in stream:
+                pass
+        monkeypatch.setattr(engine, "step", real)
+        ok = oc.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=3)
+        assert ok.choices[0].finish_reason == "length"
+    srv.wait_idle()
+    srv.check_invariants()
+
+
+def test_a_dead_step_loop_turns_health_to_503(model_dir: Path) -> None:
+    with running_server(model_dir) as srv:
+        assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 200
+
+        def broken() -> None:
+            raise RuntimeError("simulated loop bug")
+
+        srv.engine._step_once = broken  # type: ignore[method-assign]
+        srv.engine.abort("wake-the-loop")
+        wait_until(lambda: not srv.engine.is_healthy(), 10)
+        assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 503

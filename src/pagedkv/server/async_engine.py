@@ -168,7 +168,7 @@ class AsyncEngine:
             self.healthy = False
             with self._lock:
                 self._fail_all(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-            raise
+            # the thread ends here (logged above); /health now answers 503
 
     def _step_once(self) -> None:
         with self._lock:

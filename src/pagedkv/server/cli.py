@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-speculative-tokens", type=int, default=0)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice; 1 is often faster on a busy CPU)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -46,6 +52,12 @@ def main(argv: list[str]) -> int:
     from pagedkv.server.async_engine import AsyncEngine
 
     logging.basicConfig(level=args.log_level.upper())
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"pagedkv serve: --threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     cfg = EngineConfig(
         dtype=args.dtype,
         device=args.device,
