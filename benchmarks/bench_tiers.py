@@ -397,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsync", action="store_true", help="also run disk rows with fsync")
     parser.add_argument("--scan-blocks", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, help="timed rounds per row (default 5, quick 3)")
+    parser.add_argument("--total-mb", type=int, help="MB per disk row (default 256, quick 32)")
     args = parser.parse_args(argv)
     fixtures = ("disk", "encode", "scan", "redis")
     only = set(args.only or fixtures)
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown fixture(s); choose from {', '.join(fixtures)}")
     quick = args.quick
     rounds = args.rounds or (3 if quick else 5)
-    total_mb = 32 if quick else 256
+    total_mb = args.total_mb or (32 if quick else 256)
     rows: list[Row] = []
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-tiers-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -418,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             for mb in (0.5, 2.0):
                 rows += bench_encode(mb, total_mb, rounds)
         if "scan" in only:
-            rows += bench_scan(base, 5_000 if quick else args.scan_blocks, 3)
+            rows += bench_scan(base, min(5_000, args.scan_blocks) if quick else args.scan_blocks, 3)
         if "redis" in only:
             with redis_server(args.redis_url) as url:
                 for mb in (0.5, 2.0):
