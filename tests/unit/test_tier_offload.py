@@ -242,3 +242,21 @@ def test_block_written_between_match_and_load_is_still_loaded(
     assert off.load([h(0)]) == [pl(0)]
     assert off.stats().load_failures == 0
     off.close()
+
+
+def test_fetch_serves_each_block_from_its_level_without_stopping_at_gaps(
+    stack: tuple[HostTier, DiskTier],
+) -> None:
+    host, disk = stack
+    host.put(h(0), pl(0))
+    disk.put(h(2), pl(2))
+    off = OffloadCoordinator([host, disk], start=False)
+    off.submit(h(3), pl(3))
+    assert off.fetch([h(0), h(1), h(2), h(3)]) == [pl(0), None, pl(2), pl(3)]
+    s = off.stats()
+    assert (s.loaded, s.load_failures, s.promoted) == (3, 1, 1)  # h(2) queued for the host tier
+    assert disk.stats().misses == 0  # only blocks the disk index holds were read from it
+    off.start()
+    assert off.flush(5)
+    assert host.contains(h(2))
+    off.close()

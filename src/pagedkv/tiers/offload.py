@@ -299,6 +299,42 @@ class OffloadCoordinator:
                 self._load_failures += 1
         return out
 
+    def fetch(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
+        """Verified payloads of exactly these blocks, each from wherever it is (queued, or the
+        upper-most tier holding it), None where none has it. Unlike :meth:`load` nothing stops
+        at a gap: this serves a scheduler's ``block_loads`` list, which spans requests. Blocks
+        from a lower tier are promoted like in ``load``."""
+        n = len(block_hashes)
+        out: list[bytes | None] = [None] * n
+        with self._cv:
+            for i, h in enumerate(block_hashes):
+                if (e := self._pending.get(h)) is not None:
+                    out[i] = e.payload
+        missing = [i for i in range(n) if out[i] is None]
+        for level, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            if tier.is_remote:  # a GET of an absent key costs what an EXISTS does
+                ask = missing
+            else:
+                ask = [i for i in missing if tier.contains(block_hashes[i])]
+            if not ask:
+                continue
+            got = self._fetch(tier.name, [block_hashes[i] for i in ask])
+            for i, payload in zip(ask, got, strict=True):
+                if payload is None:
+                    continue
+                out[i] = payload
+                if level > 0 and self.promote and self._enqueue(block_hashes[i], payload, level):
+                    with self._cv:
+                        self._promoted += 1
+            missing = [i for i in missing if out[i] is None]
+        with self._cv:
+            self._loaded += n - len(missing)
+            if missing:
+                self._load_failures += 1
+        return out
+
     def _fetch(self, level: str, hashes: list[bytes]) -> list[bytes | None]:
         if level == PENDING:
             with self._cv:
