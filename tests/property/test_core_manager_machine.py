@@ -427,7 +427,7 @@ class CoreManagerMachine(RuleBasedStateMachine):
     @rule(i=pick)
     @precondition(lambda self: bool(self.ref.reqs))
     def match_prefix(self, i: int) -> None:
-        """A waiting request's match may be stale-short (cached per epoch), never wrong."""
+        """A waiting request's match is exact (memoized only while nothing changes)."""
         rid = self.rid(i, ghost_every=10**9)
         req = self.ref.reqs.get(rid)
         if req is None or req.started:
@@ -438,10 +438,10 @@ class CoreManagerMachine(RuleBasedStateMachine):
         self.m.num_blocks_to_admit(rid)
         assert manager_state(self.m) == before, "a read-only query changed the manager"
         fresh = self.ref.hit_blocks(req)
-        assert list(match.block_ids) == fresh[: len(match.block_ids)]
+        assert list(match.block_ids) == fresh
         assert match.num_cached_tokens == len(match.block_ids) * BS
-        # The evictable count may be stale: a hit block's holders can free it meanwhile.
-        assert 0 <= match.num_evictable_blocks <= len(match.block_ids)
+        refs = [self.m.pool.ref_count(b) for b in match.block_ids]
+        assert match.num_evictable_blocks == refs.count(0)
 
     def teardown(self) -> None:
         if hasattr(self, "m"):

@@ -311,7 +311,7 @@ class RefManager:
 
     def hold(self, rid: str) -> None:
         req = self._get(rid)
-        if req.held or req.pending:
+        if req.held or req.pending or not req.started:
             raise RequestStateError(rid)
         req.held = True
 

@@ -37,7 +37,6 @@ def manager_state(manager: KVCacheManager) -> dict[str, Any]:
         "eviction_order": pool.eviction_order(),
         "running_claim": manager.running_claim_blocks,
         "num_events": len(pool.events),
-        "epoch": pool.epoch,
         "num_cow_copies": manager.num_cow_copies,
         "stats": manager.stats(ref_histogram=True),
     }

@@ -105,7 +105,6 @@ class BlockPool:
         self._num_shared = 0  # == count(ref > 1)
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse their memory
         self.num_duplicate_commits = 0  # blocks left unhashed because their content was cached
-        self.epoch = 0  # bumped whenever cached hashes disappear (eviction, reset): stale matches
         # Bumped by every mutation (ref counts, hashes, free lists): a prefix match taken at the
         # current version is still exact, so the manager need not redo it before allocating.
         self.version = 0
@@ -248,7 +247,6 @@ class BlockPool:
             removed.append(h)
             victims.append(b)
         self.num_evictions += n
-        self.epoch += 1
         if self.events.enabled:
             self.events.push(BlockRemoved(tuple(removed)))
         return victims
@@ -399,7 +397,6 @@ class BlockPool:
             self._hash[b] = None
             self._free_uncached.append(b)
         self._index.clear()
-        self.epoch += 1
         self.version += 1
         self.events.push(AllBlocksCleared())
 

@@ -50,12 +50,13 @@ class PrefixMatch:
     """The cached prefix of a waiting request (read-only: no references are taken).
 
     ``num_evictable_blocks`` of the hit blocks are cached-free: taking them lowers free capacity.
+    A request's match is memoized and reused until the pool changes (``BlockPool.version``) or
+    the request gains tokens, so it is always exact.
     """
 
     block_ids: tuple[int, ...]
     num_cached_tokens: int
     num_evictable_blocks: int
-    epoch: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,15 +209,15 @@ class KVCacheManager:
         if seq.started:
             raise RequestStateError(f"request {request_id!r} already holds its prefix")
         match = seq.match
-        if match is not None and match.epoch == self.pool.epoch:
-            return match
+        if match is not None and seq.match_key == (self.pool.version, len(seq.token_ids)):
+            return match  # nothing changed since: the memo is exact
         if self.config.enable_prefix_caching:
             max_blocks = (len(seq.token_ids) - 1) // self.block_size
             ids = self.pool.match_prefix(seq.chain.hashes, max_blocks)
             evictable = list(map(self.pool._ref.__getitem__, ids)).count(0)
         else:
             ids, evictable = [], 0
-        match = PrefixMatch(tuple(ids), len(ids) * self.block_size, evictable, self.pool.epoch)
+        match = PrefixMatch(tuple(ids), len(ids) * self.block_size, evictable)
         seq.match = match
         seq.match_key = (self.pool.version, len(seq.token_ids))
         return match
@@ -243,9 +244,7 @@ class KVCacheManager:
         """Whether a waiting request fits: its blocks plus the running requests' claim must fit
         under free capacity minus the watermark. O(1) once ``match_prefix`` ran for it."""
         seq = self._get(request_id)
-        match = seq.match
-        if match is None or match.epoch != self.pool.epoch:
-            match = self.match_prefix(request_id)
+        match = self.match_prefix(request_id)  # O(1): memoized until the pool changes
         need = self._admission_need(seq, match)
         return need + self._running_claim <= self.pool.num_free_blocks - self._watermark_blocks
 
@@ -277,13 +276,9 @@ class KVCacheManager:
         num_evictable = 0
         num_computed = seq.num_computed
         if not seq.started:
-            # The exact check below needs an exact match: reuse the cached one only if neither
-            # the pool nor the request's tokens changed since it was taken (the common case:
-            # the scheduler matched, checked admission, and now allocates).
-            match = seq.match
-            if match is None or seq.match_key != (pool.version, len(seq.token_ids)):
-                seq.match = None
-                match = self.match_prefix(request_id)
+            # Exact: the memo is reused only if neither the pool nor the request's tokens
+            # changed since it was taken (the scheduler matched, checked admission, allocates).
+            match = self.match_prefix(request_id)
             hit_ids, num_evictable = match.block_ids, match.num_evictable_blocks
             num_computed = match.num_cached_tokens
         end = num_computed + seq.num_pending + num_new_tokens
@@ -454,6 +449,10 @@ class KVCacheManager:
         seq = self._get(request_id)
         if seq.held:
             raise RequestStateError(f"request {request_id!r} is already held")
+        if not seq.started:
+            raise RequestStateError(
+                f"request {request_id!r} holds no KV (it never started); there is nothing to send"
+            )
         if seq.num_pending:
             raise RequestStateError(
                 f"request {request_id!r} has {seq.num_pending} uncommitted positions; commit or "
