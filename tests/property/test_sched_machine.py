@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedkv.core import CacheConfig
+from pagedkv.core import CacheConfig, ReservationPolicy
 from pagedkv.sched import FinishReason, KVTransfer, Scheduler, SchedulerConfig
 from reference.sched_reference import VOCAB, Driver, FakeTier, next_token
 
@@ -71,7 +71,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         cache = CacheConfig(
             block_size=block_size,
             num_blocks=alone + 1 + extra_blocks,
-            reservation=reservation,
+            reservation=ReservationPolicy(reservation),
             watermark=0.0,
             enable_prefix_caching=prefix_caching,
         )
@@ -155,8 +155,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 drafts.append(history[-1])
             req.draft_token_ids = drafts
         failed: set[str] = set()
-        if self.d.sched.loading and data.draw(st.booleans()):
-            failed = set(self.d.sched.loading)  # loads of this step that will fail
+        if self.d.sched.loading:
+            fail: bool = data.draw(st.booleans())
+            if fail:
+                failed = set(self.d.sched.loading)  # loads of this step that will fail
         out, _ = self.d.step(failed_loads=failed)
         self._note_cut(out.finished_ids)
 

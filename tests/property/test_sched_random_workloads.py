@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from pagedkv.core import CacheConfig
+from pagedkv.core import CacheConfig, ReservationPolicy
 from pagedkv.sched import FinishReason, KVTransfer, Scheduler, SchedulerConfig
 from reference.sched_reference import VOCAB, Driver, FakeTier, next_token
 
@@ -33,7 +33,10 @@ def run_workload(seed: int) -> Driver:
         check_invariants=True,
     )
     cache = CacheConfig(
-        block_size=bs, num_blocks=alone + 1 + rng.randrange(3), reservation="none", watermark=0
+        block_size=bs,
+        num_blocks=alone + 1 + rng.randrange(3),
+        reservation=ReservationPolicy.NONE,
+        watermark=0,
     )
     tier = FakeTier()
     d = Driver(Scheduler(cfg, cache, tier_index=tier))

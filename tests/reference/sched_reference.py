@@ -81,7 +81,7 @@ class ShadowKV:
                 else:
                     self.slots[dst * bs + o] = value
 
-    def read(self, block_table: Sequence[int], n: int) -> tuple[list[int], int]:
+    def read(self, block_table: Sequence[int] | np.ndarray, n: int) -> tuple[list[int], int]:
         """Tokens at positions ``[0, n)`` and the prefix id after them. Raises AssertionError
         when a slot is empty or belongs to another history."""
         bs = self.block_size
@@ -99,7 +99,7 @@ class ShadowKV:
             tokens.append(tok)
         return tokens, pid
 
-    def write(self, slots: Sequence[int], tokens: Sequence[int], pid: int) -> int:
+    def write(self, slots: Sequence[int] | np.ndarray, tokens: Sequence[int], pid: int) -> int:
         for slot, tok in zip(slots, tokens, strict=True):
             pid = _extend_prefix_id(pid, tok)
             self.slots[int(slot)] = (tok, pid)

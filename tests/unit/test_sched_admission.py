@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.core import CacheConfig
+from pagedkv.core import CacheConfig, ReservationPolicy
 from pagedkv.errors import InvalidRequestError, OverloadedError, PromptTooLongError
 from pagedkv.sched import KVTransfer, Request, Scheduler, SchedulerConfig
 from reference.sched_reference import Driver
@@ -30,7 +30,10 @@ def make_driver(
         check_invariants=True,
     )
     cache = CacheConfig(
-        block_size=4, num_blocks=num_blocks, reservation=reservation, watermark=watermark
+        block_size=4,
+        num_blocks=num_blocks,
+        reservation=ReservationPolicy(reservation),
+        watermark=watermark,
     )
     return Driver(Scheduler(cfg, cache))
 

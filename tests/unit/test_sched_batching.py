@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from pagedkv.core import CacheConfig
+from pagedkv.core import CacheConfig, ReservationPolicy
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sched import Scheduler, SchedulerConfig
 from reference.sched_reference import Driver
@@ -36,7 +36,10 @@ def make_driver(
         **kwargs,  # type: ignore[arg-type]
     )
     cache = CacheConfig(
-        block_size=block_size, num_blocks=num_blocks, reservation=reservation, watermark=0.0
+        block_size=block_size,
+        num_blocks=num_blocks,
+        reservation=ReservationPolicy(reservation),
+        watermark=0.0,
     )
     return Driver(Scheduler(cfg, cache))
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pagedkv.core import CacheConfig
+from pagedkv.core import CacheConfig, ReservationPolicy
 from pagedkv.errors import InvalidRequestError, RequestStateError, UnknownRequestError
 from pagedkv.sched import FinishReason, KVTransfer, RequestStatus, Scheduler, SchedulerConfig
 from reference.sched_reference import Driver, FakeTier
@@ -30,7 +30,9 @@ def make_driver(
         max_model_len=64,
         check_invariants=True,
     )
-    cache = CacheConfig(block_size=4, num_blocks=num_blocks, reservation=reservation, watermark=0)
+    cache = CacheConfig(
+        block_size=4, num_blocks=num_blocks, reservation=ReservationPolicy(reservation), watermark=0
+    )
     return Driver(Scheduler(cfg, cache, tier_index=tier))
 
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from pagedkv.core import CacheConfig
+from pagedkv.core import CacheConfig, ReservationPolicy
 from pagedkv.sched import FinishReason, Scheduler, SchedulerConfig
 from reference.sched_reference import Driver
 
@@ -33,7 +33,10 @@ def make_driver(
         check_invariants=True,
     )
     cache = CacheConfig(
-        block_size=block_size, num_blocks=num_blocks, reservation=reservation, watermark=0.0
+        block_size=block_size,
+        num_blocks=num_blocks,
+        reservation=ReservationPolicy(reservation),
+        watermark=0.0,
     )
     return Driver(Scheduler(cfg, cache))
 
@@ -186,7 +189,9 @@ def test_victim_grown_past_the_watermark_limit_resumes_into_an_empty_pool() -> N
     preempted with 199 blocks of tokens needs more than the 198 the watermark ever admits; once
     the pool is empty it must still resume, not wait forever at the head of the queue."""
     cfg = SchedulerConfig(max_num_batched_tokens=1024, max_model_len=2000, check_invariants=True)
-    cache = CacheConfig(block_size=4, num_blocks=201, reservation="none", watermark=0.01)
+    cache = CacheConfig(
+        block_size=4, num_blocks=201, reservation=ReservationPolicy.NONE, watermark=0.01
+    )
     d = Driver(Scheduler(cfg, cache))
     mgr = d.sched.manager
     assert mgr.watermark_blocks == 2

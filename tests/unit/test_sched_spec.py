@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pagedkv.core import CacheConfig
+from pagedkv.core import CacheConfig, ReservationPolicy
 from pagedkv.sched import Scheduler, SchedulerConfig
 from reference.sched_reference import VOCAB, Driver, next_token
 
@@ -22,7 +22,9 @@ def make_driver(
         num_lookahead_tokens=lookahead,
         check_invariants=True,
     )
-    cache = CacheConfig(block_size=4, num_blocks=num_blocks, reservation="none", watermark=0)
+    cache = CacheConfig(
+        block_size=4, num_blocks=num_blocks, reservation=ReservationPolicy.NONE, watermark=0
+    )
     return Driver(Scheduler(cfg, cache))
 
 
