@@ -176,3 +176,24 @@ def test_chunked_prefill_off_rejects_budget_below_max_model_len() -> None:
     forever at the head of the queue and block everything behind it."""
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         SchedulerConfig(max_num_batched_tokens=8, max_model_len=64, enable_chunked_prefill=False)
+
+
+def test_stats_count_steps_tokens_preemptions_and_finishes() -> None:
+    d = make_driver(budget=16, num_blocks=12, reservation="none", max_model_len=40)
+    rng = random.Random(2)
+    for i in range(8):
+        d.add(f"r{i}", [rng.randrange(97) for _ in range(rng.randrange(3, 12))], max_tokens=20)
+    d.step()
+    d.abort("r7")
+    d.run()
+    stats = d.sched.stats()
+    assert stats.step == len(d.history)
+    assert stats.num_scheduled_tokens_total == d.checker.num_tokens_scheduled
+    assert stats.num_preemptions == len(d.preempted) > 0
+    assert stats.num_finished == 7
+    assert stats.num_aborted == 1
+    assert stats.num_running == stats.num_waiting == stats.num_sending == 0
+    assert stats.usage == 0.0
+    last = d.history[-1]
+    assert stats.last_step.step == last.step
+    assert stats.last_step.num_scheduled_tokens == last.num_scheduled_tokens

@@ -162,3 +162,26 @@ def test_random_drafts_give_the_same_tokens_as_plain_decoding(lookahead: int) ->
     assert 0 < num_accepted < num_drafted
     d.assert_outputs_match()
     d.assert_no_leaks()
+
+
+def test_lookahead_slots_are_allocated_ahead_of_each_decode() -> None:
+    d = make_driver(lookahead=3)
+    req = d.add("r", [1, 2, 3, 4, 5], max_tokens=20)
+    for _ in range(8):
+        out, _ = d.step()
+        (sr,) = out.scheduled
+        end = sr.start_position + sr.num_tokens  # positions written this step
+        table = d.sched.manager.block_ids("r")
+        assert len(table) == -(-(end + 3) // 4)  # room for 3 more positions, no more
+    # drafts that fit the lookahead need no new block
+    truth = true_continuation(req.all_token_ids, 3)
+    req.draft_token_ids = truth[:3]
+    blocks_before = d.sched.manager.block_ids("r")
+    out, results = d.step()
+    (sr,) = out.scheduled
+    assert sr.num_draft_tokens == 3
+    assert list(sr.block_table)[: len(blocks_before)] == blocks_before
+    assert list(results[0].new_token_ids) == true_continuation(req.all_token_ids[:-4], 4)
+    d.run()
+    d.assert_outputs_match()
+    d.assert_no_leaks()
