@@ -7,7 +7,9 @@ One step::
          of the running list when a block cannot be had
       2. running prefill chunks (resumed chunked prefills), with the budget that is left
       3. admissions from the waiting queue while the head fits (O(1) check), the budget lasts
-         and no request was preempted this step (no admit/preempt thrash)
+         and no request was preempted this step (no admit/preempt thrash); a request starts
+         at the prefix hit its allocation took (the manager's memoised match may be shorter),
+         and in an idle pool the watermark is waived (a victim may have outgrown it)
     -> SchedulerOutput (decodes first), then the runner computes, then
     update(output, sampled)
       append accepted tokens, commit computed positions (full blocks become shareable), roll back
