@@ -21,11 +21,10 @@ position itself, so each draws its own first token from its own generator.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from pagedkv.engine.models.llama import LlamaModel
 from pagedkv.engine.outputs import CompletionOutput, GenerationOutput
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SamplingParams, make_generator, sample
+from pagedkv.engine.samples import RequestGroup, SampleState, fork_request
 from pagedkv.engine.spec_decode import DraftProposer, NgramProposer, accept_drafts
 from pagedkv.engine.tier_io import TierIO
 from pagedkv.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -53,36 +53,6 @@ from pagedkv.tiers.offload import OffloadCoordinator
 from pagedkv.tiers.payload import TierLayout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Sample:
-    """One sample of a request: one scheduler request."""
-
-    seq_id: str
-    index: int
-    generator: torch.Generator
-    detok: IncrementalDetokenizer | None
-    force_token: int | None = None  # the hidden last prompt token (n > 1 parent), until forked
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    delta_ids: list[int] = field(default_factory=list)
-    delta_text: str = ""
-    finish_reason: FinishReason | None = None
-
-
-@dataclass(slots=True)
-class _Group:
-    """One user request and its samples."""
-
-    request_id: str
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    stop_token_ids: tuple[int, ...]
-    arrival_s: float
-    samples: list[_Sample] = field(default_factory=list)
-    first_token_s: float | None = None
-    num_cached_tokens: int = 0
 
 
 class LLMEngine:
@@ -158,8 +128,8 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self._groups: dict[str, _Group] = {}
-        self._samples: dict[str, tuple[_Group, _Sample]] = {}  # seq_id -> owner
+        self._groups: dict[str, RequestGroup] = {}
+        self._samples: dict[str, tuple[RequestGroup, SampleState]] = {}  # seq_id -> owner
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
 
@@ -212,7 +182,7 @@ class LLMEngine:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
-        group = _Group(request_id, params, ids, tuple(sorted(stops)), time.perf_counter())
+        group = RequestGroup(request_id, params, ids, tuple(sorted(stops)), time.perf_counter())
         fork = params.n > 1 and len(ids) > 1 and ids[-1] not in stops
         if fork:  # see the module docstring: the last prompt token is "sampled" for sample 0
             sample0 = self._new_sample(group, 0, force_token=ids[-1])
@@ -288,7 +258,7 @@ class LLMEngine:
         if self.tier_io is not None and to_store:
             self.tier_io.store(self.runner.kv_cache, to_store)
         now = time.perf_counter()
-        changed: dict[str, _Group] = {}
+        changed: dict[str, RequestGroup] = {}
         for r in results:
             group, smp = self._samples[r.request_id]
             changed[group.request_id] = group
@@ -309,20 +279,24 @@ class LLMEngine:
         return [self._emit(g, now) for g in changed.values()]
 
     # ------------------------------------------------------------------ internals
-    def _new_sample(self, group: _Group, index: int, force_token: int | None = None) -> _Sample:
+    def _new_sample(
+        self, group: RequestGroup, index: int, force_token: int | None = None
+    ) -> SampleState:
         seq_id = group.request_id if group.params.n == 1 else f"{group.request_id}#{index}"
         seed = group.params.seed
         gen = make_generator(None if seed is None else seed + index, self.model.device)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids)
-        return _Sample(seq_id, index, gen, detok, force_token)
+        return SampleState(seq_id, index, gen, detok, force_token)
 
-    def _register(self, group: _Group, smp: _Sample) -> None:
+    def _register(self, group: RequestGroup, smp: SampleState) -> None:
         group.samples.append(smp)
         self._samples[smp.seq_id] = (group, smp)
 
-    def _make_request(self, seq_id: str, ids: list[int], max_tokens: int, group: _Group) -> Request:
+    def _make_request(
+        self, seq_id: str, ids: list[int], max_tokens: int, group: RequestGroup
+    ) -> Request:
         return Request(
             seq_id,
             ids,
@@ -331,13 +305,13 @@ class LLMEngine:
             arrival_time=group.arrival_s,
         )
 
-    def _add_independent(self, group: _Group, index: int) -> None:
+    def _add_independent(self, group: RequestGroup, index: int) -> None:
         smp = self._new_sample(group, index)
         req = self._make_request(smp.seq_id, group.prompt_token_ids, group.params.max_tokens, group)
         self.scheduler.add_request(req)
         self._register(group, smp)
 
-    def _fork_samples(self, group: _Group, parent: _Sample) -> None:
+    def _fork_samples(self, group: RequestGroup, parent: SampleState) -> None:
         """Fork samples 1..n-1 from sample 0 right after its prefill (copy-on-write)."""
         sched = self.scheduler
         for i in range(1, group.params.n):
@@ -358,7 +332,7 @@ class LLMEngine:
             room = min(room, self.max_model_len - req.num_tokens - 1)
             req.draft_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
-    def _append(self, group: _Group, smp: _Sample, new_ids: Sequence[int]) -> None:
+    def _append(self, group: RequestGroup, smp: SampleState, new_ids: Sequence[int]) -> None:
         smp.token_ids.extend(new_ids)
         smp.delta_ids.extend(new_ids)
         if smp.detok is None:
@@ -383,7 +357,7 @@ class LLMEngine:
         smp.delta_text += text[old_len:] if len(text) > old_len else ""
         smp.text = text
 
-    def _emit(self, group: _Group, now: float) -> GenerationOutput:
+    def _emit(self, group: RequestGroup, now: float) -> GenerationOutput:
         comps = []
         for s in group.samples:
             comps.append(
@@ -416,7 +390,7 @@ class LLMEngine:
         )
 
     def _fail_step(self, seq_ids: list[str]) -> list[GenerationOutput]:
-        changed: dict[str, _Group] = {}
+        changed: dict[str, RequestGroup] = {}
         for sid in seq_ids:
             group, smp = self._samples[sid]
             req = self.scheduler.requests.get(sid)
@@ -446,40 +420,6 @@ class LLMEngine:
         for req in self.scheduler.running:  # tensors grow before a step uses a new block
             if req.num_computed_tokens and max(req._block_ids) >= kv.num_blocks:
                 raise InvariantViolation(f"E2: {req.request_id} holds a block past the KV tensors")
-
-
-def fork_request(sched: Scheduler, parent_id: str, child_id: str) -> Request:
-    """Start ``child_id`` as a running copy of running request ``parent_id``, sharing its KV
-    blocks through the manager's copy-on-write fork.
-
-    The scheduler has no fork of its own yet, so this fills in its request table and running
-    list the way ``add_request`` and admission would (see the report to the lead: a
-    ``Scheduler.fork`` would own this).
-    """
-    parent = sched.get_request(parent_id)
-    if parent.status is not RequestStatus.RUNNING:
-        raise InvalidRequestError(f"request {parent_id!r} is {parent.status.value}, not running")
-    if child_id in sched.requests:
-        raise InvalidRequestError(f"request {child_id!r} already exists")
-    child = Request(
-        child_id,
-        parent.all_token_ids[: parent.num_prompt_tokens],
-        max_tokens=parent.max_tokens,
-        stop_token_ids=tuple(parent.stop_token_ids),
-        priority=parent.priority,
-        arrival_time=parent.arrival_time,
-        cache_salt=parent.cache_salt,
-        hash_context=parent.hash_context,
-    )
-    sched.manager.fork(parent_id, child_id)
-    child.all_token_ids = list(parent.all_token_ids)
-    child.status = RequestStatus.RUNNING
-    child.num_computed_tokens = parent.num_computed_tokens
-    child.num_cached_tokens = parent.num_cached_tokens
-    sched._refresh_table(child)
-    sched.requests[child_id] = child
-    bisect.insort(sched.running, child, key=Request.sort_key)
-    return child
 
 
 def _device(name: str) -> torch.device:
