@@ -212,6 +212,8 @@ def test_llm_generate_and_cli(model_dir: Path, capsys: pytest.CaptureFixture[str
         LLM(str(model_dir), no_such_option=1)
     rc = generate_main(["--model", str(model_dir), "--prompt", "hi", "--max-tokens", "3"])
     assert rc == 0
+    chat = ["--model", str(model_dir), "--prompt", "hi", "--chat", "--n", "2", "--max-tokens", "3"]
+    assert generate_main(chat) == 0
     assert "tokens/s" in capsys.readouterr().out
     assert generate_main(["--model", str(model_dir / "nope"), "--prompt", "hi"]) == 2
 

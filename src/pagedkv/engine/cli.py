@@ -172,12 +172,19 @@ def generate_main(argv: Sequence[str]) -> int:
                 enable_prefix_caching=not args.no_prefix_caching,
             ),
         )
-        prompts: list[str] = list(args.prompt)
+        prompts: list[str] | list[list[int]] = list(args.prompt)
         if args.chat:
             tok = llm.engine.tokenizer
             if tok is None:
                 raise PagedKVError("--chat needs a tokenizer.json in the model folder")
-            prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+            # the template writes the special tokens (BOS included): encode without adding more
+            prompts = [
+                tok.encode(
+                    tok.apply_chat_template([{"role": "user", "content": p}]),
+                    add_special_tokens=False,
+                )
+                for p in args.prompt
+            ]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
