@@ -208,3 +208,24 @@ def test_victim_grown_past_the_watermark_limit_resumes_into_an_empty_pool() -> N
     d.run(max_steps=3_000)
     d.assert_outputs_match()
     d.assert_no_leaks()
+
+
+def test_step_that_preempts_admits_nobody_even_when_a_head_would_fit() -> None:
+    """The thrash guard: C (priority 1) waits for a seat; when A's growth preempts B (priority 2)
+    a seat and blocks are free at once, but C is admitted only on the next step."""
+    d = make_driver(6, policy="priority", max_num_seqs=2)  # 5 usable blocks
+    d.add("A", [1, 2, 3, 4], max_tokens=11, priority=0)
+    d.add("B", [5, 6, 7, 8, 9, 10, 11, 12], max_tokens=8, priority=2)  # 2 blocks, grows to 3
+    d.step()
+    d.add("C", [13], max_tokens=2, priority=1)
+    while not d.preempted:
+        out, _ = d.step()
+        assert "C" not in {sr.request_id for sr in out.scheduled}  # no seat yet
+    assert d.preempted == ["B"]
+    assert d.sched.stats().last_step.num_admitted == 0
+    assert d.sched.manager.can_admit("C")  # it would have fitted in that very step
+    out, _ = d.step()
+    assert "C" in {sr.request_id for sr in out.scheduled}
+    d.run()
+    d.assert_outputs_match()
+    d.assert_no_leaks()
