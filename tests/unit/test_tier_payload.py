@@ -132,3 +132,14 @@ def test_header_rejects_bad_token_count_and_hash() -> None:
         PayloadHeader(LAYOUT, HASH, 5)
     with pytest.raises(InvalidRequestError):
         PayloadHeader(LAYOUT, b"", 4)
+
+
+def test_tiers_never_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pagedkv.tiers, pagedkv.tiers.redis_tier; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
