@@ -12,8 +12,8 @@ from typing import Any
 
 import openai
 import pytest
-from server_fixtures import MODEL_NAME, ServerHandle, get, running_server, write_endless_model
 
+from e2e.server_fixtures import MODEL_NAME, ServerHandle, get, running_server, write_endless_model
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.sampler import SamplingParams
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_fixtures import free_port, write_endless_model
 
+from e2e.server_fixtures import free_port, write_endless_model
 from pagedkv.server.cli import build_parser
 
 pytestmark = pytest.mark.engine

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_fixtures import MODEL_NAME, ServerHandle, get, running_server, write_endless_model
 
+from e2e.server_fixtures import MODEL_NAME, ServerHandle, get, running_server, write_endless_model
 from pagedkv.engine.engine_config import EngineConfig
 
 pytestmark = pytest.mark.engine

@@ -15,14 +15,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_fixtures import (
+
+from e2e.server_fixtures import (
     MODEL_NAME,
     ServerHandle,
     running_server,
     wait_until,
     write_endless_model,
 )
-
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.sampler import SamplingParams
