@@ -107,6 +107,8 @@ def test_trace_replay_matches_the_generated_run(tmp_path: Path) -> None:
         (["--trace", "/nonexistent/trace.jsonl"], "cannot read trace"),
         (["--rate", "0"], "rate must be positive"),
         (["--per-step-ms", "-1"], "per_step_s"),
+        (["--spec-k", "-1"], "num_draft_tokens"),
+        (["--compare", "spec_k=-2"], ">= 0"),
     ],
 )
 def test_user_errors_exit_2_with_a_message(
@@ -128,6 +130,14 @@ def test_build_variants_applies_each_setting() -> None:
     assert vs[1].label == "block_size=32 policy=priority reservation=none"
     with pytest.raises(InvalidRequestError, match="watermark=2"):
         build_variants(base, ["watermark=2"])
+    spec = build_variants(base, ["spec_k=0,3", "draft_acceptance=0.5"])
+    assert [(v.num_draft_tokens, v.scheduler.num_lookahead_tokens) for v in spec] == [
+        (0, 0),
+        (3, 3),
+    ]
+    assert all(v.draft_acceptance == 0.5 for v in spec)
+    with pytest.raises(InvalidRequestError, match="draft_acceptance"):
+        build_variants(base, ["draft_acceptance=2"])
 
 
 @pytest.mark.slow

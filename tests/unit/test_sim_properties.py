@@ -49,6 +49,7 @@ def workloads(draw: st.DrawFn) -> Workload:
 @st.composite
 def configs(draw: st.DrawFn) -> SimConfig:
     chunked = draw(st.booleans())
+    spec_k = draw(st.sampled_from([0, 0, 1, 3]))
     max_model_len = draw(st.sampled_from([256, 512]))
     budget = draw(st.sampled_from([16, 64, 512])) if chunked else 512
     return SimConfig(
@@ -58,6 +59,9 @@ def configs(draw: st.DrawFn) -> SimConfig:
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
             policy=draw(st.sampled_from(["fcfs", "priority"])),
+            # Lookahead slots stay 0 here: with them, a prompt that fits the pool only without
+            # them waits forever (test_sim_simulator::test_prompt_fitting_only_without_lookahead).
+            num_lookahead_tokens=0,
             check_invariants=True,
         ),
         cache=CacheConfig(
@@ -71,6 +75,8 @@ def configs(draw: st.DrawFn) -> SimConfig:
         cost=CostModel(per_step_s=0.01, per_prefill_token_s=1e-4, per_decode_seq_s=1e-3),
         seed=draw(st.integers(0, 3)),
         max_steps=200_000,
+        num_draft_tokens=spec_k,
+        draft_acceptance=draw(st.sampled_from([0.0, 0.5, 1.0])),
     )
 
 
@@ -102,11 +108,17 @@ def test_every_request_and_token_is_accounted_for(w: Workload, cfg: SimConfig) -
         assert 1 <= rec.num_output_tokens <= q.output_len
         if rec.num_output_tokens < q.output_len:
             cut += 1
-        if rec.num_output_tokens > 1:  # at least one step per further token
+        if rec.num_output_tokens > 1 and not cfg.num_draft_tokens:  # a step per further token
             assert rec.finish_s - rec.first_token_s >= (rec.num_output_tokens - 1) * floor - 1e-9
     assert cut == r.num_truncated
     assert r.num_output_tokens == sum(rec.num_output_tokens for rec in r.records)
-    assert r.itl_s.count == sum(max(0, rec.num_output_tokens - 1) for rec in r.records)
+    gaps = sum(max(0, rec.num_output_tokens - 1) for rec in r.records)
+    if cfg.num_draft_tokens:  # a step may bring several tokens: one gap per step
+        assert r.itl_s.count <= gaps
+        assert r.num_accepted_draft_tokens <= r.num_draft_tokens
+    else:
+        assert r.itl_s.count == gaps
+        assert r.num_draft_tokens == 0
     assert 0.0 <= r.peak_usage <= 1.0
     assert list(r.series.t_s) == sorted(r.series.t_s)
     if not cfg.cache.enable_prefix_caching:

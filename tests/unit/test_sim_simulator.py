@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pagedkv.core import CacheConfig
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import InvalidRequestError, InvariantViolation
 from pagedkv.sched import ScheduledRequest, SchedulerConfig, SchedulerOutput
 from pagedkv.sim import CostModel, SimConfig, SimRequest, Workload, make_workload, simulate
 from pagedkv.sim.generators import WORKLOADS
@@ -300,3 +300,57 @@ def test_reports_are_identical_across_processes_and_hash_seeds() -> None:
     assert json.loads(outs[0])["num_finished"] == len(
         make_workload("mixed", num_requests=30, rate=20)
     )
+
+
+@pytest.mark.parametrize(("acceptance", "expected_rate"), [(1.0, 1.0), (0.0, 0.0), (0.7, 0.595)])
+def test_speculative_drafts_are_accepted_at_the_configured_rate(
+    acceptance: float, expected_rate: float
+) -> None:
+    w = make_workload("system", seed=3, num_requests=30, rate=5.0)
+    base = simulate(w, _config(num_blocks=1024))
+    k = 2
+    cfg = dataclasses.replace(
+        _config(num_blocks=1024), num_draft_tokens=k, draft_acceptance=acceptance
+    )
+    cfg = dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, num_lookahead_tokens=k)
+    )
+    r = simulate(w, cfg)
+    assert r.num_output_tokens == w.num_output_tokens  # nothing lost or invented
+    assert r.num_truncated == 0
+    assert r.num_draft_tokens > 0
+    # E[accepted / k] for independent drafts right with probability p: (p + p^2) / 2 for k=2
+    assert r.draft_acceptance_rate == pytest.approx(expected_rate, abs=0.03)
+    if acceptance == 1.0:
+        # every decode step brings 3 tokens (2 drafts + 1), fewer only at the end
+        assert r.itl_s.count == sum(-(-(q.output_len - 1) // 3) for q in w.requests)
+        assert r.num_steps < base.num_steps
+        assert r.tpot_s.p50 < base.tpot_s.p50
+    if acceptance == 0.0:
+        assert r.num_accepted_draft_tokens == 0
+        assert r.tpot_s.p50 >= base.tpot_s.p50  # drafts cost and never pay
+
+
+def test_sim_config_rejects_bad_speculation_values() -> None:
+    with pytest.raises(InvalidRequestError, match="num_draft_tokens"):
+        SimConfig(num_draft_tokens=-1)
+    with pytest.raises(InvalidRequestError, match="draft_acceptance"):
+        SimConfig(draft_acceptance=1.5)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=InvariantViolation,
+    reason="scheduler bug (reported to the lead): add_request accepts a prompt that fits the "
+    "pool only without the lookahead slots; admission's allocate_slots(n, lookahead) then fails "
+    "every step and the request blocks the queue forever",
+)
+def test_prompt_fitting_only_without_lookahead_is_served_or_rejected() -> None:
+    # 47 usable blocks of 4 = 188 slots; the prompt needs 186 (+1 output), +3 lookahead = 190.
+    w = Workload("fit", (SimRequest("r", 0.0, tuple(range(100, 286)), 1),))
+    cfg = _config(num_blocks=48, block_size=4, budget=512, max_model_len=256, check=True)
+    cfg = dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, num_lookahead_tokens=3)
+    )
+    r = simulate(w, cfg)  # today: InvariantViolation "scheduled nothing ... 1 waiting"
+    assert r.num_finished + r.num_rejected == 1

@@ -91,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--policy", choices=("fcfs", "priority"), default="fcfs", help="waiting-queue order"
     )
+    c.add_argument(
+        "--spec-k", type=int, default=0, help="speculative drafts per decode step (0: off)"
+    )
+    c.add_argument(
+        "--draft-acceptance",
+        type=float,
+        default=0.7,
+        help="probability that each draft is the true next token",
+    )
 
     m = p.add_argument_group(
         "step cost model (defaults: a 7-8B model on one H100-class GPU; see pagedkv.sim.cost_model)"
@@ -141,6 +150,7 @@ def _base_config(a: argparse.Namespace) -> SimConfig:
             max_num_seqs=a.max_num_seqs,
             max_model_len=a.max_model_len,
             policy=a.policy,
+            num_lookahead_tokens=max(0, a.spec_k),
         ),
         cache=CacheConfig(
             block_size=a.block_size,
@@ -157,6 +167,8 @@ def _base_config(a: argparse.Namespace) -> SimConfig:
             per_context_token_s=a.per_context_token_ns * 1e-9,
         ),
         seed=a.seed,
+        num_draft_tokens=a.spec_k,
+        draft_acceptance=a.draft_acceptance,
     )
 
 
@@ -185,6 +197,7 @@ _ROWS: list[tuple[str, Callable[[SimReport], str]]] = [
     ("  rejected / truncated", lambda r: f"{r.num_rejected:,} / {r.num_truncated:,}"),
     ("TTFT p50 / p90 / p99 (ms)", lambda r: _ms(r.ttft_s)),
     ("ITL p50 / p90 / p99 (ms)", lambda r: _ms(r.itl_s)),
+    ("TPOT p50 / p99 (ms)", lambda r: f"{r.tpot_s.p50 * 1e3:,.1f} / {r.tpot_s.p99 * 1e3:,.1f}"),
     ("end-to-end p50 / p99 (s)", lambda r: f"{r.e2e_s.p50:,.2f} / {r.e2e_s.p99:,.2f}"),
     ("output tokens/s", lambda r: f"{r.output_tokens_per_s:,.0f}"),
     ("total tokens/s (prompt+output)", lambda r: f"{r.total_tokens_per_s:,.0f}"),
@@ -192,6 +205,13 @@ _ROWS: list[tuple[str, Callable[[SimReport], str]]] = [
     ("prefix hit rate (tokens)", lambda r: f"{r.prefix_hit_rate:.1%}"),
     ("prefill tokens computed", lambda r: f"{r.num_prefill_tokens_computed:,}"),
     ("preemptions", lambda r: f"{r.num_preemptions:,}"),
+    (
+        "drafts accepted / verified",
+        lambda r: (
+            f"{r.num_accepted_draft_tokens:,} / {r.num_draft_tokens:,}"
+            + (f" ({r.draft_acceptance_rate:.0%})" if r.num_draft_tokens else "")
+        ),
+    ),
     ("peak / mean KV usage", lambda r: f"{r.peak_usage:.1%} / {r.mean_usage:.1%}"),
     ("peak running / waiting", lambda r: f"{r.peak_running} / {r.peak_waiting}"),
     ("steps", lambda r: f"{r.num_steps:,}"),
@@ -320,4 +340,6 @@ def _describe(cfg: SimConfig) -> dict[str, Any]:
         "cache": plain(cfg.cache),
         "cost": plain(cfg.cost),
         "seed": cfg.seed,
+        "num_draft_tokens": cfg.num_draft_tokens,
+        "draft_acceptance": cfg.draft_acceptance,
     }

@@ -129,8 +129,11 @@ class SimReport:
     num_steps: int
     makespan_s: float  # first arrival to last finish
     ttft_s: Percentiles
-    itl_s: Percentiles  # every gap between consecutive output tokens of one request
+    itl_s: Percentiles  # every gap between a request's consecutive outputs (steps with tokens)
     e2e_s: Percentiles  # arrival to last token
+    tpot_s: Percentiles  # per request: (last token - first token) / (output tokens - 1)
+    num_draft_tokens: int  # speculative drafts verified
+    num_accepted_draft_tokens: int
     num_prompt_tokens: int  # of the requests that were admitted
     num_output_tokens: int
     num_prefill_tokens_computed: int  # prompt tokens actually computed (recompute included)
@@ -150,6 +153,13 @@ class SimReport:
     wall: WallTimings = field(compare=False)
 
     @property
+    def draft_acceptance_rate(self) -> float:
+        """Accepted / verified drafts (0.0 without speculative decoding)."""
+        return (
+            self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        )
+
+    @property
     def requests_per_wall_s(self) -> float:
         """Simulated requests per second of wall time (the simulator's own speed)."""
         return self.num_requests / self.wall.total_s if self.wall.total_s > 0 else math.inf
@@ -159,6 +169,7 @@ class SimReport:
         out = asdict(self)
         out["params"] = dict(self.params)
         out["requests_per_wall_s"] = self.requests_per_wall_s
+        out["draft_acceptance_rate"] = self.draft_acceptance_rate
         return out
 
 

@@ -14,6 +14,13 @@ token of output position ``i`` is ``output_token_ids[i]`` when the workload give
 next turn re-sends exactly these), otherwise the ``i``-th draw of a generator seeded by the
 simulation seed and the request id, so every variant of a comparison produces the same tokens.
 Requests never stop early: max_tokens is the output length and there are no stop tokens.
+
+Speculative decoding (``num_draft_tokens = k > 0``): after each step a decoding request gets k
+drafts, each the true next token with probability ``draft_acceptance`` (independently, from a
+generator seeded by the seed and the request id) and a wrong token otherwise. The scheduler
+verifies them in the next step; the simulated model accepts the drafts up to the first wrong
+one and adds the true token after them, so 1 to k + 1 tokens arrive per step, exactly as a
+prompt-lookup or draft-model speculator behaves. Draft positions cost like prefill tokens.
 """
 
 from __future__ import annotations
@@ -73,6 +80,8 @@ class SimConfig:
     params: tuple[tuple[str, str], ...] = ()
     max_series_points: int = 2_000
     max_steps: int = 10_000_000  # a guard against a scheduler that never finishes
+    num_draft_tokens: int = 0  # speculative drafts per decode step (0: off)
+    draft_acceptance: float = 0.7  # probability that each draft is the true next token
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -83,12 +92,18 @@ class SimConfig:
             )
         if self.max_steps <= 0:
             raise InvalidRequestError(f"max_steps must be positive, got {self.max_steps}")
+        if self.num_draft_tokens < 0:
+            raise InvalidRequestError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if not 0.0 <= self.draft_acceptance <= 1.0:
+            raise InvalidRequestError(
+                f"draft_acceptance must be in [0, 1], got {self.draft_acceptance}"
+            )
 
 
 class _Track:
     """What the simulator remembers of one admitted request (a hot mutable record)."""
 
-    __slots__ = ("arrival_s", "first_s", "last_s", "output", "req", "sim")
+    __slots__ = ("arrival_s", "draft_rng", "first_s", "last_s", "output", "req", "sim")
 
     def __init__(self, sim: SimRequest, req: Request, arrival_s: float, output: list[int]) -> None:
         self.sim = sim
@@ -97,6 +112,34 @@ class _Track:
         self.first_s = -1.0  # no token yet
         self.last_s = -1.0
         self.output = output
+        self.draft_rng: np.random.Generator | None = None  # made on the first draft
+
+
+def _propose_drafts(tr: _Track, k: int, p: float, seed: int) -> None:
+    """Set ``k`` drafts for the next step: each the true next token with probability ``p``."""
+    req = tr.req
+    n = req.num_output_tokens
+    true_next = tr.output[n : n + k]
+    if not true_next:
+        return
+    if tr.draft_rng is None:
+        tr.draft_rng = np.random.default_rng(stable_seed(seed, "draft", tr.sim.request_id))
+    right = tr.draft_rng.random(len(true_next)) < p
+    req.draft_token_ids = [
+        t if ok else (t + 1 if t + 1 < VOCAB_HIGH else VOCAB_LOW)
+        for t, ok in zip(true_next, right.tolist(), strict=True)
+    ]
+
+
+def _accepted(tr: _Track, drafts: list[int]) -> list[int]:
+    """What the simulated model emits after verifying ``drafts``: the drafts up to the first
+    wrong one, then the true token at that position."""
+    n = tr.req.num_output_tokens
+    out = tr.output
+    a = 0
+    while a < len(drafts) and drafts[a] == out[n + a]:
+        a += 1
+    return out[n : n + a + 1]
 
 
 def _output_tokens(sim: SimRequest, seed: int) -> list[int]:
@@ -137,6 +180,7 @@ def simulate(
     ttft_at: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
+    tpot: list[float] = []
     by_tag: dict[str, tuple[list[float], list[float], list[float]]] = {}  # ttft, itl, e2e
     series_t: list[float] = []
     series_usage: list[float] = []
@@ -154,6 +198,8 @@ def simulate(
     clock = first_arrival
     last_finish = first_arrival
     prefill_computed = 0
+    num_drafts = num_accepted = 0
+    spec_k = cfg.num_draft_tokens
 
     def release(rid: str, at: float) -> None:
         for child in followers.pop(rid, ()):
@@ -176,6 +222,8 @@ def simulate(
             num_truncated += 1
         if tr.last_s >= 0.0:
             e2e.append(tr.last_s - tr.arrival_s)
+            if produced > 1:
+                tpot.append((tr.last_s - tr.first_s) / (produced - 1))
             tag_lists(tr.sim.tag)[2].append(tr.last_s - tr.arrival_s)
         req = tr.req
         records.append(
@@ -268,7 +316,13 @@ def simulate(
                 prefill_computed += sr.num_tokens
             if sr.samples:
                 tr = tracks[sr.request_id]
-                sampled[sr.request_id] = [tr.output[tr.req.num_output_tokens]]
+                if sr.num_draft_tokens:
+                    toks = _accepted(tr, sr.token_ids[1:])
+                    num_drafts += sr.num_draft_tokens
+                    num_accepted += len(toks) - 1
+                    sampled[sr.request_id] = toks
+                else:
+                    sampled[sr.request_id] = [tr.output[tr.req.num_output_tokens]]
         c2, w2 = cpu_ns(), wall_ns()
         results = sched.update(out, sampled)
         w3, c3 = wall_ns(), cpu_ns()
@@ -287,6 +341,8 @@ def simulate(
             tr.last_s = clock
             if res.finished:
                 finish(res.request_id, clock)
+            elif spec_k:
+                _propose_drafts(tr, spec_k, cfg.draft_acceptance, cfg.seed)
         series_t.append(clock)
         series_usage.append(usage)
         series_running.append(sched.num_running)
@@ -315,6 +371,9 @@ def simulate(
         ttft_s=Percentiles.of(ttft),
         itl_s=Percentiles.of(itl),
         e2e_s=Percentiles.of(e2e),
+        tpot_s=Percentiles.of(tpot),
+        num_draft_tokens=num_drafts,
+        num_accepted_draft_tokens=num_accepted,
         num_prompt_tokens=num_prompt,
         num_output_tokens=num_output,
         num_prefill_tokens_computed=prefill_computed,

@@ -47,6 +47,21 @@ def _set_sched(cfg: SimConfig, **changes: object) -> SimConfig:
     return dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, **changes))  # type: ignore[arg-type]
 
 
+def _non_negative_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise InvalidRequestError(f"expected an integer, got {value!r}") from None
+    if n < 0:
+        raise InvalidRequestError(f"expected an integer >= 0, got {n}")
+    return n
+
+
+def _set_spec(cfg: SimConfig, k: int) -> SimConfig:
+    """k drafts per decode, with k lookahead slots so next step's drafts are pre-allocated."""
+    return dataclasses.replace(_set_sched(cfg, num_lookahead_tokens=k), num_draft_tokens=k)
+
+
 def _set_block_size(cfg: SimConfig, block_size: int) -> SimConfig:
     """Same KV memory, other block size: keep num_blocks * block_size (the null block aside)."""
     tokens = cfg.cache.num_blocks * cfg.cache.block_size
@@ -90,6 +105,14 @@ KEYS: dict[str, tuple[str, Callable[[SimConfig, str], SimConfig]]] = {
     "max_num_seqs": (
         "maximum running requests",
         lambda c, v: _set_sched(c, max_num_seqs=_positive_int(v)),
+    ),
+    "spec_k": (
+        "speculative drafts per decode step (0: off)",
+        lambda c, v: _set_spec(c, _non_negative_int(v)),
+    ),
+    "draft_acceptance": (
+        "probability that each draft is right",
+        lambda c, v: dataclasses.replace(c, draft_acceptance=_float(v)),
     ),
     "chunked_prefill": (
         "chunked prefill on/off",
