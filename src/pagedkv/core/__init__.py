@@ -13,7 +13,8 @@ from pagedkv.core.hashing import (
     RangeKey,
     hash_blocks,
 )
-from pagedkv.core.kv_cache_manager import Allocation, KVCacheManager, PrefixMatch
+from pagedkv.core.kv_cache_manager import KVCacheManager
+from pagedkv.core.seq_state import Allocation, PrefixMatch
 from pagedkv.core.stats import KVCacheStats, PrefixSnapshot
 
 __all__ = [

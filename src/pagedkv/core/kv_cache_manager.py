@@ -26,13 +26,13 @@ must serialise access themselves.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import CacheConfig, ReservationPolicy
 from pagedkv.core.hashing import BlockHash, BlockHashChain, HashContext, pack_tokens
+from pagedkv.core.seq_state import Allocation, PrefixMatch, SeqState
 from pagedkv.core.stats import KVCacheStats, PrefixStats
 from pagedkv.errors import (
     InvalidRequestError,
@@ -43,70 +43,6 @@ from pagedkv.errors import (
     RollbackError,
     UnknownRequestError,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """The cached prefix of a waiting request (read-only: no references are taken).
-
-    ``num_evictable_blocks`` of the hit blocks are cached-free: taking them lowers free capacity.
-    A request's match is memoized and reused until the pool changes (``BlockPool.version``) or
-    the request gains tokens, so it is always exact.
-    """
-
-    block_ids: tuple[int, ...]
-    num_cached_tokens: int
-    num_evictable_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    """What one ``allocate_slots`` did: new block ids and copy-on-write copies (src, dst)."""
-
-    new_block_ids: tuple[int, ...]
-    copies: tuple[tuple[int, int], ...]
-    num_cached_tokens: int
-
-
-class _Seq:
-    """The manager's view of one request (a hot mutable record)."""
-
-    __slots__ = (
-        "block_ids",
-        "chain",
-        "claim",
-        "held",
-        "match",
-        "match_key",
-        "max_total_tokens",
-        "num_cached_blocks",
-        "num_computed",
-        "num_hit_tokens",
-        "num_pending",
-        "num_prompt_tokens",
-        "request_id",
-        "started",
-        "token_ids",
-    )
-
-    def __init__(
-        self, request_id: str, token_ids: list[int], chain: BlockHashChain, max_total: int
-    ) -> None:
-        self.request_id = request_id
-        self.token_ids = token_ids
-        self.chain = chain
-        self.num_prompt_tokens = len(token_ids)
-        self.max_total_tokens = max_total
-        self.block_ids: list[int] = []
-        self.num_computed = 0  # committed positions: KV computed and final
-        self.num_pending = 0  # scheduled positions after num_computed, not yet committed
-        self.num_cached_blocks = 0  # leading blocks already registered in the pool's index
-        self.num_hit_tokens = 0  # prefix-cache hit at the last admission
-        self.claim = 0  # blocks this request may still claim; summed in _running_claim
-        self.held = False  # finished, blocks kept for a remote transfer
-        self.started = False  # has taken its prefix and holds blocks
-        self.match: PrefixMatch | None = None
-        self.match_key: tuple[int, int] | None = None  # (pool version, tokens) when matched
 
 
 class KVCacheManager:
@@ -127,7 +63,7 @@ class KVCacheManager:
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(config.pool_config())
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, SeqState] = {}
         self._running_claim = 0  # == sum(seq.claim for seq in self._seqs.values())
         self._watermark_blocks = int(config.watermark * self.pool.capacity_blocks)
         # The most one request can ever be admitted with; reservations are capped here so a large
@@ -186,7 +122,7 @@ class KVCacheManager:
             chain.extend(tokens)  # validates token ids too
         else:
             pack_tokens(tokens)
-        self._seqs[request_id] = _Seq(request_id, tokens, chain, len(tokens) + max_tokens)
+        self._seqs[request_id] = SeqState(request_id, tokens, chain, len(tokens) + max_tokens)
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Append accepted tokens (sampled outputs) to a request; extends its hashes."""
@@ -228,7 +164,7 @@ class KVCacheManager:
         match = self.match_prefix(request_id)
         return self._admission_need(seq, match)
 
-    def _admission_need(self, seq: _Seq, match: PrefixMatch) -> int:
+    def _admission_need(self, seq: SeqState, match: PrefixMatch) -> int:
         bs = self.block_size
         prompt_blocks = -(-len(seq.token_ids) // bs)
         need = prompt_blocks - len(match.block_ids) + match.num_evictable_blocks
@@ -236,7 +172,7 @@ class KVCacheManager:
             need += max(0, self._reserve_blocks(seq) - prompt_blocks)
         return need
 
-    def _reserve_blocks(self, seq: _Seq) -> int:
+    def _reserve_blocks(self, seq: SeqState) -> int:
         """Blocks reserved for a request in total: prompt + max_tokens, capped at what fits."""
         return min(-(-seq.max_total_tokens // self.block_size), self._admissible_blocks)
 
@@ -409,7 +345,7 @@ class KVCacheManager:
         max_total = parent.max_total_tokens
         if max_tokens is not None:
             max_total = len(parent.token_ids) + max_tokens
-        child = _Seq(child_id, list(parent.token_ids), parent.chain.copy(), max_total)
+        child = SeqState(child_id, list(parent.token_ids), parent.chain.copy(), max_total)
         child.num_prompt_tokens = parent.num_prompt_tokens
         child.block_ids = list(shared)
         child.num_computed = parent.num_computed
@@ -586,25 +522,25 @@ class KVCacheManager:
         )
 
     # ------------------------------------------------------------------ internals
-    def _get(self, request_id: str) -> _Seq:
+    def _get(self, request_id: str) -> SeqState:
         seq = self._seqs.get(request_id)
         if seq is None:
             raise UnknownRequestError(f"unknown request {request_id!r} (never added, or freed)")
         return seq
 
-    def _claim_of(self, seq: _Seq) -> int:
+    def _claim_of(self, seq: SeqState) -> int:
         if seq.held or not seq.started:
             return 0
         if self.config.reservation is ReservationPolicy.NONE:
             return 0
         return max(0, self._reserve_blocks(seq) - len(seq.block_ids))
 
-    def _update_claim(self, seq: _Seq) -> None:
+    def _update_claim(self, seq: SeqState) -> None:
         new = self._claim_of(seq)
         self._running_claim += new - seq.claim
         seq.claim = new
 
-    def _release_blocks(self, seq: _Seq) -> None:
+    def _release_blocks(self, seq: SeqState) -> None:
         if seq.block_ids:
             self.pool.free(seq.block_ids[::-1])
             seq.block_ids = []

@@ -1,0 +1,71 @@
+"""Per-request records of the KV cache manager: its state, prefix match and allocation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.core.hashing import BlockHashChain
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The cached prefix of a waiting request (read-only: no references are taken).
+
+    ``num_evictable_blocks`` of the hit blocks are cached-free: taking them lowers free capacity.
+    A request's match is memoized and reused until the pool changes (``BlockPool.version``) or
+    the request gains tokens, so it is always exact.
+    """
+
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+    num_evictable_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What one ``allocate_slots`` did: new block ids and copy-on-write copies (src, dst)."""
+
+    new_block_ids: tuple[int, ...]
+    copies: tuple[tuple[int, int], ...]
+    num_cached_tokens: int
+
+
+class SeqState:
+    """The manager's view of one request (a hot mutable record, owned by the manager)."""
+
+    __slots__ = (
+        "block_ids",
+        "chain",
+        "claim",
+        "held",
+        "match",
+        "match_key",
+        "max_total_tokens",
+        "num_cached_blocks",
+        "num_computed",
+        "num_hit_tokens",
+        "num_pending",
+        "num_prompt_tokens",
+        "request_id",
+        "started",
+        "token_ids",
+    )
+
+    def __init__(
+        self, request_id: str, token_ids: list[int], chain: BlockHashChain, max_total: int
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.chain = chain
+        self.num_prompt_tokens = len(token_ids)
+        self.max_total_tokens = max_total
+        self.block_ids: list[int] = []
+        self.num_computed = 0  # committed positions: KV computed and final
+        self.num_pending = 0  # scheduled positions after num_computed, not yet committed
+        self.num_cached_blocks = 0  # leading blocks already registered in the pool's index
+        self.num_hit_tokens = 0  # prefix-cache hit at the last admission
+        self.claim = 0  # blocks this request may still claim; summed in _running_claim
+        self.held = False  # finished, blocks kept for a remote transfer
+        self.started = False  # has taken its prefix and holds blocks
+        self.match: PrefixMatch | None = None
+        self.match_key: tuple[int, int] | None = None  # (pool version, tokens) when matched
