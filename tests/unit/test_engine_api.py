@@ -270,3 +270,37 @@ def test_bfloat16_on_cpu_and_generation_config_eos(model_dir: Path, tmp_path: Pa
     copy = Path(shutil.copytree(model_dir, tmp_path / "copy"))
     (copy / "generation_config.json").write_text('{"eos_token_id": [1, 7, 9]}')
     assert _engine(copy).eos_token_ids == (1, 7, 9)
+
+
+def test_streamed_deltas_never_include_a_later_cut_stop_string(model_dir: Path) -> None:
+    """Every split point: a stop string whose first characters arrive one token before the rest
+    must not leak into the stream (the deltas always add up to the final, cut text)."""
+    engine = _engine(model_dir)
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.add_request("free", "Paged attention stores keys", free)
+    full = _drain(engine)["free"].outputs[0].text
+    for k in range(0, max(1, len(full) - 3), max(1, len(full) // 12)):
+        stop = full[k : k + 3]
+        if not stop.strip():
+            continue
+        rid = f"cut{k}"
+        engine.add_request(
+            rid, "Paged attention stores keys", SamplingParams(**{**_kw(free), "stop": (stop,)})
+        )
+        streamed = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                streamed += out.outputs[0].delta_text
+                last = out
+        assert last.outputs[0].text == full[: full.index(stop)]
+        assert streamed == last.outputs[0].text, (k, stop)
+
+
+def test_stop_prefix_len_finds_the_longest_pending_stop_prefix() -> None:
+    from pagedkv.engine.llm_engine import _stop_prefix_len
+
+    assert _stop_prefix_len("hello wo", ("world",)) == 2
+    assert _stop_prefix_len("hello w", ("world", "xyz")) == 1
+    assert _stop_prefix_len("hello", ("world",)) == 0
+    assert _stop_prefix_len("ab", ("abc", "b")) == 2
+    assert _stop_prefix_len("", ("abc",)) == 0

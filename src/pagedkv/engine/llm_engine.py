@@ -38,13 +38,14 @@ from pagedkv.engine.models.llama import LlamaModel
 from pagedkv.engine.outputs import CompletionOutput, GenerationOutput
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SamplingParams, make_generator, sample
-from pagedkv.engine.samples import RequestGroup, SampleState, fork_request
+from pagedkv.engine.samples import RequestGroup, SampleState
 from pagedkv.engine.spec_decode import DraftProposer, NgramProposer, accept_drafts
 from pagedkv.engine.tier_io import TierIO
 from pagedkv.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedkv.errors import (
     InvalidRequestError,
     InvariantViolation,
+    OverloadedError,
     PromptTooLongError,
     UnknownRequestError,
 )
@@ -103,18 +104,17 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             check_invariants=config.check_invariants,
         )
-        self.scheduler = Scheduler(sched_cfg, cache_cfg, tier_index=offload)
-        self.tier_io: TierIO | None = None
-        if offload is not None:
-            layout = TierLayout(
-                config.model_id or "model",
-                mcfg.num_hidden_layers,
-                mcfg.num_key_value_heads,
-                mcfg.head_dim,
-                config.block_size,
-                str(spec.dtype).removeprefix("torch."),
-            )
-            self.tier_io = TierIO(offload, layout)
+        layout = TierLayout(
+            config.model_id or "model",
+            mcfg.num_hidden_layers,
+            mcfg.num_key_value_heads,
+            mcfg.head_dim,
+            config.block_size,
+            str(spec.dtype).removeprefix("torch."),
+        )
+        self.tier_io = TierIO.try_build(config.tiers, layout, offload)  # closed by close()
+        tier_index = None if self.tier_io is None else self.tier_io.offload
+        self.scheduler = Scheduler(sched_cfg, cache_cfg, tier_index=tier_index)
         self.max_model_len = max_len
         pool = self.scheduler.manager.pool
         kv = PagedKVCache(spec, pool.num_materialized_blocks, model.device)
@@ -207,6 +207,11 @@ class LLMEngine:
             if s.finish_reason is None and s.seq_id in self.scheduler.requests:
                 self.scheduler.abort(s.seq_id)
 
+    def close(self) -> None:
+        """Write queued blocks to the KV tiers and close them (nothing to do without tiers)."""
+        if self.tier_io is not None:
+            self.tier_io.close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
@@ -227,7 +232,10 @@ class LLMEngine:
                 top = max(b for b, _ in out.block_loads)
                 self.runner.ensure_blocks(top + 1)
                 failed_loads = self.tier_io.load(sched, out, self.runner.kv_cache)
+            t0 = time.perf_counter()
             logits = self.runner.execute(out)
+            if self.tier_io is not None:  # the recompute cost a tier load must beat
+                self.tier_io.observe_step(out.scheduled, time.perf_counter() - t0)
         except Exception:
             logger.exception("model step failed; finishing its %d requests", len(out.scheduled))
             return self._fail_step([s.request_id for s in out.scheduled])
@@ -276,6 +284,7 @@ class LLMEngine:
             self._append(group, smp, r.new_token_ids)
             if r.finished and smp.finish_reason is None:
                 smp.finish_reason = r.finish_reason
+            self._release_text(group, smp)
         return [self._emit(g, now) for g in changed.values()]
 
     # ------------------------------------------------------------------ internals
@@ -315,12 +324,12 @@ class LLMEngine:
         """Fork samples 1..n-1 from sample 0 right after its prefill (copy-on-write)."""
         sched = self.scheduler
         for i in range(1, group.params.n):
-            active = len(sched.running) + len(sched.loading) + len(sched.remote_waiting)
-            if active >= sched.config.max_num_seqs:
-                self._add_independent(group, i)  # no room to run it now: queue it instead
-                continue
             smp = self._new_sample(group, i)
-            fork_request(sched, parent.seq_id, smp.seq_id)
+            try:
+                sched.fork(parent.seq_id, smp.seq_id)
+            except OverloadedError:  # max_num_seqs reached: queue it as its own request instead
+                self._add_independent(group, i)
+                continue
             self._register(group, smp)
 
     def _propose_drafts(self) -> None:
@@ -333,6 +342,7 @@ class LLMEngine:
             req.draft_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
     def _append(self, group: RequestGroup, smp: SampleState, new_ids: Sequence[int]) -> None:
+        """Add sampled tokens and their text; a stop string cuts the text and finishes."""
         smp.token_ids.extend(new_ids)
         smp.delta_ids.extend(new_ids)
         if smp.detok is None:
@@ -341,21 +351,30 @@ class LLMEngine:
         stops = group.params.stop
         if not stops or smp.finish_reason is not None:
             smp.text += delta
-            smp.delta_text += delta
             return
         old_len = len(smp.text)
         text = smp.text + delta
         window = max(0, old_len - max(len(s) for s in stops) + 1)
         hits = [i for i in (text.find(s, window) for s in stops) if i >= 0]
         if hits:
-            cut = min(hits)
-            text = text[:cut]
+            text = text[: min(hits)]
             smp.finish_reason = FinishReason.STOP
             req = self.scheduler.requests.get(smp.seq_id)
             if req is not None and req.status is RequestStatus.RUNNING:
                 self.scheduler.finish(smp.seq_id, FinishReason.STOP)
-        smp.delta_text += text[old_len:] if len(text) > old_len else ""
         smp.text = text
+
+    @staticmethod
+    def _release_text(group: RequestGroup, smp: SampleState) -> None:
+        """Move text into the streaming delta, holding back a tail that could still begin a
+        stop string (it may be cut by the next token); everything is released at the end."""
+        end = len(smp.text)
+        stops = group.params.stop
+        if stops and smp.finish_reason is None:
+            end -= _stop_prefix_len(smp.text, stops)
+        if end > smp.num_released_chars:
+            smp.delta_text += smp.text[smp.num_released_chars : end]
+            smp.num_released_chars = end
 
     def _emit(self, group: RequestGroup, now: float) -> GenerationOutput:
         comps = []
@@ -420,6 +439,17 @@ class LLMEngine:
         for req in self.scheduler.running:  # tensors grow before a step uses a new block
             if req.num_computed_tokens and max(req._block_ids) >= kv.num_blocks:
                 raise InvariantViolation(f"E2: {req.request_id} holds a block past the KV tensors")
+
+
+def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
 
 
 def _device(name: str) -> torch.device:

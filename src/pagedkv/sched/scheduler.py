@@ -199,6 +199,48 @@ class Scheduler:
         self.manager.release(request_id)
         del self.requests[request_id]
 
+    def fork(self, parent_id: str, child_id: str, *, max_tokens: int | None = None) -> Request:
+        """Start ``child_id`` as a running copy of running request ``parent_id``.
+
+        The child shares the parent's computed blocks (copy-on-write: full blocks by reference,
+        a shared partial last block copied on the first write by either side) and its tokens.
+        The parent must have no uncommitted positions (call between ``update`` and
+        ``schedule``). Raises UnknownRequestError, InvalidRequestError (duplicate child id),
+        RequestStateError (parent not running) or OverloadedError (``max_num_seqs`` reached);
+        nothing changes on failure.
+        """
+        parent = self._get(parent_id)
+        if parent.status is not RequestStatus.RUNNING:
+            raise RequestStateError(f"request {parent_id!r} is {parent.status.value}, not running")
+        if child_id in self.requests:
+            raise InvalidRequestError(f"request {child_id!r} already exists")
+        active = len(self.running) + len(self.loading) + len(self.remote_waiting)
+        if active >= self.config.max_num_seqs:
+            raise OverloadedError(
+                f"cannot fork {parent_id!r}: {active} requests are active (max_num_seqs "
+                f"{self.config.max_num_seqs})"
+            )
+        child = Request(
+            child_id,
+            parent.all_token_ids[: parent.num_prompt_tokens],
+            max_tokens=parent.max_tokens if max_tokens is None else max_tokens,
+            stop_token_ids=tuple(parent.stop_token_ids),
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+            cache_salt=parent.cache_salt,
+            hash_context=parent.hash_context,
+        )
+        remaining = child.max_tokens - parent.num_output_tokens
+        self.manager.fork(parent_id, child_id, max_tokens=max(0, remaining))
+        child.all_token_ids = list(parent.all_token_ids)
+        child.status = RequestStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        self._refresh_table(child)
+        self.requests[child_id] = child
+        bisect.insort(self.running, child, key=Request.sort_key)
+        return child
+
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
         """Choose this step's work. See the module docstring for the order."""
