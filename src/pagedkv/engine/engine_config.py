@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.config import check_invariants_default
 from pagedkv.errors import InvalidRequestError
+from pagedkv.tiers.config import TierConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +16,8 @@ class EngineConfig:
     KV blocks: ``num_blocks`` when given, else as many as fit in ``kv_cache_bytes``, else 1024.
     ``initial_blocks`` below that makes the pool (and the KV tensors) grow on demand.
     ``num_speculative_tokens > 0`` turns on prompt-lookup speculative decoding.
+    ``tiers`` adds KV tiers below the device pool (host RAM, local disk, Redis); the engine
+    builds their offload coordinator and closes it in ``LLMEngine.close()``.
     """
 
     dtype: str = "float32"
@@ -33,6 +36,7 @@ class EngineConfig:
     watermark: float = 0.01
     reservation: str = "max_tokens"
     model_id: str = ""
+    tiers: TierConfig | None = None
     check_invariants: bool = field(default_factory=check_invariants_default)
 
     def __post_init__(self) -> None:

@@ -8,6 +8,12 @@ prefix continues in a tier (``SchedulerOutput.block_loads``), the payloads are f
 and written into the blocks the scheduler allocated; a request any of whose blocks is missing or
 corrupt is reported in ``failed_loads`` and recomputes instead. Never wrong data: a payload is
 written only after its header, hash and checksum check out.
+
+Slower than recompute? The engine reports each step's model time (:meth:`TierIO.observe_step`);
+steps that prefill at least a block's worth of tokens feed a moving average of seconds per
+token, and ``block_size`` times that is handed to the coordinator as the recompute cost of a
+block (``OffloadCoordinator.set_recompute_cost``), which then skips tiers whose measured load
+time per block is higher.
 """
 
 from __future__ import annotations
@@ -19,10 +25,16 @@ from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.errors import CorruptBlockError
 from pagedkv.sched import Scheduler, SchedulerOutput
 from pagedkv.sched.output import ScheduledRequest
+from pagedkv.tiers.base import TierStats
+from pagedkv.tiers.config import TierConfig, build_offload
 from pagedkv.tiers.offload import OffloadCoordinator
 from pagedkv.tiers.payload import PayloadHeader, TierLayout, decode, encode
 
 logger = logging.getLogger(__name__)
+
+
+RECOMPUTE_EWMA_WEIGHT = 0.2
+"""Weight of the newest prefill step in the moving average of seconds per token."""
 
 
 class TierIO:
@@ -34,6 +46,42 @@ class TierIO:
         self.num_stored = 0
         self.num_loaded = 0
         self.num_failed_loads = 0
+        self.prefill_s_per_token: float | None = None  # moving average; None until measured
+
+    @classmethod
+    def try_build(
+        cls,
+        config: TierConfig | None,
+        layout: TierLayout,
+        offload: OffloadCoordinator | None = None,
+    ) -> TierIO | None:
+        """The engine's tier I/O over ``offload``, or over the stack ``config`` describes;
+        None when neither asks for a tier."""
+        if offload is None and config is not None:
+            offload = build_offload(config, layout)
+        return None if offload is None else cls(offload, layout)
+
+    def close(self, flush_timeout_s: float | None = 10.0) -> None:
+        """Write what is queued (up to the timeout) and close every tier."""
+        self.offload.close(flush_timeout_s)
+
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        """A snapshot of every tier's counters, top tier first."""
+        return self.offload.stats().tiers
+
+    # ------------------------------------------------------------------ cost model
+    def observe_step(self, seqs: Sequence[ScheduledRequest], seconds: float) -> None:
+        """Feed one step's model time into the recompute estimate. Only steps that prefill at
+        least one block's worth of tokens count (decode-only steps are dominated by fixed
+        per-step costs and would overstate what recomputing a prefix costs)."""
+        num_prefill = sum(sr.num_tokens for sr in seqs if sr.is_prefill)
+        if num_prefill < self.layout.block_size or seconds <= 0:
+            return
+        per = seconds / sum(sr.num_tokens for sr in seqs)
+        old = self.prefill_s_per_token
+        w = RECOMPUTE_EWMA_WEIGHT
+        self.prefill_s_per_token = per if old is None else (1 - w) * old + w * per
+        self.offload.set_recompute_cost(self.prefill_s_per_token * self.layout.block_size)
 
     # ------------------------------------------------------------------ stores
     def blocks_to_store(
