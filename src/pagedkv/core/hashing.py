@@ -246,6 +246,11 @@ class BlockHashChain:
     def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Append tokens and return the hashes of the blocks they completed (maybe none)."""
         bs = self.block_size
+        if len(token_ids) == 1 and len(self._pending) + 1 < bs:
+            t = token_ids[0]  # the decode fast path: one token that completes no block
+            if type(t) is int and 0 <= t < _MAX_TOKEN_ID:
+                self._pending.append(t)
+                return []
         tokens = self._pending + list(token_ids) if self._pending else list(token_ids)
         num_full = len(tokens) // bs
         if num_full == 0:

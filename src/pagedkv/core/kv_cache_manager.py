@@ -199,6 +199,16 @@ class KVCacheManager:
         Raises OutOfBlocksError, changing nothing, when the pool cannot supply the blocks.
         """
         seq = self._get(request_id)
+        if seq.started and num_new_tokens > 0 and not num_lookahead_tokens and not seq.held:
+            # Fast path (most decodes): the new positions fit the blocks already held and do
+            # not write into a shared block, so no block and no claim changes.
+            write_pos = seq.num_computed + seq.num_pending
+            bs = self.block_size
+            if write_pos + num_new_tokens <= len(seq.block_ids) * bs and (
+                not write_pos % bs or self.pool._ref[seq.block_ids[write_pos // bs]] == 1
+            ):
+                seq.num_pending += num_new_tokens
+                return Allocation((), (), seq.num_hit_tokens)
         if seq.held:
             raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
         if num_new_tokens <= 0 or num_lookahead_tokens < 0:

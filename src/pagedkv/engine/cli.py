@@ -14,6 +14,7 @@ from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import PagedKVError
+from pagedkv.tiers.config import TierConfig, add_tier_arguments, tier_config_from_args
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant for a paged KV cache project. Paged attention stores keys and "
@@ -29,14 +30,31 @@ QUESTIONS = [
 
 
 def _run_workload(
-    model_dir: Path, *, caching: bool, turns: int, max_tokens: int, block_size: int
+    model_dir: Path,
+    *,
+    caching: bool,
+    turns: int,
+    max_tokens: int,
+    block_size: int,
+    tiers: TierConfig | None = None,
 ) -> tuple[list[list[int]], list[float], float, float, int]:
     """Multi-turn chats sharing one system prompt; each turn resends the whole conversation.
     Returns outputs, TTFTs, tokens/s, prefix hit rate and generated tokens."""
     engine = LLMEngine.from_model_dir(
         str(model_dir),
-        EngineConfig(block_size=block_size, num_blocks=2048, enable_prefix_caching=caching),
+        EngineConfig(
+            block_size=block_size, num_blocks=2048, enable_prefix_caching=caching, tiers=tiers
+        ),
     )
+    try:
+        return _chat_turns(engine, turns=turns, max_tokens=max_tokens)
+    finally:
+        engine.close()
+
+
+def _chat_turns(
+    engine: LLMEngine, *, turns: int, max_tokens: int
+) -> tuple[list[list[int]], list[float], float, float, int]:
     tok = engine.tokenizer
     assert tok is not None  # the demo model has one
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -77,7 +95,12 @@ def demo_main(argv: Sequence[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--keep", type=Path, default=None, help="write the tiny model here")
+    add_tier_arguments(parser)
     args = parser.parse_args(list(argv))
+    try:
+        tiers = tier_config_from_args(args)  # used by the prefix-caching run
+    except PagedKVError as exc:
+        parser.error(str(exc))
     from rich.console import Console
     from rich.table import Table
 
@@ -98,6 +121,7 @@ def demo_main(argv: Sequence[str]) -> int:
                 turns=args.turns,
                 max_tokens=args.max_tokens,
                 block_size=args.block_size,
+                tiers=tiers if caching else None,
             )
             results[caching] = res
             _, ttfts, tps, hit, gen = res
@@ -141,6 +165,7 @@ def generate_main(argv: Sequence[str]) -> int:
     parser.add_argument("--speculative-tokens", type=int, default=0)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("-v", "--verbose", action="store_true")
+    add_tier_arguments(parser)
     args = parser.parse_args(list(argv))
     from rich.console import Console
     from rich.logging import RichHandler
@@ -170,6 +195,7 @@ def generate_main(argv: Sequence[str]) -> int:
                 num_blocks=args.num_blocks,
                 num_speculative_tokens=args.speculative_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
+                tiers=tier_config_from_args(args),
             ),
         )
         prompts: list[str] | list[list[int]] = list(args.prompt)
@@ -185,9 +211,10 @@ def generate_main(argv: Sequence[str]) -> int:
                 )
                 for p in args.prompt
             ]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - t0
+        with llm:  # close(): queued blocks reach the KV tiers before exit
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            elapsed = time.perf_counter() - t0
     except PagedKVError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -12,6 +13,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvalidRequestError
+from pagedkv.tiers.config import TierConfig
 
 Prompt = str | Sequence[int]
 
@@ -20,18 +22,51 @@ class LLM:
     """Load a local model folder once; generate for batches of prompts.
 
     Keyword arguments are :class:`EngineConfig` fields (``block_size=16``,
-    ``enable_prefix_caching=False``, ``num_speculative_tokens=4``, ...).
+    ``enable_prefix_caching=False``, ``num_speculative_tokens=4``, ...), plus the KV tiers:
+    ``host_tier_bytes``, ``disk_tier`` (a folder) with ``disk_tier_bytes``, ``redis_url``
+    (or a whole ``tiers=TierConfig(...)``). With tiers, call :meth:`close` (or use ``with``)
+    so queued blocks reach them before the process exits.
     """
 
-    def __init__(self, model_dir: str, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        config: EngineConfig | None = None,
+        *,
+        host_tier_bytes: int = 0,
+        disk_tier: str | os.PathLike[str] | None = None,
+        disk_tier_bytes: int = 0,
+        redis_url: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         cfg = config or EngineConfig()
         if kwargs:
             try:
                 cfg = replace(cfg, **kwargs)
             except TypeError as exc:
                 raise InvalidRequestError(f"unknown engine option: {exc}") from None
+        if host_tier_bytes or disk_tier is not None or disk_tier_bytes or redis_url:
+            if cfg.tiers is not None:
+                raise InvalidRequestError("give the KV tiers either as tiers= or as tier options")
+            tiers = TierConfig(
+                host_bytes=host_tier_bytes,
+                disk_dir=None if disk_tier is None else os.fspath(disk_tier),
+                disk_bytes=disk_tier_bytes,
+                redis_url=redis_url,
+            )
+            cfg = replace(cfg, tiers=tiers)
         self.engine = LLMEngine.from_model_dir(model_dir, cfg)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Write queued KV blocks to the tiers and close them (a no-op without tiers)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

@@ -361,14 +361,6 @@ class Scheduler:
                 alloc = mgr.allocate_slots(rid, n, lookahead if n == remaining else 0)
             except OutOfBlocksError:
                 break
-            if alloc.num_cached_tokens != cached:
-                # The memoized match was stale-short (blocks were cached since, with no
-                # eviction to refresh it); the allocation took the longer, fresh hit.
-                cached = alloc.num_cached_tokens
-                remaining = req.num_tokens - cached
-                if n > remaining:
-                    mgr.rollback(rid, n - remaining)
-                    n = remaining
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             req.num_cached_tokens = cached
@@ -638,10 +630,6 @@ class Scheduler:
             mgr.allocate_slots(rid, num_to_receive)
         except OutOfBlocksError:
             return False
-        # A stale-short memoized match: the fresh hit covers part of what was to arrive.
-        excess = mgr.num_computed_tokens(rid) + num_to_receive - (req.num_tokens - 1)
-        if excess > 0:
-            mgr.rollback(rid, excess)
         self.waiting.pop()
         self._refresh_table(req)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -668,11 +656,6 @@ class Scheduler:
         try:
             self.manager.allocate_slots(rid, num_blocks * bs)
         except OutOfBlocksError:
-            return False
-        if self.manager.num_computed_tokens(rid) != num_cached:
-            # A stale-short memoized match: the tier run was chosen after the wrong block.
-            # Undo (the hit blocks stay cached) and let the caller admit it normally.
-            self.manager.preempt(rid)
             return False
         self.waiting.pop()
         self._refresh_table(req)

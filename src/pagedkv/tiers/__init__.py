@@ -3,7 +3,13 @@ coordinator in front of them. ``RedisTier`` lives in :mod:`pagedkv.tiers.redis_t
 optional ``redis`` package) and is imported from there."""
 
 from pagedkv.tiers.base import KVTier, TierStats
-from pagedkv.tiers.config import TierConfig, build_offload
+from pagedkv.tiers.config import (
+    TierConfig,
+    add_tier_arguments,
+    build_offload,
+    parse_bytes,
+    tier_config_from_args,
+)
 from pagedkv.tiers.disk import DiskTier
 from pagedkv.tiers.disk_files import FsyncPolicy
 from pagedkv.tiers.host import HostTier
@@ -33,9 +39,12 @@ __all__ = [
     "TierConfig",
     "TierLayout",
     "TierStats",
+    "add_tier_arguments",
     "build_offload",
     "decode",
     "encode",
+    "parse_bytes",
     "payload_size",
     "read_header",
+    "tier_config_from_args",
 ]

@@ -1,11 +1,15 @@
 """The tiers' section of the configuration, and the stack it builds.
 
 CLI flags map one to one: ``--host-tier-bytes`` -> ``host_bytes``, ``--disk-tier DIR`` ->
-``disk_dir``, ``--disk-tier-bytes`` -> ``disk_bytes``, ``--redis URL`` -> ``redis_url``.
+``disk_dir``, ``--disk-tier-bytes`` -> ``disk_bytes``, ``--redis URL`` -> ``redis_url``
+(:func:`add_tier_arguments`, :func:`tier_config_from_args`; sizes take ``K``/``M``/``G``
+suffixes, powers of 1024).
 """
 
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import dataclass
 
 from pagedkv.errors import InvalidRequestError
@@ -77,3 +81,52 @@ def build_offload(config: TierConfig, layout: TierLayout) -> OffloadCoordinator 
         max_queue_blocks=config.max_queue_blocks,
         write_batch_blocks=config.write_batch_blocks,
     )
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"1048576"``, ``"512M"``, ``"2GiB"``, ``"1.5g"`` -> bytes (suffixes are powers of 1024)."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise InvalidRequestError(f"not a byte size: {text!r} (use e.g. 1073741824, 512M, 2G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except InvalidRequestError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV tier flags shared by ``pagedkv generate``, ``demo`` and ``serve``."""
+    g = parser.add_argument_group("KV tiers (below the device pool; all off by default)")
+    g.add_argument("--host-tier-bytes", type=_size_arg, default=0, help="host RAM tier budget")
+    g.add_argument("--disk-tier", metavar="DIR", default=None, help="persistent disk tier folder")
+    g.add_argument("--disk-tier-bytes", type=_size_arg, default=0, help="disk tier budget")
+    g.add_argument(
+        "--disk-tier-fsync",
+        default=FsyncPolicy.NONE.value,
+        choices=[p.value for p in FsyncPolicy],
+        help="fsync policy of disk tier writes",
+    )
+    g.add_argument("--redis", metavar="URL", default=None, help="shared Redis/Valkey tier")
+    g.add_argument("--redis-ttl", type=int, default=None, help="seconds a Redis block lives")
+
+
+def tier_config_from_args(args: argparse.Namespace) -> TierConfig | None:
+    """The :class:`TierConfig` the flags of :func:`add_tier_arguments` describe (None: no tier).
+    Raises InvalidRequestError for an inconsistent set (a disk folder without a budget)."""
+    cfg = TierConfig(
+        host_bytes=args.host_tier_bytes,
+        disk_dir=args.disk_tier,
+        disk_bytes=args.disk_tier_bytes,
+        disk_fsync=args.disk_tier_fsync,
+        redis_url=args.redis,
+        redis_ttl_s=args.redis_ttl,
+    )
+    return cfg if cfg.is_enabled else None
