@@ -70,10 +70,13 @@ class AsyncEngine:
         return self.healthy and (self._thread.is_alive() or self._thread.ident is None)
 
     def shutdown(self) -> None:
+        """Stop the step loop, then flush and close the engine's KV tiers."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        with self._lock:
+            self.engine.close()
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
@@ -156,7 +159,14 @@ class AsyncEngine:
     def stats_snapshot(self) -> None:
         """Refresh the gauges from the scheduler (called after each step and by /metrics)."""
         with self._lock:
-            self.metrics.observe_scheduler(self.engine.scheduler.stats())
+            self._observe()
+
+    def _observe(self) -> None:
+        """Export the scheduler's and every KV tier's counters (hold ``_lock``)."""
+        self.metrics.observe_scheduler(self.engine.scheduler.stats())
+        if self.engine.tier_io is not None:
+            for tier in self.engine.tier_io.tier_stats():
+                self.metrics.observe_tier(tier.name, tier)
 
     # ------------------------------------------------------------------ step thread
     def _loop(self) -> None:
@@ -181,7 +191,7 @@ class AsyncEngine:
                 except Exception as exc:  # a bug in a step: fail those in flight, keep serving
                     logger.exception("engine step failed")
                     self._fail_all(exc)
-                self.metrics.observe_scheduler(self.engine.scheduler.stats())
+                self._observe()
             now = time.perf_counter()
             for out in outputs:
                 self._deliver(out, now)

@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 
 from pagedkv.config import env_str
+from pagedkv.errors import PagedKVError
+from pagedkv.tiers.config import add_tier_arguments, tier_config_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch intra-op threads (default: torch's choice; 1 is often faster on a busy CPU)",
     )
     p.add_argument("--log-level", default="info")
+    add_tier_arguments(p)
     return p
 
 
@@ -58,6 +61,10 @@ def main(argv: list[str]) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    try:
+        tiers = tier_config_from_args(args)
+    except PagedKVError as exc:
+        raise SystemExit(f"pagedkv serve: {exc}") from None
     cfg = EngineConfig(
         dtype=args.dtype,
         device=args.device,
@@ -68,6 +75,7 @@ def main(argv: list[str]) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         num_speculative_tokens=args.num_speculative_tokens,
+        tiers=tiers,
     )
     engine = LLMEngine.from_model_dir(args.model, cfg)
     name = args.served_model_name or Path(args.model).resolve().name
