@@ -304,3 +304,22 @@ def test_stop_prefix_len_finds_the_longest_pending_stop_prefix() -> None:
     assert _stop_prefix_len("hello", ("world",)) == 0
     assert _stop_prefix_len("ab", ("abc", "b")) == 2
     assert _stop_prefix_len("", ("abc",)) == 0
+
+
+def test_a_request_that_outgrows_the_pool_alone_finishes_with_length(model_dir: Path) -> None:
+    """The scheduler stops a lone request that cannot grow (finished inside schedule()); the
+    engine must report it finished instead of waiting for it forever."""
+    engine = _engine(model_dir, num_blocks=6, max_model_len=4096, reservation="none")
+    engine.add_request(
+        "big", [5, 6, 7], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    )
+    done = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    assert done["big"].outputs[0].finish_reason == "length"
+    assert engine.scheduler.manager.pool.num_used_blocks == 0

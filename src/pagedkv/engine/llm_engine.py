@@ -267,6 +267,12 @@ class LLMEngine:
             self.tier_io.store(self.runner.kv_cache, to_store)
         now = time.perf_counter()
         changed: dict[str, RequestGroup] = {}
+        for rid in out.finished_ids:  # finished inside schedule(): it outgrew the pool alone
+            entry = self._samples.get(rid)
+            if entry is not None and entry[1].finish_reason is None:
+                entry[1].finish_reason = FinishReason.LENGTH
+                self._release_text(entry[0], entry[1])
+                changed[entry[0].request_id] = entry[0]
         for r in results:
             group, smp = self._samples[r.request_id]
             changed[group.request_id] = group
