@@ -47,6 +47,7 @@ class TierIO:
         self.num_loaded = 0
         self.num_failed_loads = 0
         self.prefill_s_per_token: float | None = None  # moving average; None until measured
+        self.measure_recompute = True  # False: never skip a tier as slower than recompute
 
     @classmethod
     def try_build(
@@ -74,6 +75,8 @@ class TierIO:
         """Feed one step's model time into the recompute estimate. Only steps that prefill at
         least one block's worth of tokens count (decode-only steps are dominated by fixed
         per-step costs and would overstate what recomputing a prefix costs)."""
+        if not self.measure_recompute:
+            return
         num_prefill = sum(sr.num_tokens for sr in seqs if sr.is_prefill)
         if num_prefill < self.layout.block_size or seconds <= 0:
             return
