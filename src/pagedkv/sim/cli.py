@@ -244,7 +244,10 @@ def print_table(reports: Sequence[SimReport], workload: Workload, base: SimConfi
     table.add_column("metric")
     for r in reports:
         table.add_column(r.label.replace(" ", "\n"), justify="right")  # one setting a line
+    speculating = any(r.num_draft_tokens for r in reports)
     for name, cell in _ROWS:
+        if name.startswith("drafts") and not speculating:
+            continue
         table.add_row(name, *(cell(r) for r in reports))
     tags = sorted({t.tag for r in reports for t in r.by_tag})
     if len(tags) > 1:  # a mixed workload: which class gained what
