@@ -146,7 +146,7 @@ def build_waiting(mode: str, queue_len: int, seed: int = 1) -> Scheduler:
     if mode == "seqs":  # the pool has room; max_num_seqs stops admission
         sched = build_decoding(n, max_num_seqs=n, num_blocks=_blocks_for(n) * 2)
     else:  # reservations fill the pool exactly; the head fails can_admit every step
-        sched = build_decoding(n, max_num_seqs=100_000, num_blocks=_blocks_for(n))
+        sched = build_decoding(n, max_num_seqs=8192, num_blocks=_blocks_for(n))
     rng = random.Random(seed)
     for i in range(queue_len):
         sched.add_request(Request(f"wait{i}", _prompt(rng), max_tokens=MAX_TOKENS))

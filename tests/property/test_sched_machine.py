@@ -61,7 +61,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         alone = -(-(MAX_MODEL_LEN - 1 + lookahead) // block_size)
         cfg = SchedulerConfig(
             max_num_batched_tokens=budget if chunked else max(budget, MAX_MODEL_LEN),
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=min(max_num_seqs, budget),  # the config requires budget >= max_num_seqs
             max_model_len=MAX_MODEL_LEN,
             enable_chunked_prefill=chunked,
             policy=policy,

@@ -26,7 +26,7 @@ def make_driver(
 ) -> Driver:
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=min(max_num_seqs, budget),  # the config requires budget >= max_num_seqs
         max_model_len=64,
         check_invariants=True,
     )

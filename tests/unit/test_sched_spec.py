@@ -17,7 +17,7 @@ def make_driver(
 ) -> Driver:
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget,
-        max_num_seqs=8,
+        max_num_seqs=min(8, budget),  # the config requires budget >= max_num_seqs
         max_model_len=max_model_len,
         num_lookahead_tokens=lookahead,
         check_invariants=True,

@@ -46,5 +46,12 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is False"
             )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Decodes are served in priority order: with fewer tokens than running requests, the
+            # ones at the back would get no token step after step.
+            raise InvalidRequestError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running request can decode each step"
+            )
         if self.max_waiting is not None and self.max_waiting <= 0:
             raise InvalidRequestError(f"max_waiting must be positive, got {self.max_waiting}")
