@@ -213,3 +213,31 @@ def test_two_processes_share_a_prefix_through_redis_and_survive_its_loss(
         )
     assert a.exit() == 0
     assert b.exit() == 0
+
+
+def test_a_process_that_never_calls_close_still_flushes_the_disk_tier(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    kv = tmp_path / "kv"
+    code = textwrap.dedent(
+        """
+        import sys
+        from pagedkv.engine.llm import LLM
+        from pagedkv.engine.sampler import SamplingParams
+        from pagedkv.tiers import TierConfig
+
+        # fsync per file and folder: slow writes, still queued when generate() returns
+        tiers = TierConfig(disk_dir=sys.argv[2], disk_bytes=1 << 26, disk_fsync="file+dir")
+        llm = LLM(sys.argv[1], block_size=16, tiers=tiers)
+        llm.generate([list(range(5, 300))], SamplingParams(max_tokens=1), progress=False)
+        """  # no close(): the finalizer flushes at interpreter exit (without it: 0 to 5 files)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(model_dir), str(kv)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(list(kv.rglob("*.kvb"))) == 295 // BLOCK_SIZE

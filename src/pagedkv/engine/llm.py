@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -57,10 +58,16 @@ class LLM:
             cfg = replace(cfg, tiers=tiers)
         self.engine = LLMEngine.from_model_dir(model_dir, cfg)
         self._ids = itertools.count()
+        # Without an explicit close(), the tiers are still flushed and closed when this object
+        # is collected or the interpreter exits (the finalizer holds the tiers, not the engine).
+        tio = self.engine.tier_io
+        self._finalizer = None if tio is None else weakref.finalize(self, tio.close)
 
     def close(self) -> None:
-        """Write queued KV blocks to the tiers and close them (a no-op without tiers)."""
-        self.engine.close()
+        """Write queued KV blocks to the tiers and close them (a no-op without tiers; safe to
+        call twice)."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs tio.close() once, then detaches
 
     def __enter__(self) -> LLM:
         return self
