@@ -75,7 +75,7 @@ class OverloadedError(PagedKVError, RuntimeError):
     """A bounded queue is full; the caller should retry later."""
 
 
-class InvariantViolation(PagedKVError, RuntimeError):
+class InvariantViolation(PagedKVError, RuntimeError):  # noqa: N818  (the name STYLE.md gives)
     """An internal invariant does not hold. Always a bug in pagedkv, never a user error.
 
     The message starts with the invariant's label from the class docstring, e.g. ``"I2: ..."``.
