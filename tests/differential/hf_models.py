@@ -41,6 +41,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "rope_scaling": {"rope_type": "linear", "factor": 2.0},
     },
+    # Llama with every optional switch: q/k/v/o and MLP biases, tied embeddings, an explicit
+    # head_dim (32, not hidden/heads = 16) and multi-query attention (one KV head)
+    "llama_bias_mqa": {
+        **TINY,
+        "attention_bias": True,
+        "mlp_bias": True,
+        "tie_word_embeddings": True,
+        "head_dim": 32,
+        "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-5,
+    },
+    # Mistral (the Llama architecture under another name), GQA 4:2, untied
+    "mistral": {**TINY, "tie_word_embeddings": False, "rope_theta": 1000000.0},
+    # Qwen2 untied with full multi-head attention
+    "qwen2_mha": {**TINY, "tie_word_embeddings": False, "num_key_value_heads": 4},
 }
 
 
@@ -53,6 +68,9 @@ def build_hf_model(kind: str, out_dir: Path, seed: int = 0) -> Any:
         "llama_linear": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama_bias_mqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2_mha": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     config = cls_cfg(**CONFIGS[kind])

@@ -29,7 +29,9 @@ def _entry(rid: str, table: np.ndarray, bs: int, start: int, tokens: list[int]) 
     return ScheduledRequest(rid, start, tokens, len(tokens), table, slots, start == 0, True)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "llama_linear"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "qwen2", "qwen3", "llama_linear", "llama_bias_mqa", "mistral", "qwen2_mha"]
+)
 def test_prefill_and_each_decode_step_match_transformers(kind: str, tmp_path: Path) -> None:
     hf = build_hf_model(kind, tmp_path)
     model = load_model(tmp_path, dtype="float32")
@@ -55,7 +57,7 @@ def test_prefill_and_each_decode_step_match_transformers(kind: str, tmp_path: Pa
         torch.testing.assert_close(logits[0], ref, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama_bias_mqa"])
 def test_greedy_generation_matches_transformers_generate(kind: str, tmp_path: Path) -> None:
     from pagedkv.engine.engine_config import EngineConfig
     from pagedkv.engine.llm_engine import LLMEngine
