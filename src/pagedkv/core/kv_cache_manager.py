@@ -494,6 +494,11 @@ class KVCacheManager:
         return self._running_claim
 
     @property
+    def admissible_blocks(self) -> int:
+        """The most blocks one request can be admitted with: capacity less the watermark."""
+        return self._admissible_blocks
+
+    @property
     def watermark_blocks(self) -> int:
         return self._watermark_blocks
 

@@ -123,6 +123,16 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens; max_model_len is {max_len} "
                 "(the prompt plus at least one generated token must fit)"
             )
+        bs = self.block_size
+        first_blocks = -(-(request.num_prompt_tokens + self.config.num_lookahead_tokens) // bs)
+        lookahead = self.config.num_lookahead_tokens
+        if lookahead and first_blocks > self.manager.admissible_blocks:
+            # The first allocation takes the lookahead slots too (the manager checks the rest).
+            raise PromptTooLongError(
+                f"prompt has {request.num_prompt_tokens} tokens; with {lookahead} lookahead "
+                f"slots it needs {first_blocks} blocks, and the pool admits at most "
+                f"{self.manager.admissible_blocks} blocks for one request"
+            )
         if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
             raise OverloadedError(
                 f"the waiting queue is full ({self.config.max_waiting} requests); retry later"
