@@ -21,12 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from differential.test_engine_invariance import GREEDY, PROMPTS, checkpoint
 from e2e.conftest import RedisServer
 from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.loader import load_model
+from pagedkv.engine.tier_io import read_blocks
+from pagedkv.errors import InvalidRequestError
 from pagedkv.tiers import HostTier, OffloadCoordinator, TierConfig, TierLayout
 
 pytest.importorskip("transformers")
@@ -188,3 +192,18 @@ def test_a_tier_faster_than_recompute_is_used(
         assert offload.stats().skipped_slow == 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_batched_block_reads_equal_one_by_one_reads(dtype: torch.dtype) -> None:
+    spec = KVCacheSpec(3, 4, 2, 8, dtype)
+    kv = PagedKVCache(spec, 10)
+    gen = torch.Generator().manual_seed(0)
+    for buf in (*kv.k, *kv.v):
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
+    ids = [7, 0, 3, 3, 9]
+    assert read_blocks(kv, ids) == [kv.read_block(b) for b in ids]
+    assert read_blocks(kv, [5]) == [kv.read_block(5)]
+    assert read_blocks(kv, []) == []
+    with pytest.raises(InvalidRequestError):
+        read_blocks(kv, [1, 10])
