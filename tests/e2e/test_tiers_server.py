@@ -128,3 +128,10 @@ def test_generate_rejects_a_disk_tier_without_a_budget(model: Path, tmp_path: Pa
     argv = ["--model", str(model), "--prompt", "hi", "--disk-tier", str(tmp_path / "kv")]
     assert generate_main(argv) == 2
     assert not (tmp_path / "kv").exists()
+
+
+@pytest.mark.parametrize("size", ["lots", "-1", "1X", ""])
+def test_a_bad_tier_size_is_a_usage_error(size: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--model", "m", "--host-tier-bytes", size])
+    assert exc.value.code == 2
