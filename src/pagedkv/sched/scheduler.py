@@ -531,6 +531,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def last_step(self) -> StepStats:
+        """What the last ``schedule()`` did (O(1); ``stats()`` also snapshots the cache)."""
+        return self._last_step
+
     def stats(self) -> SchedulerStats:
         """Per-step and cumulative counters (a snapshot)."""
         kv = self.manager.stats()
@@ -734,11 +739,12 @@ class Scheduler:
         if active > self.config.max_num_seqs:
             raise InvariantViolation(f"S2: {active} active requests > max_num_seqs")
         queued = 0
+        running_ids = {id(r) for r in self.running}
         for rid, req in self.requests.items():
             st = req.status
             if st in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 queued += 1
-            in_running = any(r is req for r in self.running)
+            in_running = id(req) in running_ids
             if (st is RequestStatus.RUNNING) != in_running:
                 raise InvariantViolation(f"S1: {rid} is {st.value} but in_running={in_running}")
             if (st is RequestStatus.LOADING) != (rid in self.loading):

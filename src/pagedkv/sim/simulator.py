@@ -293,7 +293,7 @@ def simulate(
         w1, c1 = wall_ns(), cpu_ns()
         sched_cpu.append(c1 - c0)
         sched_wall.append(w1 - w0)
-        admit_wall.append(sched.stats().last_step.admission_s)
+        admit_wall.append(sched.last_step.admission_s)
         for rid in out.finished_ids:  # finished by the scheduler itself (pool too small)
             if rid in tracks:
                 finish(rid, clock)
