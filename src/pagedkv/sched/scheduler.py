@@ -7,9 +7,8 @@ One step::
          of the running list when a block cannot be had
       2. running prefill chunks (resumed chunked prefills), with the budget that is left
       3. admissions from the waiting queue while the head fits (O(1) check), the budget lasts
-         and no request was preempted this step (no admit/preempt thrash); a request starts
-         at the prefix hit its allocation took (the manager's memoised match may be shorter),
-         and in an idle pool the watermark is waived (a victim may have outgrown it)
+         and no request was preempted this step (no admit/preempt thrash); in an idle pool
+         the watermark is waived (a victim may have outgrown it)
     -> SchedulerOutput (decodes first), then the runner computes, then
     update(output, sampled)
       append accepted tokens, commit computed positions (full blocks become shareable), roll back
@@ -19,6 +18,8 @@ The running list is kept in serving order (``Request.sort_key``: priority, arriv
 so the preemption victim, the lowest priority and then the latest arrival, is always at its
 back. Decodes are scheduled before any prefill chunk, so prefills never starve decodes.
 
+Requests whose KV is shared with something else (remote prefill or decode, KV tiers, forks) are
+handled by ``KVSharingMixin`` (``kv_sharing.py``); the invariant checks live in ``checks.py``.
 The scheduler owns the manager and is single-threaded: one loop calls ``schedule``/``update``.
 """
 
@@ -28,7 +29,6 @@ import bisect
 import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import Protocol
 
 import numpy as np
 
@@ -36,14 +36,15 @@ from pagedkv.core.config import CacheConfig
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.errors import (
     InvalidRequestError,
-    InvariantViolation,
     OutOfBlocksError,
     OverloadedError,
     PromptTooLongError,
     RequestStateError,
     UnknownRequestError,
 )
+from pagedkv.sched.checks import check_scheduler
 from pagedkv.sched.config import SchedulerConfig
+from pagedkv.sched.kv_sharing import KVSharingMixin, TierIndex
 from pagedkv.sched.output import RequestOutput, ScheduledRequest, SchedulerOutput
 from pagedkv.sched.queue import make_queue
 from pagedkv.sched.request import FinishReason, KVTransfer, Request, RequestStatus
@@ -52,16 +53,7 @@ from pagedkv.sched.stats import SchedulerStats, StepStats
 logger = logging.getLogger(__name__)
 
 
-class TierIndex(Protocol):
-    """What the scheduler asks of the KV tiers: how many of these blocks can be loaded."""
-
-    def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:
-        """Length of the run of consecutive hashes, from the first, that a lower tier holds
-        (0 when loading them would be slower than recomputing)."""
-        ...
-
-
-class Scheduler:
+class Scheduler(KVSharingMixin):
     """Decides, each step, which requests compute which tokens, within the budget and the pool.
 
     Invariants (``check_invariants()`` verifies each):
@@ -181,75 +173,6 @@ class Scheduler:
             raise RequestStateError(f"request {request_id!r} is {req.status.value}, not running")
         self._remove_running(req)
         self._finish(req, reason)
-
-    def finish_remote_kv(self, request_id: str, *, success: bool) -> None:
-        """The KV of a RECEIVE request arrived (or the transfer failed: then it recomputes)."""
-        req = self.remote_waiting.pop(request_id, None)
-        if req is None:
-            raise UnknownRequestError(f"request {request_id!r} is not waiting for remote KV")
-        mgr = self.manager
-        if success:
-            mgr.commit(request_id, mgr.num_pending_tokens(request_id))
-            req.num_computed_tokens = mgr.num_computed_tokens(request_id)
-            req.status = RequestStatus.RUNNING
-            bisect.insort(self.running, req, key=Request.sort_key)
-        else:
-            logger.warning("remote KV for %s failed; recomputing it locally", request_id)
-            mgr.preempt(request_id)
-            req.kv_transfer = KVTransfer.NONE
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.PREEMPTED
-            self.waiting.push_front(req)
-
-    def finish_kv_send(self, request_id: str) -> None:
-        """The KV of a finished SEND request reached its destination: release its blocks."""
-        req = self.sending.pop(request_id, None)
-        if req is None:
-            raise UnknownRequestError(f"request {request_id!r} has no KV send in progress")
-        self.manager.release(request_id)
-        del self.requests[request_id]
-
-    def fork(self, parent_id: str, child_id: str, *, max_tokens: int | None = None) -> Request:
-        """Start ``child_id`` as a running copy of running request ``parent_id``.
-
-        The child shares the parent's computed blocks (copy-on-write: full blocks by reference,
-        a shared partial last block copied on the first write by either side) and its tokens.
-        The parent must have no uncommitted positions (call between ``update`` and
-        ``schedule``). Raises UnknownRequestError, InvalidRequestError (duplicate child id),
-        RequestStateError (parent not running) or OverloadedError (``max_num_seqs`` reached);
-        nothing changes on failure.
-        """
-        parent = self._get(parent_id)
-        if parent.status is not RequestStatus.RUNNING:
-            raise RequestStateError(f"request {parent_id!r} is {parent.status.value}, not running")
-        if child_id in self.requests:
-            raise InvalidRequestError(f"request {child_id!r} already exists")
-        active = len(self.running) + len(self.loading) + len(self.remote_waiting)
-        if active >= self.config.max_num_seqs:
-            raise OverloadedError(
-                f"cannot fork {parent_id!r}: {active} requests are active (max_num_seqs "
-                f"{self.config.max_num_seqs})"
-            )
-        child = Request(
-            child_id,
-            parent.all_token_ids[: parent.num_prompt_tokens],
-            max_tokens=parent.max_tokens if max_tokens is None else max_tokens,
-            stop_token_ids=tuple(parent.stop_token_ids),
-            priority=parent.priority,
-            arrival_time=parent.arrival_time,
-            cache_salt=parent.cache_salt,
-            hash_context=parent.hash_context,
-        )
-        remaining = child.max_tokens - parent.num_output_tokens
-        self.manager.fork(parent_id, child_id, max_tokens=max(0, remaining))
-        child.all_token_ids = list(parent.all_token_ids)
-        child.status = RequestStatus.RUNNING
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        self._refresh_table(child)
-        self.requests[child_id] = child
-        bisect.insort(self.running, child, key=Request.sort_key)
-        return child
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
@@ -636,68 +559,6 @@ class Scheduler:
         preempted.append(req.request_id)
         self.num_preemptions += 1
 
-    def _admit_remote(self, req: Request, num_to_receive: int) -> bool:
-        """Admit a RECEIVE request: allocate its prompt's slots and wait for the KV to arrive.
-        Returns False, changing nothing, when the blocks cannot be had now."""
-        rid = req.request_id
-        mgr = self.manager
-        try:
-            mgr.allocate_slots(rid, num_to_receive)
-        except OutOfBlocksError:
-            return False
-        self.waiting.pop()
-        self._refresh_table(req)
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.remote_waiting[rid] = req
-        req.num_computed_tokens = self.manager.num_computed_tokens(rid)
-        req.num_cached_tokens = self.manager.num_hit_tokens(rid)
-        return True
-
-    def _try_admit_load(
-        self, req: Request, num_cached: int, loads: list[tuple[int, bytes]]
-    ) -> bool:
-        """Admit a request whose prefix continues in a lower tier: allocate fresh blocks for the
-        tier's run and have the runner load them this step (no token budget is used)."""
-        rid = req.request_id
-        bs = self.block_size
-        first = num_cached // bs
-        last = (req.num_tokens - 1) // bs  # a hit never covers the last token
-        if last <= first or self.tier_index is None:
-            return False
-        hashes = self.manager.block_hashes(rid)[first:last]
-        num_blocks = self.tier_index.contains_prefix(hashes)
-        if num_blocks <= 0:
-            return False
-        try:
-            self.manager.allocate_slots(rid, num_blocks * bs)
-        except OutOfBlocksError:
-            return False
-        self.waiting.pop()
-        self._refresh_table(req)
-        ids = req._block_ids[first : first + num_blocks]
-        loads.extend(zip(ids, hashes[:num_blocks], strict=True))
-        req.status = RequestStatus.LOADING
-        req.num_computed_tokens = num_cached
-        req.num_cached_tokens = self.manager.num_hit_tokens(rid)
-        self.loading[rid] = req
-        return True
-
-    def _finish_load(self, req: Request, *, success: bool) -> None:
-        rid = req.request_id
-        mgr = self.manager
-        pending = mgr.num_pending_tokens(rid)
-        if success:
-            mgr.commit(rid, pending)
-            self.num_loaded_blocks += pending // self.block_size
-            req.num_cached_tokens += pending
-        else:
-            logger.warning("loading the prefix of %s from a tier failed; recomputing", rid)
-            mgr.rollback(rid, pending)
-            self._refresh_table(req)
-        req.num_computed_tokens = mgr.num_computed_tokens(rid)
-        req.status = RequestStatus.RUNNING
-        bisect.insort(self.running, req, key=Request.sort_key)
-
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """Mark a request finished (already out of the running list) and free or hold its KV."""
         rid = req.request_id
@@ -731,56 +592,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Verify S1..S5 from scratch; raise InvariantViolation naming the broken one."""
-        self.manager.check_invariants()
-        keys = [r.sort_key() for r in self.running]
-        if keys != sorted(keys):
-            raise InvariantViolation("S2: the running list is out of serving order")
-        active = len(self.running) + len(self.loading) + len(self.remote_waiting)
-        if active > self.config.max_num_seqs:
-            raise InvariantViolation(f"S2: {active} active requests > max_num_seqs")
-        queued = 0
-        running_ids = {id(r) for r in self.running}
-        for rid, req in self.requests.items():
-            st = req.status
-            if st in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                queued += 1
-            in_running = id(req) in running_ids
-            if (st is RequestStatus.RUNNING) != in_running:
-                raise InvariantViolation(f"S1: {rid} is {st.value} but in_running={in_running}")
-            if (st is RequestStatus.LOADING) != (rid in self.loading):
-                raise InvariantViolation(f"S1: {rid} is {st.value} vs the loading set")
-            if (st is RequestStatus.WAITING_FOR_REMOTE_KV) != (rid in self.remote_waiting):
-                raise InvariantViolation(f"S1: {rid} is {st.value} vs the remote wait set")
-            if (st is RequestStatus.FINISHED) != (rid in self.sending):
-                raise InvariantViolation(f"S1: {rid} is {st.value} vs the sending set")
-            if rid not in self.manager:
-                raise InvariantViolation(f"S4: {rid} is unfinished but unknown to the manager")
-            holds = bool(self.manager.block_ids(rid))
-            must_hold = st in _HOLDING
-            if st is RequestStatus.RUNNING and req.num_computed_tokens == 0:
-                must_hold = holds  # a failed tier load with no device prefix leaves none
-            if holds != must_hold:
-                raise InvariantViolation(f"S4: {rid} is {st.value} and holds blocks={holds}")
-            if (
-                st is RequestStatus.RUNNING
-                and req.num_computed_tokens != self.manager.num_computed_tokens(rid)
-            ):
-                raise InvariantViolation(f"S3: {rid} computed count differs from the manager's")
-            if st is RequestStatus.RUNNING and req._block_ids != self.manager.block_ids(rid):
-                raise InvariantViolation(f"S3: {rid} block table mirror is stale")
-        if queued != len(self.waiting):
-            raise InvariantViolation(
-                f"S1: {queued} queued requests but len(waiting)={len(self.waiting)}"
-            )
-        placed = len(self.running) + len(self.remote_waiting) + len(self.loading)
-        if len(self.requests) != queued + placed + len(self.sending):
-            raise InvariantViolation("S1: a request is in no place or in two")
+        check_scheduler(self)
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
-_HOLDING = (
-    RequestStatus.RUNNING,
-    RequestStatus.WAITING_FOR_REMOTE_KV,
-    RequestStatus.LOADING,
-    RequestStatus.FINISHED,
-)
