@@ -323,3 +323,16 @@ def test_a_request_that_outgrows_the_pool_alone_finishes_with_length(model_dir: 
     assert not engine.has_unfinished_requests()
     assert done["big"].outputs[0].finish_reason == "length"
     assert engine.scheduler.manager.pool.num_used_blocks == 0
+
+
+def test_a_request_id_can_be_reused_once_its_request_finished(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    first = _drain(engine)["a"]
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("b", [9, 10, 11], params)
+    done = _drain(engine)
+    assert done["a"].outputs[0].token_ids == first.outputs[0].token_ids
+    assert len(done["a"].outputs[0].token_ids) == 3
+    assert len(done["b"].outputs[0].token_ids) == 3

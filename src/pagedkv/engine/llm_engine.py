@@ -269,7 +269,9 @@ class LLMEngine:
         changed: dict[str, RequestGroup] = {}
         for rid in out.finished_ids:  # finished inside schedule(): it outgrew the pool alone
             entry = self._samples.get(rid)
-            if entry is not None and entry[1].finish_reason is None:
+            # finished_ids also lists requests finished by the last update (already reported);
+            # an id still known to the scheduler belongs to a new request that reuses it.
+            if entry is not None and entry[1].finish_reason is None and rid not in sched.requests:
                 entry[1].finish_reason = FinishReason.LENGTH
                 self._release_text(entry[0], entry[1])
                 changed[entry[0].request_id] = entry[0]
