@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from pagedkv.tiers.payload import TierLayout
@@ -106,6 +106,16 @@ class TierCounters:
             num_bytes=num_bytes,
             capacity_bytes=capacity_bytes,
         )
+
+
+def count_prefix(index: Container[bytes], block_hashes: Sequence[bytes]) -> int:
+    """Length of the run of ``block_hashes``, from the first, that ``index`` holds."""
+    n = 0
+    for h in block_hashes:
+        if h not in index:
+            break
+        n += 1
+    return n
 
 
 class KVTier(ABC):

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pagedkv.errors import CorruptBlockError, InvalidRequestError, InvariantViolation
-from pagedkv.tiers.base import KVTier, TierStats
+from pagedkv.tiers.base import KVTier, TierStats, count_prefix
 from pagedkv.tiers.disk_files import (
     BLOCK_SUFFIX,
     DISK_FULL_ERRNOS,
@@ -224,11 +224,7 @@ class DiskTier(KVTier):
 
     def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:
         with self._lock:
-            n = 0
-            for h in block_hashes:
-                if h not in self._index:
-                    break
-                n += 1
+            n = count_prefix(self._index, block_hashes)
             self._counters.record_lookup(len(block_hashes), n)
             return n
 

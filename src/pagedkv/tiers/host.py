@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pagedkv.errors import InvalidRequestError, InvariantViolation
-from pagedkv.tiers.base import KVTier, TierStats
+from pagedkv.tiers.base import KVTier, TierStats, count_prefix
 from pagedkv.tiers.payload import TierLayout, read_header
 
 
@@ -46,11 +46,7 @@ class HostTier(KVTier):
 
     def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:
         with self._lock:
-            n = 0
-            for h in block_hashes:
-                if h not in self._blocks:
-                    break
-                n += 1
+            n = count_prefix(self._blocks, block_hashes)
             self._counters.record_lookup(len(block_hashes), n)
             return n
 
