@@ -11,6 +11,8 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from pagedkv.errors import PagedKVError
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("pagedkv.sim.cli:main", "replay a workload through the scheduler and cache"),
     "bench-core": ("pagedkv.core.bench_cli:main", "run the core benchmarks (benchmarks/)"),
@@ -48,7 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     func: Callable[[list[str]], int] = getattr(module, func_name)
-    return func(rest)
+    try:
+        return func(rest)
+    except PagedKVError as exc:  # a user error (bad folder, bad option value): no traceback
+        print(f"pagedkv {name}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover
