@@ -172,8 +172,10 @@ def test_disconnect_while_queued_aborts_before_it_ever_runs(model_dir: Path) -> 
         body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "stream": True}
         with pytest.raises(httpx.ReadTimeout):  # no first token: the only seat is taken
             httpx.post(f"{srv.v1}/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
-        wait_until(lambda: srv.num_unfinished() == 1, 10, lambda: f"{aborted}")
-        assert len(aborted) == 1
+        # Under load the add itself may finish after the client gave up; the abort follows it.
+        wait_until(
+            lambda: len(aborted) == 1 and srv.num_unfinished() == 1, 10, lambda: f"{aborted}"
+        )
         assert aborted[0] != first["id"]
         running.close()
         srv.wait_idle()
