@@ -245,18 +245,6 @@ def test_bad_hash_inputs_raise_invalid_request(make: object) -> None:
         make()  # type: ignore[operator]
 
 
-def test_truncate_only_within_the_unhashed_tail() -> None:
-    chain = BlockHashChain(4)
-    chain.extend([1, 2, 3, 4, 5, 6])
-    chain.truncate(5)
-    chain.extend([7, 8, 9])
-    assert chain.hashes == hash_blocks([1, 2, 3, 4, 5, 7, 8, 9], 4)
-    with pytest.raises(InvalidRequestError):
-        chain.truncate(3)
-    with pytest.raises(InvalidRequestError):
-        chain.truncate(-1)
-
-
 def test_copy_is_independent() -> None:
     chain = BlockHashChain(4)
     chain.extend([1, 2, 3, 4, 5])

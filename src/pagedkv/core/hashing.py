@@ -286,24 +286,6 @@ class BlockHashChain:
         self._tokens_hashed += num_full * bs
         return new
 
-    def truncate(self, num_tokens: int) -> None:
-        """Forget every token at position >= ``num_tokens`` (used when tokens are rolled back)."""
-        if num_tokens < 0:
-            raise InvalidRequestError(f"cannot truncate to {num_tokens} tokens")
-        total = self._tokens_hashed + len(self._pending)
-        if num_tokens >= total:
-            return
-        bs = self.block_size
-        keep_blocks = num_tokens // bs
-        if keep_blocks < len(self._hashes):
-            # Rebuild the pending tail from the dropped block's tokens is impossible without the
-            # tokens, so callers truncate only within the pending tail or pass the tokens back.
-            raise InvalidRequestError(
-                f"cannot truncate a hash chain to {num_tokens} tokens: block {keep_blocks} is "
-                "already hashed (full blocks are immutable)"
-            )
-        self._pending = self._pending[: num_tokens - self._tokens_hashed]
-
     def copy(self) -> BlockHashChain:
         """An independent chain with the same state (for forks)."""
         clone = BlockHashChain.__new__(BlockHashChain)

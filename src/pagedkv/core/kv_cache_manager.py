@@ -184,11 +184,6 @@ class KVCacheManager:
         need = self._admission_need(seq, match)
         return need + self._running_claim <= self.pool.num_free_blocks - self._watermark_blocks
 
-    def can_admit_blocks(self, num_blocks: int) -> bool:
-        """Whether ``num_blocks`` more blocks fit beside the running claim and the watermark."""
-        free = self.pool.num_free_blocks - self._watermark_blocks
-        return num_blocks + self._running_claim <= free
-
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> Allocation:
