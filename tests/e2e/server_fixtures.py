@@ -13,15 +13,19 @@ belongs to the Redis fixtures).
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 import uvicorn
 
 from pagedkv.engine.engine_config import EngineConfig
@@ -148,3 +152,48 @@ def get(handle: ServerHandle, path: str, *, token: str | None = None) -> httpx.R
     """One GET with an optional Bearer token, bounded in time."""
     headers = {} if token is None else {"Authorization": f"Bearer {token}"}
     return httpx.get(f"{handle.base_url}{path}", headers=headers, timeout=10)
+
+
+@contextmanager
+def spawned_server(
+    model: Path,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+    *,
+    env: dict[str, str] | None = None,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``pagedkv serve --model MODEL`` as a child process on a free port; yields its base URL
+    once ``/health`` answers, and the process. Stops it (SIGTERM, then SIGKILL) afterwards."""
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; from pagedkv.cli import main; sys.exit(main())"]
+    args = ["serve", "--model", str(model), "--port", str(port), "--log-level", "warning"]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [*cmd, *args, *extra_args],
+            env={**os.environ, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"pagedkv serve exited with {proc.returncode}: {log_path.read_text()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("pagedkv serve did not answer /health within 60 s")
+            time.sleep(0.1)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)

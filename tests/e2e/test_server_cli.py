@@ -3,10 +3,6 @@ otherwise and takes its API key from ``PAGEDKV_API_KEY``."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from e2e.server_fixtures import free_port, write_endless_model
+from e2e.server_fixtures import spawned_server, write_endless_model
 from pagedkv.server.cli import build_parser
 
 pytestmark = pytest.mark.engine
@@ -48,37 +44,10 @@ def _listening_addresses(port: int) -> set[str]:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("srv-cli")
     model = write_endless_model(folder / "m")
-    log_path = folder / "serve.log"
-    port = free_port()
-    env = {**os.environ, "PAGEDKV_API_KEY": KEY}
-    cmd = [sys.executable, "-c", "import sys; from pagedkv.cli import main; sys.exit(main())"]
-    args = ["serve", "--model", str(model), "--port", str(port), "--log-level", "warning"]
-    log = log_path.open("w")
-    proc = subprocess.Popen([*cmd, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"pagedkv serve exited with {proc.returncode}: {log_path.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("pagedkv serve did not answer /health within 60 s")
-            time.sleep(0.1)
+    with spawned_server(model, folder / "serve.log", env={"PAGEDKV_API_KEY": KEY}) as (base, _):
+        port = int(base.rsplit(":", 1)[1])
         assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1 only, no 0.0.0.0 / ::
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        log.close()
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the Linux socket table")

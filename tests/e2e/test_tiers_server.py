@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.server_fixtures import free_port, write_endless_model
+from e2e.server_fixtures import spawned_server, write_endless_model
 from pagedkv.engine.cli import generate_main
 from pagedkv.server.cli import build_parser
 from pagedkv.tiers.config import TierConfig, tier_config_from_args
@@ -43,33 +42,10 @@ def model(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def served(model: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = free_port()
-    log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-c", "import sys; from pagedkv.cli import main; sys.exit(main())"]
-    args = ["serve", "--model", str(model), "--port", str(port), "--log-level", "warning"]
-    args += ["--host-tier-bytes", "8M", "--disk-tier", str(tmp_path / "kv")]
-    args += ["--disk-tier-bytes", "64M"]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"pagedkv serve exited with {proc.returncode}: {log_path.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("pagedkv serve did not answer /health within 60 s")
-            time.sleep(0.1)
-        yield base, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=5)
+    tiers = ["--host-tier-bytes", "8M", "--disk-tier", str(tmp_path / "kv")]
+    tiers += ["--disk-tier-bytes", "64M"]
+    with spawned_server(model, tmp_path / "serve.log", tiers) as served_proc:
+        yield served_proc
 
 
 def test_serve_exports_tier_metrics_and_flushes_the_disk_tier_on_shutdown(
