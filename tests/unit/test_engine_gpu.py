@@ -49,8 +49,8 @@ def test_cuda_bfloat16_runs_and_block_bytes_round_trip(tmp_path: Path) -> None:
     assert all(len(o) == 12 for o in outs)
     spec = KVCacheSpec(2, 16, 2, 16, torch.bfloat16)
     cache = PagedKVCache(spec, 4, "cuda")
-    cache.k[1][2].normal_()
+    cache.k[1][:, 2].normal_()  # [kv_heads, blocks, block_size, head_dim]
     data = cache.read_block(2)
     other = PagedKVCache(spec, 4, "cuda")
     other.write_block(3, data)
-    assert torch.equal(other.k[1][3], cache.k[1][2])
+    assert torch.equal(other.k[1][:, 3], cache.k[1][:, 2])

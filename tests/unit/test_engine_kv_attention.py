@@ -3,11 +3,15 @@ block bytes round trips, copies, growth and typed errors."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from pagedkv.engine.attention import build_metadata, paged_attention
+from pagedkv.engine.attention import build_metadata, paged_attention, plan_decode_groups
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
 from pagedkv.errors import CorruptBlockError, InvalidRequestError
 from pagedkv.sched.output import ScheduledRequest
@@ -57,7 +61,7 @@ def test_mixed_step_matches_dense_attention_on_both_paths() -> None:
         cache = PagedKVCache(spec, 16)
         _fill_cache(cache, torch.Generator().manual_seed(1))
         meta = build_metadata(seqs, BS, torch.device("cpu"), batched_decode=batched)
-        assert (meta.decode is not None) == batched
+        assert bool(meta.decode) == batched
         outs.append(paged_attention(0, q, k, v, cache, meta, 8**-0.5))
         # dense reference from the cache contents after the write
         off = 0
@@ -65,24 +69,52 @@ def test_mixed_step_matches_dense_attention_on_both_paths() -> None:
             ctx = s.start_position + s.num_tokens
             pos = np.arange(ctx)
             slots = torch.from_numpy(s.block_table[pos // BS].astype(np.int64) * BS + pos % BS)
-            kk, vv = cache.gather(0, slots)
-            ref = _dense_attention(q[off : off + s.num_tokens], kk, vv, s.start_position)
+            kk, vv = cache.gather(0, slots)  # [kv_heads, ctx, d]
+            ref = _dense_attention(
+                q[off : off + s.num_tokens],
+                kk.transpose(0, 1),
+                vv.transpose(0, 1),
+                s.start_position,
+            )
             torch.testing.assert_close(outs[-1][off : off + s.num_tokens], ref, atol=1e-5, rtol=0)
             off += s.num_tokens
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
 
 
 def test_write_lands_at_the_slot_and_nowhere_else() -> None:
-    spec = KVCacheSpec(2, BS, 1, 2)
+    spec = KVCacheSpec(2, BS, 2, 3)
     cache = PagedKVCache(spec, 4)
-    k = torch.ones(2, 1, 2)
-    cache.write(1, torch.tensor([6, 13]), k, 2 * k)
-    flat_k = cache.k[1].view(-1, 1, 2)
-    assert flat_k[6].eq(1).all()
-    assert flat_k[13].eq(1).all()
-    assert cache.v[1].view(-1, 1, 2)[13].eq(2).all()
-    assert float(flat_k.sum()) == 4.0
+    k = torch.arange(12, dtype=torch.float32).view(2, 2, 3) + 1  # [tokens, kv_heads, d]
+    cache.write(1, torch.tensor([6, 13]), k, -k)
+    for tok, slot in enumerate((6, 13)):
+        for head in range(2):  # head-major: [kv_heads, blocks, block_size, head_dim]
+            assert torch.equal(cache.k[1][head, slot // BS, slot % BS], k[tok, head])
+            assert torch.equal(cache.v[1][head, slot // BS, slot % BS], -k[tok, head])
+    assert float(cache.k[1].sum()) == float(k.sum())
     assert float(cache.k[0].abs().sum()) == 0.0
+    kk, vv = cache.gather(1, torch.tensor([13, 6, 0]))
+    assert torch.equal(kk, torch.stack([k[1], k[0], torch.zeros(2, 3)]).transpose(0, 1))
+    assert torch.equal(vv[:, :2], -k.flip(0).transpose(0, 1))
+
+
+def test_block_bytes_are_token_major_whatever_the_memory_layout() -> None:
+    """The tiers store ``[2 x layers, block_size, kv_heads, head_dim]`` bytes, so payloads
+    written before the head-major layout (and by other processes) still load."""
+    spec = KVCacheSpec(2, BS, 2, 3)
+    cache = PagedKVCache(spec, 4)
+    gen = torch.Generator().manual_seed(7)
+    kv = [torch.randn(BS, 2, 3, generator=gen) for _ in range(4)]  # K0, K1, V0, V1
+    slots = torch.arange(2 * BS, 3 * BS)  # block 2
+    cache.write(0, slots, kv[0], kv[2])
+    cache.write(1, slots, kv[1], kv[3])
+    expected = torch.stack(kv).numpy().tobytes()
+    assert cache.read_block(2) == expected
+    other = PagedKVCache(spec, 4)
+    other.write_block(1, expected)
+    for layer in range(2):
+        kk, vv = other.gather(layer, torch.arange(BS, 2 * BS))
+        assert torch.equal(kk.transpose(0, 1), kv[layer])
+        assert torch.equal(vv.transpose(0, 1), kv[2 + layer])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -95,12 +127,12 @@ def test_block_bytes_round_trip_and_copy(dtype: str) -> None:
     other = PagedKVCache(spec, 6)
     other.write_block(5, data)
     for a, b in zip((*cache.k, *cache.v), (*other.k, *other.v), strict=True):
-        assert torch.equal(a[3], b[5])
-        assert float(b[4].float().abs().sum()) == 0.0
+        assert torch.equal(a[:, 3], b[:, 5])  # [kv_heads, blocks, block_size, head_dim]
+        assert float(b[:, 4].float().abs().sum()) == 0.0
     cache.copy_blocks([(3, 1), (2, 4)])
     for buf in (*cache.k, *cache.v):
-        assert torch.equal(buf[1], buf[3])
-        assert torch.equal(buf[4], buf[2])
+        assert torch.equal(buf[:, 1], buf[:, 3])
+        assert torch.equal(buf[:, 4], buf[:, 2])
 
 
 def test_bad_payloads_and_ids_raise_typed_errors() -> None:
@@ -142,3 +174,48 @@ def test_slot_mapping_that_disagrees_with_the_table_is_rejected() -> None:
     short.block_table = short.block_table[:1]
     with pytest.raises(InvalidRequestError, match="blocks; the table has 1"):
         build_metadata([short], BS, torch.device("cpu"))
+
+
+def test_decode_groups_of_different_widths_match_the_reference_path() -> None:
+    """Many decodes of very different lengths, cut into several padded groups (a group cost
+    of one element makes every cut pay), give the reference path's output."""
+    spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=2, head_dim=8)
+    rng = np.random.default_rng(0)
+    blocks = rng.permutation(np.arange(1, 80))
+    seqs, used = [], 0
+    for i, ctx in enumerate([1, 2, 4, 5, 9, 16, 17, 30, 31, 33, 47, 60]):
+        need = -(-ctx // BS)
+        seqs.append(_seq(f"d{i}", blocks[used : used + need].tolist(), ctx - 1, 1))
+        used += need
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(len(seqs), 4, 8, generator=gen)
+    k = torch.randn(len(seqs), 2, 8, generator=gen)
+    v = torch.randn(len(seqs), 2, 8, generator=gen)
+    outs = []
+    for batched in (False, True):
+        cache = PagedKVCache(spec, 80)
+        _fill_cache(cache, torch.Generator().manual_seed(5))
+        meta = build_metadata(
+            seqs, BS, torch.device("cpu"), batched_decode=batched, cache_row_elems=1 << 30
+        )
+        if batched:
+            assert len(meta.decode) == 4
+            assert sorted(i for g in meta.decode for i in g.token_idx.tolist()) == list(range(12))
+        outs.append(paged_attention(0, q, k, v, cache, meta, 8**-0.5))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+@given(
+    lengths=st.lists(st.integers(1, 400), min_size=1, max_size=40),
+    row_elems=st.sampled_from([64, 4096, 1 << 20]),
+)
+def test_decode_group_plan_covers_every_decode_once(lengths: list[int], row_elems: int) -> None:
+    groups = plan_decode_groups(np.array(lengths), 16, row_elems)
+    assert 1 <= len(groups) <= 4
+    members = np.concatenate(groups)
+    assert sorted(members.tolist()) == list(range(len(lengths)))
+    # groups are runs of the length order: every member of a group is no longer than any
+    # member of the next group
+    blocks = [[-(-lengths[m] // 16) for m in g] for g in groups]
+    for a, b in itertools.pairwise(blocks):
+        assert max(a) <= min(b)

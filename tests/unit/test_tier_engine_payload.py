@@ -42,6 +42,6 @@ def test_block_round_trips_through_host_and_disk(tmp_path: Path, dtype: str) -> 
     assert payload is not None
     kv.write_block(5, bytes(decode(payload, layout, block_hash, verify_checksum=False).body))
     for buf in (*kv.k, *kv.v):
-        assert torch.equal(buf[3], buf[5])
+        assert torch.equal(buf[:, 3], buf[:, 5])  # [kv_heads, blocks, block_size, head_dim]
     assert disk.stats().hits == 1
     off.close()

@@ -1,9 +1,18 @@
-"""Paged KV tensors: one K and one V buffer per layer, indexed by block.
+"""Paged KV tensors: one K and one V buffer per layer, indexed by KV head and block.
 
-Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the layout the scheduler's
-slot numbers address directly (``slot = block_id * block_size + offset`` is a row of the
-``[num_blocks * block_size, num_kv_heads, head_dim]`` view), so a write is one indexed copy and a
-block is one contiguous slab per layer (cheap copy-on-write and cheap serialisation).
+Layout per layer: ``[num_kv_heads, num_blocks, block_size, head_dim]`` (head-major). The
+scheduler's slot numbers (``slot = block_id * block_size + offset``) address the middle of the
+``[num_kv_heads, num_blocks * block_size, head_dim]`` view, so a write is one indexed copy.
+Head-major, rather than ``[num_blocks, block_size, num_kv_heads, head_dim]``, because decode
+attention is bound by memory traffic: one ``index_select`` over the ``[heads * blocks,
+block_size * head_dim]`` view gathers a batch's context straight into the contiguous
+``[seqs, kv_heads, positions, head_dim]`` shape attention reads, with no second copy
+(benchmarks/RESULTS.md, engine section, has the measurement). A block of one head is one
+contiguous slab; a block of all heads is ``num_kv_heads`` slabs.
+
+The byte format of a block (``read_block``/``write_block``, what the tiers store) does not follow
+the memory layout: it is every layer's K then every layer's V, each ``[block_size,
+num_kv_heads, head_dim]`` (token-major), so payloads written by any layout stay readable.
 
 Elastic pools grow by reallocation: a new buffer, one copy, the old one dropped. Chunked growth
 would avoid the copy but make every gather span chunks; reallocation costs one memcpy of the
@@ -73,10 +82,10 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    """Per-layer K/V buffers addressed by block id and slot.
+    """Per-layer K/V buffers addressed by KV head, block id and slot (see the module docstring).
 
     Invariants (``check_invariants()`` verifies each):
-      K1  every layer's K and V have shape ``[num_blocks, block_size, num_kv_heads, head_dim]``
+      K1  every layer's K and V have shape ``[num_kv_heads, num_blocks, block_size, head_dim]``
       K2  all buffers share one dtype and device
     Complexity: ``write`` O(tokens); ``copy_blocks`` O(copies x layers); ``grow`` O(cache size).
     """
@@ -89,7 +98,7 @@ class PagedKVCache:
         self.spec = spec
         self.device = torch.device(device)
         self.num_blocks = num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = self._shape(num_blocks)
         self.k: list[torch.Tensor] = [
             torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)
         ]
@@ -97,6 +106,10 @@ class PagedKVCache:
             torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)
         ]
         self.num_grows = 0
+
+    def _shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        spec = self.spec
+        return (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
 
     @classmethod
     def from_budget(
@@ -120,11 +133,11 @@ class PagedKVCache:
             )
         if num_blocks == self.num_blocks:
             return
-        extra = num_blocks - self.num_blocks
         for bufs in (self.k, self.v):
             for i, buf in enumerate(bufs):
-                pad = torch.zeros((extra, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
-                bufs[i] = torch.cat([buf, pad])
+                new = torch.zeros(self._shape(num_blocks), dtype=buf.dtype, device=buf.device)
+                new[:, : self.num_blocks].copy_(buf)
+                bufs[i] = new
         self.num_blocks = num_blocks
         self.num_grows += 1
 
@@ -133,11 +146,9 @@ class PagedKVCache:
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store ``k``/``v`` (``[tokens, num_kv_heads, head_dim]``) at the given slots."""
-        spec = self.spec
-        kf = self.k[layer].view(-1, spec.num_kv_heads, spec.head_dim)
-        vf = self.v[layer].view(-1, spec.num_kv_heads, spec.head_dim)
-        kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
-        vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
+        kf, vf = self._slot_views(layer)
+        kf.index_copy_(1, slot_mapping, k.to(kf.dtype).transpose(0, 1))
+        vf.index_copy_(1, slot_mapping, v.to(vf.dtype).transpose(0, 1))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write)."""
@@ -150,37 +161,45 @@ class PagedKVCache:
         dst_idx = torch.tensor([p[1] for p in pairs], device=self.device)
         for bufs in (self.k, self.v):
             for buf in bufs:
-                buf.index_copy_(0, dst_idx, buf.index_select(0, src_idx))
+                buf.index_copy_(1, dst_idx, buf.index_select(1, src_idx))
 
     # ------------------------------------------------------------------ reads
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V rows at ``slots`` (any shape): ``[*slots.shape, num_kv_heads, head_dim]``."""
+    def _slot_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
-        kf = self.k[layer].view(-1, spec.num_kv_heads, spec.head_dim)
-        vf = self.v[layer].view(-1, spec.num_kv_heads, spec.head_dim)
-        flat = slots.reshape(-1)
-        shape = (*slots.shape, spec.num_kv_heads, spec.head_dim)
-        return kf.index_select(0, flat).view(shape), vf.index_select(0, flat).view(shape)
+        shape = (spec.num_kv_heads, -1, spec.head_dim)
+        return self.k[layer].view(shape), self.v[layer].view(shape)
 
-    def gather_blocks(
-        self, layer: int, block_ids: torch.Tensor
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at ``slots`` (1-D): ``[num_kv_heads, len(slots), head_dim]`` each."""
+        kf, vf = self._slot_views(layer)
+        return kf.index_select(1, slots), vf.index_select(1, slots)
+
+    def head_block_index(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the ``[num_kv_heads * num_blocks, block_size * head_dim]`` view holding
+        ``block_ids`` (``[rows, blocks]``) for every head: ``[rows, num_kv_heads, blocks]``,
+        flattened. ``gather_heads`` takes it; valid until the cache grows."""
+        heads = torch.arange(self.spec.num_kv_heads, device=block_ids.device) * self.num_blocks
+        return (heads[None, :, None] + block_ids[:, None, :]).reshape(-1)
+
+    def gather_heads(
+        self, layer: int, index: torch.Tensor, rows: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole blocks, ``block_ids`` shaped ``[rows, blocks]``: returns
-        ``[rows, blocks * block_size, num_kv_heads, head_dim]`` (one contiguous slab per block,
-        so far fewer index operations than gathering slot by slot)."""
+        """K and V of whole blocks through ``head_block_index``: contiguous
+        ``[rows, num_kv_heads, blocks * block_size, head_dim]`` each, one ``index_select`` per
+        buffer and no further copy."""
         spec = self.spec
-        rows = block_ids.shape[0]
-        shape = (rows, -1, spec.num_kv_heads, spec.head_dim)
-        flat = block_ids.reshape(-1)
-        k = self.k[layer].index_select(0, flat).view(shape)
-        v = self.v[layer].index_select(0, flat).view(shape)
+        flat = (spec.num_kv_heads * self.num_blocks, spec.block_size * spec.head_dim)
+        shape = (rows, spec.num_kv_heads, -1, spec.head_dim)
+        k = self.k[layer].view(flat).index_select(0, index).view(shape)
+        v = self.v[layer].view(flat).index_select(0, index).view(shape)
         return k, v
 
     # ------------------------------------------------------------------ tiers
     def read_block(self, block_id: int) -> bytes:
-        """All layers' K then V of one block, as raw bytes (``spec.bytes_per_block`` long)."""
+        """All layers' K then V of one block, as raw bytes (``spec.bytes_per_block`` long),
+        each ``[block_size, num_kv_heads, head_dim]`` (see the module docstring)."""
         self._check_block(block_id)
-        parts = [buf[block_id] for buf in (*self.k, *self.v)]
+        parts = [buf[:, block_id].transpose(0, 1) for buf in (*self.k, *self.v)]
         flat = torch.stack(parts).contiguous().cpu()
         if flat.dtype is torch.bfloat16:
             flat = flat.view(torch.int16)
@@ -200,7 +219,7 @@ class PagedKVCache:
         shape = (2 * spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
         parts = raw.view(spec.dtype).view(shape).to(self.device)
         for i, buf in enumerate((*self.k, *self.v)):
-            buf[block_id].copy_(parts[i])
+            buf[:, block_id].copy_(parts[i].transpose(0, 1))
 
     def _check_block(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
@@ -210,7 +229,7 @@ class PagedKVCache:
 
     def check_invariants(self) -> None:
         spec = self.spec
-        shape = (self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = self._shape(self.num_blocks)
         for buf in (*self.k, *self.v):
             if tuple(buf.shape) != shape:
                 raise InvariantViolation(f"K1: buffer shape {tuple(buf.shape)} != {shape}")

@@ -98,8 +98,13 @@ class ModelRunner:
                 k = s.num_draft_tokens
                 rows.extend(range(offset - 1 - k, offset))
                 owners.append((s.request_id, k + 1))
+        spec = self.kv_cache.spec
         meta = build_metadata(
-            seqs, self.kv_cache.spec.block_size, self.device, batched_decode=self.batched_decode
+            seqs,
+            spec.block_size,
+            self.device,
+            batched_decode=self.batched_decode,
+            cache_row_elems=spec.block_size * spec.num_kv_heads * spec.head_dim,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, meta, self.kv_cache)

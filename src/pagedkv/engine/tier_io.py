@@ -160,7 +160,10 @@ def read_blocks(kv: PagedKVCache, block_ids: Sequence[int]) -> list[bytes]:
             raise InvalidRequestError(f"block id {b} is out of range (0..{kv.num_blocks - 1})")
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
     # [n, 2 x layers, block_size, kv heads, head dim]: each block's K of every layer, then V
-    flat = torch.stack([buf.index_select(0, idx) for buf in (*kv.k, *kv.v)], dim=1)
+    # (buffers are [kv heads, blocks, block_size, head dim]; the bytes are token-major)
+    flat = torch.stack(
+        [buf.index_select(1, idx).permute(1, 2, 0, 3) for buf in (*kv.k, *kv.v)], dim=1
+    )
     flat = flat.contiguous().cpu()
     if flat.dtype is torch.bfloat16:
         flat = flat.view(torch.int16)
