@@ -260,16 +260,18 @@ def _attend_reference(
     if s.start_position:  # a cached prefix: query i sits at position start + i
         qpos = torch.arange(s.start_position, s.start_position + s.num_tokens, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [n, ctx]
+    # 4-D inputs (a batch of one): torch's CPU flash kernel takes them, 3-D ones fall back to
+    # the unfused math path (measured 1.7 vs 3.0 ms for a 256-token prompt, 8/4 heads).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),  # [heads, n, d]
-        keys.to(q.dtype),
-        values.to(q.dtype),
+        q.transpose(0, 1)[None],  # [1, heads, n, d]
+        keys.to(q.dtype)[None],
+        values.to(q.dtype)[None],
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
         enable_gqa=num_heads != keys.shape[0],
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _attend_decode_group(
