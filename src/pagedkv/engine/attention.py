@@ -138,22 +138,30 @@ def build_metadata(
                 f"a sequence has {n} tokens and {len(s.slot_mapping)} slots; they must match"
             )
         start = s.start_position
-        if not np.array_equal(
-            context_slots(s.block_table, start + n, block_size, start), s.slot_mapping
-        ):
-            raise InvalidRequestError("slot_mapping disagrees with the block table")
-        slot_parts.append(np.asarray(s.slot_mapping, dtype=np.int64))
+        slot_parts.append(s.slot_mapping)
         pos_parts.append(np.arange(start, start + n, dtype=np.int64))
-        if use_batched and n == 1:
+        if use_batched and n == 1:  # the hot path: checked with scalars, no arrays
+            blk = start // block_size
+            table = s.block_table
+            if blk >= len(table):
+                raise InvalidRequestError(
+                    f"{start + 1} positions need {blk + 1} blocks; the table has {len(table)}"
+                )
+            if int(table[blk]) * block_size + start % block_size != int(s.slot_mapping[0]):
+                raise InvalidRequestError("slot_mapping disagrees with the block table")
             dec_idx.append(offset)
             dec_len.append(start + n)
-            dec_tables.append(s.block_table[: -(-(start + n) // block_size)])
+            dec_tables.append(table[: blk + 1])
         else:
+            if not np.array_equal(
+                context_slots(s.block_table, start + n, block_size, start), s.slot_mapping
+            ):
+                raise InvalidRequestError("slot_mapping disagrees with the block table")
             ctx = torch.from_numpy(context_slots(s.block_table, start + n, block_size))
             ref.append(SeqAttention(offset, n, start, ctx.to(device)))
         offset += n
     meta = AttentionMetadata(
-        torch.from_numpy(np.concatenate(slot_parts)).to(device),
+        torch.from_numpy(np.concatenate(slot_parts).astype(np.int64, copy=False)).to(device),
         torch.from_numpy(np.concatenate(pos_parts)).to(device),
         ref,
     )

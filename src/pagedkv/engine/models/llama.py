@@ -77,6 +77,33 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         inv = rope_inv_freq(config.rope, config.head_dim)
         self._inv_freq = inv.to(torch.float32).to(self.device)
+        self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._gate_up: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for i in range(config.num_hidden_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            self._qkv.append(self._fuse([a + "q_proj", a + "k_proj", a + "v_proj"]))
+            self._gate_up.append(self._fuse([m + "gate_proj", m + "up_proj"]))
+
+    def _fuse(self, prefixes: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One weight (and bias) for projections that read the same input: one matmul instead
+        of several (the outputs are bit-identical on CPU). The named weights become views of the
+        fused tensor, so memory is not doubled."""
+        fused: list[torch.Tensor | None] = []
+        for kind in ("weight", "bias"):
+            names = [f"{p}.{kind}" for p in prefixes]
+            if names[0] not in self.weights:
+                fused.append(None)
+                continue
+            whole = torch.cat([self.weights[n] for n in names])
+            start = 0
+            for n in names:
+                rows = self.weights[n].shape[0]
+                self.weights[n] = whole[start : start + rows]
+                start += rows
+            fused.append(whole)
+        weight, bias = fused
+        assert weight is not None  # expected_weight_names() checked every projection weight
+        return weight, bias
 
     def expected_weight_names(self) -> list[str]:
         cfg = self.config
@@ -128,20 +155,24 @@ class LlamaModel:
             p = f"model.layers.{i}."
             x = _rms_norm(h, w[p + "input_layernorm.weight"], eps)
             a = p + "self_attn."
-            q = F.linear(x, w[a + "q_proj.weight"], w.get(a + "q_proj.bias")).view(n, nh, hd)
-            k = F.linear(x, w[a + "k_proj.weight"], w.get(a + "k_proj.bias")).view(n, nkv, hd)
-            v = F.linear(x, w[a + "v_proj.weight"], w.get(a + "v_proj.bias")).view(n, nkv, hd)
+            qkv = F.linear(x, *self._qkv[i]).view(n, nh + 2 * nkv, hd)
             if cfg.qk_norm:
-                q = _rms_norm(q, w[a + "q_norm.weight"], eps)
-                k = _rms_norm(k, w[a + "k_norm.weight"], eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                qk = torch.cat(
+                    (
+                        _rms_norm(qkv[:, :nh], w[a + "q_norm.weight"], eps),
+                        _rms_norm(qkv[:, nh : nh + nkv], w[a + "k_norm.weight"], eps),
+                    ),
+                    dim=1,
+                )
+            else:
+                qk = qkv[:, : nh + nkv]
+            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
+            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
             att = paged_attention(i, q, k, v, cache, meta, self.scale).reshape(n, nh * hd)
             h = h + F.linear(att, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
             x = _rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
             m = p + "mlp."
-            gate = F.linear(x, w[m + "gate_proj.weight"], w.get(m + "gate_proj.bias"))
-            up = F.linear(x, w[m + "up_proj.weight"], w.get(m + "up_proj.bias"))
+            gate, up = F.linear(x, *self._gate_up[i]).chunk(2, dim=-1)
             h = h + F.linear(
                 F.silu(gate) * up, w[m + "down_proj.weight"], w.get(m + "down_proj.bias")
             )
