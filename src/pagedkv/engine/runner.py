@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from pagedkv.engine.attention import build_metadata
@@ -69,7 +70,8 @@ class ModelRunner:
         """Run one step; returns ``request_id -> float32 logits [rows, vocab]`` for every
         sequence that samples (1 row, or 1 + num_draft_tokens rows for a speculative decode)."""
         seqs: Sequence[ScheduledRequest] = batch.scheduled
-        top = max((int(s.block_table.max()) for s in seqs if len(s.block_table)), default=-1)
+        tables = [s.block_table for s in seqs if len(s.block_table)]
+        top = int(np.concatenate(tables).max()) if tables else -1
         for src, dst in batch.block_copies:
             top = max(top, src, dst)
         self.ensure_blocks(top + 1)
@@ -87,11 +89,6 @@ class ModelRunner:
                     f"request {s.request_id!r}: {len(s.token_ids)} token ids for "
                     f"{s.num_tokens} positions"
                 )
-            bad = [t for t in s.token_ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"request {s.request_id!r} has token ids outside [0, {vocab}): {bad[:5]}"
-                )
             ids.extend(s.token_ids)
             offset += s.num_tokens
             if s.samples:
@@ -99,6 +96,13 @@ class ModelRunner:
                 rows.extend(range(offset - 1 - k, offset))
                 owners.append((s.request_id, k + 1))
         spec = self.kv_cache.spec
+        if ids and not 0 <= min(ids) <= max(ids) < vocab:  # one check; name the culprit
+            for s in seqs:
+                bad = [t for t in s.token_ids if not 0 <= t < vocab]
+                if bad:
+                    raise InvalidRequestError(
+                        f"request {s.request_id!r} has token ids outside [0, {vocab}): {bad[:5]}"
+                    )
         meta = build_metadata(
             seqs,
             spec.block_size,
