@@ -176,14 +176,19 @@ def test_slot_mapping_that_disagrees_with_the_table_is_rejected() -> None:
         build_metadata([short], BS, torch.device("cpu"))
 
 
-def test_decode_groups_of_different_widths_match_the_reference_path() -> None:
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_decode_groups_of_different_widths_match_the_reference_path(shuffled: bool) -> None:
     """Many decodes of very different lengths, cut into several padded groups (a group cost
-    of one element makes every cut pay), give the reference path's output."""
+    of one element makes every cut pay), give the reference path's output: sorted by length
+    (the runner's order: each group is a row range) or not (groups pick rows by index)."""
     spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=2, head_dim=8)
     rng = np.random.default_rng(0)
     blocks = rng.permutation(np.arange(1, 80))
+    contexts = [1, 2, 4, 5, 9, 16, 17, 30, 31, 33, 47, 60]
+    if shuffled:
+        contexts = [contexts[i] for i in rng.permutation(len(contexts))]
     seqs, used = [], 0
-    for i, ctx in enumerate([1, 2, 4, 5, 9, 16, 17, 30, 31, 33, 47, 60]):
+    for i, ctx in enumerate(contexts):
         need = -(-ctx // BS)
         seqs.append(_seq(f"d{i}", blocks[used : used + need].tolist(), ctx - 1, 1))
         used += need
@@ -201,6 +206,8 @@ def test_decode_groups_of_different_widths_match_the_reference_path() -> None:
         if batched:
             assert len(meta.decode) == 4
             assert sorted(i for g in meta.decode for i in g.token_idx.tolist()) == list(range(12))
+            ranged = [g.token_range is not None for g in meta.decode]
+            assert ranged == [not shuffled] * 4
         outs.append(paged_attention(0, q, k, v, cache, meta, 8**-0.5))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
 

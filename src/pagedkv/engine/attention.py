@@ -67,12 +67,24 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [D, max_blocks] each table, padded with block 0
     mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] True where attended; None
     # when every row spans the whole width
+    token_range: tuple[int, int] | None = None  # (a, b) when token_idx is exactly a..b-1
     _index: torch.Tensor | None = None  # PagedKVCache.head_block_index(block_ids), per step
     _index_blocks: int = -1  # the cache size _index was computed for
+    _additive: torch.Tensor | None = None  # mask as 0 / -inf in the query dtype, per step
 
     @property
     def num_seqs(self) -> int:
         return int(self.token_idx.shape[0])
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``mask`` as 0 / -inf in ``dtype``, built once per step: SDPA would otherwise convert
+        the boolean mask in every layer."""
+        if self.mask is None:
+            return None
+        if self._additive is None or self._additive.dtype != dtype:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._additive = zeros.masked_fill_(~self.mask, float("-inf"))
+        return self._additive
 
     def index(self, cache: PagedKVCache) -> torch.Tensor:
         """The gather index for ``cache`` (computed once per step, shared by every layer)."""
@@ -224,8 +236,12 @@ def _decode_group(
     if int(lens.min()) < width:
         m_np = np.arange(width)[None, :] < lens[:, None]
         mask = torch.from_numpy(m_np[:, None, None, :]).to(device)
-    token_idx = torch.tensor([dec_idx[m] for m in members], dtype=torch.long, device=device)
-    return DecodeGroup(token_idx, torch.from_numpy(block_ids).to(device), mask)
+    rows = [dec_idx[m] for m in members]
+    token_range = None
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        token_range = (rows[0], rows[0] + len(rows))
+    token_idx = torch.tensor(rows, dtype=torch.long, device=device)
+    return DecodeGroup(token_idx, torch.from_numpy(block_ids).to(device), mask, token_range)
 
 
 def paged_attention(
@@ -249,8 +265,13 @@ def paged_attention(
             qs, cache, layer, s, num_heads, scale
         )
     for group in meta.decode:
-        qd = q.index_select(0, group.token_idx)
-        out.index_copy_(0, group.token_idx, _attend_decode_group(qd, cache, layer, group, scale))
+        if group.token_range is not None:  # rows a..b-1: a view in, a slice copy out
+            a, b = group.token_range
+            out[a:b] = _attend_decode_group(q[a:b], cache, layer, group, scale)
+        else:
+            qd = q.index_select(0, group.token_idx)
+            od = _attend_decode_group(qd, cache, layer, group, scale)
+            out.index_copy_(0, group.token_idx, od)
     return out
 
 
@@ -294,7 +315,7 @@ def _attend_decode_group(
         q.view(num_seqs, num_kv, num_heads // num_kv, head_dim),
         keys.to(q.dtype),
         values.to(q.dtype),
-        attn_mask=group.mask,
+        attn_mask=group.additive_mask(q.dtype),
         scale=scale,
     )
     return out.reshape(num_seqs, num_heads, head_dim)

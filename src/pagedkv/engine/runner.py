@@ -22,6 +22,7 @@ from pagedkv.errors import InvalidRequestError
 from pagedkv.sched.output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
+_LAST = 1 << 62  # sort key after every position
 
 
 class StepBatch(Protocol):
@@ -69,7 +70,11 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> dict[str, torch.Tensor]:
         """Run one step; returns ``request_id -> float32 logits [rows, vocab]`` for every
         sequence that samples (1 row, or 1 + num_draft_tokens rows for a speculative decode)."""
-        seqs: Sequence[ScheduledRequest] = batch.scheduled
+        # Single-token decodes first, shortest context first (a stable sort, so the rest keep
+        # the scheduler's order): attention's length groups are then contiguous row ranges.
+        seqs: Sequence[ScheduledRequest] = sorted(
+            batch.scheduled, key=lambda s: s.start_position if s.num_tokens == 1 else _LAST
+        )
         tables = [s.block_table for s in seqs if len(s.block_table)]
         top = int(np.concatenate(tables).max()) if tables else -1
         for src, dst in batch.block_copies:
