@@ -226,3 +226,31 @@ def test_decode_group_plan_covers_every_decode_once(lengths: list[int], row_elem
     blocks = [[-(-lengths[m] // 16) for m in g] for g in groups]
     for a, b in itertools.pairwise(blocks):
         assert max(a) <= min(b)
+
+
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=9),
+    row_elems=st.sampled_from([64, 1024, 4096, 1 << 20]),
+)
+def test_decode_group_plan_is_optimal(lengths: list[int], row_elems: int) -> None:
+    """Against every way of cutting the sorted decodes into 1..4 runs: no cheaper plan
+    (padded blocks + the per-group cost) exists."""
+    blocks = -(-np.array(lengths) // 16)
+    penalty = max(1.0, 32 * 1024 / row_elems)
+    ordered = np.sort(blocks)
+    n = len(ordered)
+    brute = min(
+        penalty * (len(cut) + 1)
+        + sum((z - a) * int(ordered[z - 1]) for a, z in itertools.pairwise([0, *cut, n]))
+        for g in range(min(4, n))
+        for cut in itertools.combinations(range(1, n), g)
+    )
+    groups = plan_decode_groups(np.array(lengths), 16, row_elems)
+    cost = penalty * len(groups) + sum(len(g) * int(blocks[g].max()) for g in groups)
+    assert cost == pytest.approx(brute)
+
+
+def test_one_long_context_gets_a_group_of_its_own() -> None:
+    groups = plan_decode_groups(np.array([64] * 15 + [2000]), 16, 4096)
+    assert [len(g) for g in groups] == [15, 1]
+    assert groups[1].tolist() == [15]

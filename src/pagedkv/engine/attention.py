@@ -193,28 +193,59 @@ _GROUP_COST_ELEMS = 32 * 1024
 _MAX_DECODE_GROUPS = 4
 
 
+_EXACT_PLAN_MAX = 128  # above this many decodes, cut equal-count runs instead of the DP
+
+
 def plan_decode_groups(
     context_lens: np.ndarray, block_size: int, cache_row_elems: int
 ) -> list[np.ndarray]:
     """Split decodes (their context lengths) into at most ``_MAX_DECODE_GROUPS`` groups of
-    similar length: sorted by length, cut into equal-count runs, the number of runs chosen to
-    minimise padded blocks plus a per-group cost. Returns each group's member indices (every
-    decode exactly once). O(D log D)."""
-    blocks = -(-context_lens // block_size)
+    similar length. Sorted by length, the decodes are cut into runs minimising the padded
+    blocks (rows x the run's longest) plus a per-group cost: exactly, by dynamic programming
+    over the cut points (vectorised, O(G x D^2) elementwise), for up to ``_EXACT_PLAN_MAX``
+    decodes; above that the best of 1..G equal-count runs. One long context among short ones
+    gets a group of its own instead of padding its neighbours. Returns each group's member
+    indices (every decode exactly once, groups in increasing length)."""
+    blocks = -(-np.asarray(context_lens, dtype=np.int64) // block_size)
     order = np.argsort(blocks, kind="stable")
-    sorted_blocks = blocks[order]
+    b = blocks[order].astype(np.float64)
     n = len(order)
+    if n <= 1:
+        return [order]
     penalty = max(1.0, _GROUP_COST_ELEMS / cache_row_elems)
+    if n > _EXACT_PLAN_MAX:
+        return _equal_count_plan(order, b, penalty)
+    i = np.arange(n)
+    # run[a, j]: padded blocks of the run a..j (its longest is the last, b[j]); inf if a > j
+    run = np.where(i[:, None] <= i[None, :], (i[None, :] - i[:, None] + 1) * b[None, :], np.inf)
+    best = run[0] + penalty  # best[j]: decodes 0..j in one group
+    starts: list[np.ndarray] = []  # per extra group: where the last run starts, for each j
+    costs = [best[-1]]
+    for _ in range(1, min(_MAX_DECODE_GROUPS, n)):
+        cand = best[:-1, None] + run[1:, :] + penalty  # last run starts at a = row + 1
+        start = cand.argmin(axis=0) + 1
+        best = np.concatenate(([np.inf], cand.min(axis=0)[1:]))
+        starts.append(start)
+        costs.append(best[-1])
+    groups = int(np.argmin(costs)) + 1
+    cuts = [n]
+    for g in range(groups - 1, 0, -1):  # walk back from the last run
+        cuts.append(int(starts[g - 1][cuts[-1] - 1]))
+    cuts.append(0)
+    cuts.reverse()
+    return [order[a:z] for a, z in itertools.pairwise(cuts)]
+
+
+def _equal_count_plan(order: np.ndarray, b: np.ndarray, penalty: float) -> list[np.ndarray]:
+    n = len(order)
     best: list[np.ndarray] = [order]
-    best_cost = float(n * sorted_blocks[-1]) + penalty if n else 0.0
+    best_cost = n * b[-1] + penalty
     for groups in range(2, min(_MAX_DECODE_GROUPS, n) + 1):
         cuts = [(n * g) // groups for g in range(groups + 1)]
-        cost = penalty * groups
-        for a, b in itertools.pairwise(cuts):
-            cost += float((b - a) * sorted_blocks[b - 1])
+        cost = penalty * groups + sum((z - a) * b[z - 1] for a, z in itertools.pairwise(cuts))
         if cost < best_cost:
             best_cost = cost
-            best = [order[a:b] for a, b in itertools.pairwise(cuts)]
+            best = [order[a:z] for a, z in itertools.pairwise(cuts)]
     return best
 
 
