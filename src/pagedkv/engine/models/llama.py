@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -53,6 +54,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """A linear layer with its weight stored transposed (``[in, out]``) and an optional bias."""
+
+    weight_t: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
 class LlamaModel:
     """A Llama-family decoder over paged KV (see the module docstring)."""
 
@@ -77,33 +91,41 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         inv = rope_inv_freq(config.rope, config.head_dim)
         self._inv_freq = inv.to(torch.float32).to(self.device)
-        self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._gate_up: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._qkv: list[Projection] = []
+        self._o: list[Projection] = []
+        self._gate_up: list[Projection] = []
+        self._down: list[Projection] = []
         for i in range(config.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            self._qkv.append(self._fuse([a + "q_proj", a + "k_proj", a + "v_proj"]))
-            self._gate_up.append(self._fuse([m + "gate_proj", m + "up_proj"]))
+            self._qkv.append(self._project([a + "q_proj", a + "k_proj", a + "v_proj"]))
+            self._o.append(self._project([a + "o_proj"]))
+            self._gate_up.append(self._project([m + "gate_proj", m + "up_proj"]))
+            self._down.append(self._project([m + "down_proj"]))
 
-    def _fuse(self, prefixes: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One weight (and bias) for projections that read the same input: one matmul instead
-        of several (the outputs are bit-identical on CPU). The named weights become views of the
-        fused tensor, so memory is not doubled."""
-        fused: list[torch.Tensor | None] = []
-        for kind in ("weight", "bias"):
-            names = [f"{p}.{kind}" for p in prefixes]
-            if names[0] not in self.weights:
-                fused.append(None)
-                continue
-            whole = torch.cat([self.weights[n] for n in names])
+    def _project(self, prefixes: list[str]) -> Projection:
+        """One projection for the named linears that read the same input (q/k/v; gate/up):
+        one matmul instead of several, bit-identical outputs on CPU. The weight is kept
+        transposed, ``[in, out]``: with 16 rows and weights streaming from memory, ``x @ W``
+        measured ~5% faster per decode step than ``x @ W.T`` (the same rounding: both are
+        row-for-row identical across batch sizes from 4 rows up). The checkpoint's names stay
+        in ``weights`` as views of it, so memory is not doubled."""
+        names = [f"{p}.weight" for p in prefixes]
+        wt = torch.cat([self.weights[n] for n in names]).t().contiguous()  # [in, sum(out)]
+        start = 0
+        for n in names:
+            rows = self.weights[n].shape[0]
+            self.weights[n] = wt[:, start : start + rows].t()
+            start += rows
+        bias = None
+        bias_names = [f"{p}.bias" for p in prefixes]
+        if bias_names[0] in self.weights:
+            bias = torch.cat([self.weights[n] for n in bias_names])
             start = 0
-            for n in names:
-                rows = self.weights[n].shape[0]
-                self.weights[n] = whole[start : start + rows]
-                start += rows
-            fused.append(whole)
-        weight, bias = fused
-        assert weight is not None  # expected_weight_names() checked every projection weight
-        return weight, bias
+            for n in bias_names:
+                size = self.weights[n].shape[0]
+                self.weights[n] = bias[start : start + size]
+                start += size
+        return Projection(wt, bias)
 
     def expected_weight_names(self) -> list[str]:
         cfg = self.config
@@ -155,7 +177,7 @@ class LlamaModel:
             p = f"model.layers.{i}."
             x = _rms_norm(h, w[p + "input_layernorm.weight"], eps)
             a = p + "self_attn."
-            qkv = F.linear(x, *self._qkv[i]).view(n, nh + 2 * nkv, hd)
+            qkv = self._qkv[i](x).view(n, nh + 2 * nkv, hd)
             if cfg.qk_norm:
                 qk = torch.cat(
                     (
@@ -169,13 +191,10 @@ class LlamaModel:
             qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
             att = paged_attention(i, q, k, v, cache, meta, self.scale).reshape(n, nh * hd)
-            h = h + F.linear(att, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+            h = h + self._o[i](att)
             x = _rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
-            m = p + "mlp."
-            gate, up = F.linear(x, *self._gate_up[i]).chunk(2, dim=-1)
-            h = h + F.linear(
-                F.silu(gate) * up, w[m + "down_proj.weight"], w.get(m + "down_proj.bias")
-            )
+            gate, up = self._gate_up[i](x).chunk(2, dim=-1)
+            h = h + self._down[i](F.silu(gate) * up)
         return _rms_norm(h, self.final_norm, eps)
 
     @torch.inference_mode()
