@@ -87,6 +87,8 @@ class PagedKVCache:
     Invariants (``check_invariants()`` verifies each):
       K1  every layer's K and V have shape ``[num_kv_heads, num_blocks, block_size, head_dim]``
       K2  all buffers share one dtype and device
+      K3  a layer's K and V are the two halves of one ``[2, ...]`` tensor (``kv``), so one
+          gather reads both
     Complexity: ``write`` O(tokens); ``copy_blocks`` O(copies x layers); ``grow`` O(cache size).
     """
 
@@ -98,14 +100,21 @@ class PagedKVCache:
         self.spec = spec
         self.device = torch.device(device)
         self.num_blocks = num_blocks
-        shape = self._shape(num_blocks)
-        self.k: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)
-        ]
-        self.v: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)
-        ]
+        self.kv: list[torch.Tensor] = []  # per layer [2, ...]: K then V in one allocation
+        self.k: list[torch.Tensor] = []  # views: self.kv[layer][0]
+        self.v: list[torch.Tensor] = []  # views: self.kv[layer][1]
+        for _ in range(spec.num_layers):
+            self._set_layer(torch.zeros((2, *self._shape(num_blocks)), dtype=spec.dtype,
+                                        device=self.device))  # fmt: skip
         self.num_grows = 0
+
+    def _set_layer(self, kv: torch.Tensor, layer: int | None = None) -> None:
+        if layer is None:
+            self.kv.append(kv)
+            self.k.append(kv[0])
+            self.v.append(kv[1])
+        else:
+            self.kv[layer], self.k[layer], self.v[layer] = kv, kv[0], kv[1]
 
     def _shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         spec = self.spec
@@ -133,11 +142,10 @@ class PagedKVCache:
             )
         if num_blocks == self.num_blocks:
             return
-        for bufs in (self.k, self.v):
-            for i, buf in enumerate(bufs):
-                new = torch.zeros(self._shape(num_blocks), dtype=buf.dtype, device=buf.device)
-                new[:, : self.num_blocks].copy_(buf)
-                bufs[i] = new
+        for layer, kv in enumerate(self.kv):
+            new = torch.zeros((2, *self._shape(num_blocks)), dtype=kv.dtype, device=kv.device)
+            new[:, :, : self.num_blocks].copy_(kv)
+            self._set_layer(new, layer)
         self.num_blocks = num_blocks
         self.num_grows += 1
 
@@ -175,24 +183,27 @@ class PagedKVCache:
         return kf.index_select(1, slots), vf.index_select(1, slots)
 
     def head_block_index(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the ``[num_kv_heads * num_blocks, block_size * head_dim]`` view holding
-        ``block_ids`` (``[rows, blocks]``) for every head: ``[rows, num_kv_heads, blocks]``,
-        flattened. ``gather_heads`` takes it; valid until the cache grows."""
+        """Rows of a layer's ``[2 * num_kv_heads * num_blocks, block_size * head_dim]`` view
+        (K rows, then V rows) holding ``block_ids`` (``[rows, blocks]``) for every head: K's
+        ``[rows, num_kv_heads, blocks]`` flattened, then V's. ``gather_heads`` takes it; valid
+        until the cache grows."""
+        per_kind = self.spec.num_kv_heads * self.num_blocks
         heads = torch.arange(self.spec.num_kv_heads, device=block_ids.device) * self.num_blocks
-        return (heads[None, :, None] + block_ids[:, None, :]).reshape(-1)
+        k_rows = (heads[None, :, None] + block_ids[:, None, :]).reshape(-1)
+        return torch.cat((k_rows, k_rows + per_kind))
 
     def gather_heads(
         self, layer: int, index: torch.Tensor, rows: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole blocks through ``head_block_index``: contiguous
-        ``[rows, num_kv_heads, blocks * block_size, head_dim]`` each, one ``index_select`` per
-        buffer and no further copy."""
+        ``[rows, num_kv_heads, blocks * block_size, head_dim]`` each, from one ``index_select``
+        over the layer's K and V (one allocation) and no further copy."""
         spec = self.spec
-        flat = (spec.num_kv_heads * self.num_blocks, spec.block_size * spec.head_dim)
+        flat = (2 * spec.num_kv_heads * self.num_blocks, spec.block_size * spec.head_dim)
+        both = self.kv[layer].view(flat).index_select(0, index)
+        half = index.shape[0] // 2
         shape = (rows, spec.num_kv_heads, -1, spec.head_dim)
-        k = self.k[layer].view(flat).index_select(0, index).view(shape)
-        v = self.v[layer].view(flat).index_select(0, index).view(shape)
-        return k, v
+        return both[:half].view(shape), both[half:].view(shape)
 
     # ------------------------------------------------------------------ tiers
     def read_block(self, block_id: int) -> bytes:
@@ -235,3 +246,6 @@ class PagedKVCache:
                 raise InvariantViolation(f"K1: buffer shape {tuple(buf.shape)} != {shape}")
             if buf.dtype != spec.dtype or buf.device != self.device:
                 raise InvariantViolation(f"K2: buffer is {buf.dtype} on {buf.device}")
+        for kv, k, v in zip(self.kv, self.k, self.v, strict=True):
+            if k.data_ptr() != kv.data_ptr() or v.data_ptr() != kv[1].data_ptr():
+                raise InvariantViolation("K3: a layer's K and V are not the halves of its kv")
