@@ -254,3 +254,16 @@ def test_one_long_context_gets_a_group_of_its_own() -> None:
     groups = plan_decode_groups(np.array([64] * 15 + [2000]), 16, 4096)
     assert [len(g) for g in groups] == [15, 1]
     assert groups[1].tolist() == [15]
+
+
+def test_many_decodes_are_cut_into_equal_count_runs() -> None:
+    """Above the exact planner's limit: 1..4 equal-count runs of the sorted lengths."""
+    lengths = np.random.default_rng(3).integers(1, 3000, 300)
+    groups = plan_decode_groups(lengths, 16, 4096)
+    assert 1 <= len(groups) <= 4
+    assert sorted(np.concatenate(groups).tolist()) == list(range(300))
+    sizes = [len(g) for g in groups]
+    assert max(sizes) - min(sizes) <= 1
+    blocks = [np.ceil(lengths[g] / 16) for g in groups]
+    for a, b in itertools.pairwise(blocks):
+        assert a.max() <= b.min()

@@ -23,6 +23,7 @@ Two paths compute the same thing:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -205,16 +206,26 @@ def plan_decode_groups(
     over the cut points (vectorised, O(G x D^2) elementwise), for up to ``_EXACT_PLAN_MAX``
     decodes; above that the best of 1..G equal-count runs. One long context among short ones
     gets a group of its own instead of padding its neighbours. Returns each group's member
-    indices (every decode exactly once, groups in increasing length)."""
+    indices (every decode exactly once, groups in increasing length).
+
+    The cut points depend only on the sorted block counts, which change when a decode crosses
+    a block boundary or the batch changes, so they are memoised (most steps reuse them)."""
     blocks = -(-np.asarray(context_lens, dtype=np.int64) // block_size)
     order = np.argsort(blocks, kind="stable")
-    b = blocks[order].astype(np.float64)
-    n = len(order)
-    if n <= 1:
+    if len(order) <= 1:
         return [order]
     penalty = max(1.0, _GROUP_COST_ELEMS / cache_row_elems)
+    cuts = _plan_cuts(tuple(blocks[order].tolist()), penalty)
+    return [order[a:z] for a, z in itertools.pairwise(cuts)]
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_cuts(sorted_blocks: tuple[int, ...], penalty: float) -> tuple[int, ...]:
+    """Cut points ``0 = c0 < c1 < ... = n`` of the cheapest plan (see plan_decode_groups)."""
+    b = np.array(sorted_blocks, dtype=np.float64)
+    n = len(b)
     if n > _EXACT_PLAN_MAX:
-        return _equal_count_plan(order, b, penalty)
+        return _equal_count_cuts(b, penalty)
     i = np.arange(n)
     # run[a, j]: padded blocks of the run a..j (its longest is the last, b[j]); inf if a > j
     run = np.where(i[:, None] <= i[None, :], (i[None, :] - i[:, None] + 1) * b[None, :], np.inf)
@@ -232,20 +243,18 @@ def plan_decode_groups(
     for g in range(groups - 1, 0, -1):  # walk back from the last run
         cuts.append(int(starts[g - 1][cuts[-1] - 1]))
     cuts.append(0)
-    cuts.reverse()
-    return [order[a:z] for a, z in itertools.pairwise(cuts)]
+    return tuple(reversed(cuts))
 
 
-def _equal_count_plan(order: np.ndarray, b: np.ndarray, penalty: float) -> list[np.ndarray]:
-    n = len(order)
-    best: list[np.ndarray] = [order]
+def _equal_count_cuts(b: np.ndarray, penalty: float) -> tuple[int, ...]:
+    n = len(b)
+    best: tuple[int, ...] = (0, n)
     best_cost = n * b[-1] + penalty
     for groups in range(2, min(_MAX_DECODE_GROUPS, n) + 1):
-        cuts = [(n * g) // groups for g in range(groups + 1)]
+        cuts = tuple((n * g) // groups for g in range(groups + 1))
         cost = penalty * groups + sum((z - a) * b[z - 1] for a, z in itertools.pairwise(cuts))
         if cost < best_cost:
-            best_cost = cost
-            best = [order[a:z] for a, z in itertools.pairwise(cuts)]
+            best_cost, best = cost, cuts
     return best
 
 
