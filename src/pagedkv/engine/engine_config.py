@@ -18,6 +18,9 @@ class EngineConfig:
     ``num_speculative_tokens > 0`` turns on prompt-lookup speculative decoding.
     ``tiers`` adds KV tiers below the device pool (host RAM, local disk, Redis); the engine
     builds their offload coordinator and closes it in ``LLMEngine.close()``.
+    ``tune_host_allocator`` (CPU only) raises glibc's malloc thresholds for the whole process
+    so each step's large activations are reused, not page-faulted in again
+    (``pagedkv.engine.host_alloc``).
     """
 
     dtype: str = "float32"
@@ -37,6 +40,7 @@ class EngineConfig:
     reservation: str = "max_tokens"
     model_id: str = ""
     tiers: TierConfig | None = None
+    tune_host_allocator: bool = True
     check_invariants: bool = field(default_factory=check_invariants_default)
 
     def __post_init__(self) -> None:

@@ -31,6 +31,7 @@ import torch
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.host_alloc import tune_host_allocator
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
 from pagedkv.engine.loader import load_model
 from pagedkv.engine.model_config import generation_eos_ids
@@ -75,6 +76,8 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
+        if config.tune_host_allocator and model.device.type == "cpu":
+            tune_host_allocator()
         mcfg = model.config
         max_len = config.max_model_len or min(mcfg.max_position_embeddings, 4096)
         spec = KVCacheSpec(
