@@ -1,10 +1,13 @@
-"""The host allocator setting: large step activations come from the heap, not fresh mmaps."""
+"""Process settings the engine applies on the CPU: large step activations come from the heap,
+not fresh mmaps; the startup heap is frozen out of the cyclic collector."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +57,17 @@ def test_tuned_allocator_serves_activations_from_the_heap() -> None:
     tuned = _probe("tuned")
     assert tuned[0] == "True"
     assert int(tuned[-1]) == 0  # tuned: from the heap, reused once freed
+
+
+def test_engine_freezes_the_startup_heap_unless_asked_not_to(tmp_path: Path) -> None:
+    from pagedkv.engine.engine_config import EngineConfig
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.tiny import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "m")
+    gc.unfreeze()
+    LLMEngine.from_model_dir(str(model_dir), EngineConfig(freeze_gc_heap=False))
+    assert gc.get_freeze_count() == 0
+    LLMEngine.from_model_dir(str(model_dir), EngineConfig())
+    assert gc.get_freeze_count() > 0
+    gc.unfreeze()

@@ -20,7 +20,9 @@ class EngineConfig:
     builds their offload coordinator and closes it in ``LLMEngine.close()``.
     ``tune_host_allocator`` (CPU only) raises glibc's malloc thresholds for the whole process
     so each step's large activations are reused, not page-faulted in again
-    (``pagedkv.engine.host_alloc``).
+    (``pagedkv.engine.host_alloc``). ``freeze_gc_heap`` moves every object alive when the
+    engine is built out of Python's cyclic collector (``gc.freeze()``), so collections while
+    serving don't rescan the model and the imported libraries.
     """
 
     dtype: str = "float32"
@@ -41,6 +43,7 @@ class EngineConfig:
     model_id: str = ""
     tiers: TierConfig | None = None
     tune_host_allocator: bool = True
+    freeze_gc_heap: bool = True
     check_invariants: bool = field(default_factory=check_invariants_default)
 
     def __post_init__(self) -> None:
