@@ -130,6 +130,43 @@ def test_forced_preemption_and_recompute(checkpoint: tuple[Path, list[list[int]]
     assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_native_decode_kernel_gives_the_same_tokens(
+    checkpoint: tuple[Path, list[list[int]]], block_size: int
+) -> None:
+    """The C decode kernel, with prefix caching on (staggered requests hit the cache) and
+    block sizes that do and do not divide the prompts."""
+    from pagedkv.engine import native
+
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    path, refs = checkpoint
+    engine = make_engine(
+        path, block_size=block_size, num_blocks=4096 // block_size, decode_kernel="native"
+    )
+    assert [g[0] for g in run_engine(engine, PROMPTS)] == refs
+    assert [g[0] for g in run_engine(engine, PROMPTS, stagger=False)] == refs
+
+
+def test_native_decode_kernel_under_preemption(checkpoint: tuple[Path, list[list[int]]]) -> None:
+    from pagedkv.engine import native
+
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    path, refs = checkpoint
+    engine = make_engine(
+        path,
+        block_size=4,
+        num_blocks=20,
+        reservation="none",
+        watermark=0.0,
+        max_num_seqs=8,
+        decode_kernel="native",
+    )
+    assert [g[0] for g in run_engine(engine, PROMPTS, stagger=False)] == refs
+    assert engine.scheduler.num_preemptions > 0
+
+
 def test_batched_decode_path_off_gives_the_same_tokens(
     checkpoint: tuple[Path, list[list[int]]],
 ) -> None:

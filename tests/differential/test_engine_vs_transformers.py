@@ -57,14 +57,23 @@ def test_prefill_and_each_decode_step_match_transformers(kind: str, tmp_path: Pa
         torch.testing.assert_close(logits[0], ref, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama_bias_mqa"])
-def test_greedy_generation_matches_transformers_generate(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama_bias_mqa", "qwen2_mha"])
+def test_greedy_generation_matches_transformers_generate(
+    kind: str, kernel: str, tmp_path: Path
+) -> None:
+    """Three requests decode together, so both batched decode kernels are compared."""
+    from pagedkv.engine import native
     from pagedkv.engine.engine_config import EngineConfig
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.sampler import SamplingParams
 
+    if kernel == "native" and not native.available():
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
     hf = build_hf_model(kind, tmp_path)
-    engine = LLMEngine(load_model(tmp_path), None, EngineConfig(block_size=4, num_blocks=128))
+    cfg = EngineConfig(block_size=4, num_blocks=128, decode_kernel=kernel)
+    engine = LLMEngine(load_model(tmp_path), None, cfg)
+    assert engine.runner.uses_native_decode() == (kernel == "native")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (6, 13, 2)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from pagedkv.engine import native
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.errors import InvalidRequestError
 
@@ -96,6 +97,16 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class NativeDecode:
+    """All single-token sequences of the step, for the native kernel (no padding, no groups)."""
+
+    token_idx: torch.Tensor  # [D] index of each decode's token in the step's flat batch
+    token_range: tuple[int, int] | None  # (a, b) when token_idx is exactly a..b-1
+    tables: torch.Tensor  # [D, max_blocks] int64 block tables (rows padded with 0)
+    lens: torch.Tensor  # [D] int64 context lengths
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs for one step, built once and shared by every layer."""
 
@@ -103,6 +114,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens]
     seqs: list[SeqAttention]  # sequences on the reference path
     decode: list[DecodeGroup] = field(default_factory=list)  # the batched decode path
+    native: NativeDecode | None = None  # or, instead, the native kernel's decodes
 
     @property
     def num_tokens(self) -> int:
@@ -131,10 +143,13 @@ def build_metadata(
     *,
     batched_decode: bool = True,
     cache_row_elems: int = 4096,
+    native_decode: bool = False,
 ) -> AttentionMetadata:
     """Lay out a step (see the module docstring). Single-token sequences take the batched
-    decode path when ``batched_decode`` is set and there are at least two of them;
-    ``cache_row_elems`` (K elements per block, all KV heads) sizes their grouping."""
+    decode path when ``batched_decode`` is set and there are at least two of them: torch's
+    gather + SDPA in length groups (``cache_row_elems``, K elements per block and all KV heads,
+    sizes the grouping), or with ``native_decode`` the native kernel
+    (``pagedkv.engine.native``), all of them in one call."""
     slot_parts: list[np.ndarray] = []
     pos_parts: list[np.ndarray] = []
     ref: list[SeqAttention] = []
@@ -178,7 +193,20 @@ def build_metadata(
         torch.from_numpy(np.concatenate(pos_parts)).to(device),
         ref,
     )
-    if dec_idx:
+    if dec_idx and native_decode:
+        tables = np.zeros((len(dec_tables), max(len(t) for t in dec_tables)), dtype=np.int64)
+        for row, t in enumerate(dec_tables):
+            tables[row, : len(t)] = t
+        token_range = None
+        if dec_idx == list(range(dec_idx[0], dec_idx[0] + len(dec_idx))):
+            token_range = (dec_idx[0], dec_idx[0] + len(dec_idx))
+        meta.native = NativeDecode(
+            torch.tensor(dec_idx, dtype=torch.long, device=device),
+            token_range,
+            torch.from_numpy(tables).to(device),
+            torch.tensor(dec_len, dtype=torch.long, device=device),
+        )
+    elif dec_idx:
         lengths = np.array(dec_len, dtype=np.int64)
         for members in plan_decode_groups(lengths, block_size, cache_row_elems):
             meta.decode.append(
@@ -304,6 +332,19 @@ def paged_attention(
         out[s.token_offset : s.token_offset + s.num_tokens] = _attend_reference(
             qs, cache, layer, s, num_heads, scale
         )
+    nat = meta.native
+    if nat is not None:
+        if nat.token_range is not None:
+            a, b = nat.token_range
+            out[a:b] = native.decode_attention(
+                q[a:b], cache.k[layer], cache.v[layer], nat.tables, nat.lens, scale
+            )
+        else:
+            qd = q.index_select(0, nat.token_idx)
+            od = native.decode_attention(
+                qd, cache.k[layer], cache.v[layer], nat.tables, nat.lens, scale
+            )
+            out.index_copy_(0, nat.token_idx, od)
     for group in meta.decode:
         if group.token_range is not None:  # rows a..b-1: a view in, a slice copy out
             a, b = group.token_range

@@ -20,7 +20,11 @@ class EngineConfig:
     builds their offload coordinator and closes it in ``LLMEngine.close()``.
     ``tune_host_allocator`` (CPU only) raises glibc's malloc thresholds for the whole process
     so each step's large activations are reused, not page-faulted in again
-    (``pagedkv.engine.host_alloc``). ``freeze_gc_heap`` moves every object alive when the
+    (``pagedkv.engine.host_alloc``). ``decode_kernel`` picks the batched decode attention:
+    ``"torch"`` (gather + SDPA), ``"native"`` (the C kernel, CPU float32; an error when it
+    cannot be built) or ``"auto"``: the native kernel for a CPU float32 model while torch runs
+    one intra-op thread and the kernel builds, torch's path otherwise. ``freeze_gc_heap`` moves
+    every object alive when the
     engine is built out of Python's cyclic collector (``gc.freeze()``), so collections while
     serving don't rescan the model and the imported libraries.
     """
@@ -38,6 +42,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0
     batched_decode: bool = True
+    decode_kernel: str = "auto"  # "auto" | "torch" | "native" (see pagedkv.engine.native)
     watermark: float = 0.01
     reservation: str = "max_tokens"
     model_id: str = ""
@@ -54,6 +59,10 @@ class EngineConfig:
         if self.num_speculative_tokens < 0:
             raise InvalidRequestError(
                 f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}"
+            )
+        if self.decode_kernel not in ("auto", "torch", "native"):
+            raise InvalidRequestError(
+                f"decode_kernel must be 'auto', 'torch' or 'native', got {self.decode_kernel!r}"
             )
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise InvalidRequestError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

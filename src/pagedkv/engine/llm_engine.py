@@ -123,7 +123,11 @@ class LLMEngine:
         pool = self.scheduler.manager.pool
         kv = PagedKVCache(spec, pool.num_materialized_blocks, model.device)
         self.runner = ModelRunner(
-            model, kv, batched_decode=config.batched_decode, max_num_blocks=num_blocks
+            model,
+            kv,
+            batched_decode=config.batched_decode,
+            max_num_blocks=num_blocks,
+            decode_kernel=config.decode_kernel,
         )
         self.proposer: DraftProposer | None = (
             NgramProposer(config.num_speculative_tokens) if config.num_speculative_tokens else None

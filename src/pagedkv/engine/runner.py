@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pagedkv.engine import native
 from pagedkv.engine.attention import build_metadata
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.models.llama import LlamaModel
@@ -44,12 +45,46 @@ class ModelRunner:
         *,
         batched_decode: bool = True,
         max_num_blocks: int | None = None,
+        decode_kernel: str = "auto",
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.batched_decode = batched_decode
         self.device = model.device
         self.max_num_blocks = max_num_blocks  # the pool's capacity: tensors never grow past it
+        self.decode_kernel = decode_kernel
+        self._native_ok = self._check_native(decode_kernel)
+
+    def _check_native(self, decode_kernel: str) -> bool:
+        """Whether the native decode kernel may run (building it when it may be wanted)."""
+        if decode_kernel == "torch":
+            return False
+        cfg, spec = self.model.config, self.kv_cache.spec
+        fits = self.device.type == "cpu" and native.supports(
+            cfg.num_attention_heads, cfg.num_key_value_heads, spec.block_size, spec.head_dim,
+            spec.dtype,
+        )  # fmt: skip
+        if decode_kernel == "native":
+            if not fits:
+                raise InvalidRequestError(
+                    "decode_kernel='native' needs a CPU float32 model (block size <= "
+                    f"{native.MAX_BLOCK_SIZE}, head_dim <= {native.MAX_HEAD_DIM}); this one is "
+                    f"{spec.dtype} on {self.device}"
+                )
+            if not native.available():
+                raise InvalidRequestError(
+                    f"decode_kernel='native': the kernel could not be built "
+                    f"({native.unavailable_reason()})"
+                )
+            return True
+        return fits and native.available()
+
+    def uses_native_decode(self) -> bool:
+        """This step's choice: forced native, or auto with one torch intra-op thread (the
+        kernel is single-threaded; with more threads torch's path parallelises)."""
+        if not self._native_ok:
+            return False
+        return self.decode_kernel == "native" or torch.get_num_threads() == 1
 
     def ensure_blocks(self, num_blocks: int) -> None:
         """Grow the KV tensors to hold block ids below ``num_blocks`` (elastic pools).
@@ -114,6 +149,7 @@ class ModelRunner:
             self.device,
             batched_decode=self.batched_decode,
             cache_row_elems=spec.block_size * spec.num_kv_heads * spec.head_dim,
+            native_decode=self.uses_native_decode(),
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, meta, self.kv_cache)

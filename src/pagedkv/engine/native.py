@@ -1,0 +1,204 @@
+"""The native decode-attention kernel (``csrc/paged_decode.c``), built on first use, via ctypes.
+
+Torch's batched decode path gathers every decode's K/V blocks into a padded batch and SDPA
+reads that copy again; on one CPU thread the copy and the re-read are about half of a decode
+step (benchmarks/RESULTS.md, engine section). The C kernel walks each sequence's block table
+and reads each block from the pool once. It is compiled with the system C compiler
+(``$CC``, else ``cc``/``gcc``) into a per-user cache (``$PAGEDKV_CACHE_DIR`` or
+``~/.cache/pagedkv``), keyed by the source, the flags, the compiler and the CPU, so a copy
+built for another machine is never loaded. Without a compiler, or when the build fails, the
+kernel is unavailable (``available()`` is False, the reason is logged once) and the engine
+keeps torch's path.
+
+The kernel is single-threaded: it pays where torch runs one intra-op thread (the engine's
+``decode_kernel="auto"`` rule); with more threads torch's path parallelises and is kept.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from pagedkv.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+# (compile flags, link flags). -ffast-math lets gcc call glibc's vectorised expf (libmvec);
+# the kernel never makes infinities. It is a compile flag only: linking a shared object with
+# -ffast-math pulls in crtfastmath.o, which turns on flush-to-zero for the whole process
+# (every denormal float in torch and Python would become 0).
+_FLAG_SETS = (
+    (["-O3", "-march=native", "-ffast-math", "-fPIC"], ["-shared", "-lm", "-lmvec"]),
+    (["-O3", "-ffast-math", "-fPIC"], ["-shared", "-lm"]),  # no libmvec, or no -march=native
+)
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None  # why the kernel is unavailable, once known
+
+
+def _cpu_key() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features", "model name")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDKV_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "pagedkv"
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (set CC, or install gcc)")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    source = _SOURCE.read_bytes()
+    errors = []
+    for cflags, ldflags in _FLAG_SETS:
+        flags = " ".join([*cflags, "|", *ldflags]).encode()
+        key = hashlib.sha256(
+            b"\0".join([source, flags, version.encode(), _cpu_key().encode()])
+        ).hexdigest()[:16]
+        target = _cache_dir() / "native" / key / "paged_decode.so"
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                obj, built = Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
+                for cmd in (
+                    [compiler, *cflags, "-c", str(_SOURCE), "-o", str(obj)],
+                    [compiler, str(obj), "-o", str(built), *ldflags],
+                ):
+                    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                    if proc.returncode != 0:
+                        lines = proc.stderr.strip().splitlines()
+                        errors.append(lines[-1] if lines else f"{cmd[0]} failed")
+                        break
+                else:  # atomic: a concurrent build of the same key is harmless
+                    os.replace(built, target)
+            if not target.is_file():
+                continue
+        lib = ctypes.CDLL(str(target))
+        fn = lib.pagedkv_decode_f32
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_float]
+        fn.restype = ctypes.c_int
+        return lib
+    raise OSError("; ".join(errors))
+
+
+# The C kernel's fixed limits (its stack buffers).
+MAX_GROUP, MAX_BLOCK_SIZE, MAX_HEAD_DIM = 64, 256, 512
+
+
+def supports(
+    num_heads: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
+) -> bool:
+    """Whether the kernel handles this shape and dtype (it does not build anything)."""
+    return (
+        dtype is torch.float32
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+        and block_size <= MAX_BLOCK_SIZE
+        and head_dim <= MAX_HEAD_DIM
+    )
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it on the first call) and loaded."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except (OSError, subprocess.SubprocessError) as exc:
+                _error = str(exc) or type(exc).__name__
+                logger.warning("native decode kernel unavailable (%s); using torch's", _error)
+        return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    available()
+    return _error
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    ``q``: ``[seqs, heads, head_dim]`` float32; ``k_pool``/``v_pool``: one layer's
+    ``[kv_heads, blocks, block_size, head_dim]`` float32, contiguous; ``tables``:
+    ``[seqs, >= ceil(max(lens) / block_size)]`` int64 block ids; ``lens``: ``[seqs]`` int64
+    context lengths. Returns ``[seqs, heads, head_dim]``. CPU only."""
+    if not available():
+        raise InvalidRequestError(f"the native decode kernel is unavailable: {_error}")
+    assert _lib is not None
+    num_kv, num_blocks, block_size, head_dim = k_pool.shape
+    seqs, heads, qdim = q.shape
+    if (
+        q.dtype is not torch.float32
+        or k_pool.dtype is not torch.float32
+        or q.device.type != "cpu"
+        or qdim != head_dim
+        or heads % num_kv
+        or v_pool.shape != k_pool.shape
+        or tables.dtype is not torch.int64
+        or lens.dtype is not torch.int64
+        or tables.shape[0] != seqs
+        or lens.shape != (seqs,)
+        or not (k_pool.is_contiguous() and v_pool.is_contiguous() and tables.is_contiguous())
+        or not supports(heads, num_kv, block_size, head_dim, q.dtype)
+        or (seqs and int(lens.max()) > tables.shape[1] * block_size)
+    ):
+        raise InvalidRequestError(
+            f"native decode kernel: unsupported inputs q{tuple(q.shape)} {q.dtype}, pool "
+            f"{tuple(k_pool.shape)} {k_pool.dtype}, tables {tuple(tables.shape)}, lens "
+            f"{tuple(lens.shape)}"
+        )
+    q = q.contiguous()
+    lens = lens.contiguous()
+    out = torch.empty_like(q)
+    rc = _lib.pagedkv_decode_f32(
+        q.data_ptr(),
+        out.data_ptr(),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        seqs,
+        tables.shape[1],
+        heads,
+        num_kv,
+        num_blocks,
+        block_size,
+        head_dim,
+        scale,
+    )
+    if rc != 0:
+        raise InvalidRequestError(
+            "native decode kernel rejected its inputs: a block id or a length out of range"
+        )
+    return out
