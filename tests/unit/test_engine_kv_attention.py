@@ -267,3 +267,36 @@ def test_many_decodes_are_cut_into_equal_count_runs() -> None:
     blocks = [np.ceil(lengths[g] / 16) for g in groups]
     for a, b in itertools.pairwise(blocks):
         assert a.max() <= b.min()
+
+
+def test_native_decode_path_matches_the_reference_path_in_a_mixed_step() -> None:
+    from pagedkv.engine import native
+
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=2, head_dim=8)
+    seqs = [
+        _seq("d1", [5, 2, 7], 9, 1),
+        _seq("p1", [10, 11, 12], 5, 6),  # a prefill chunk between decodes: rows not a range
+        _seq("d2", [3, 4, 6, 8], 15, 1),
+    ]
+    gen = torch.Generator().manual_seed(9)
+    n = sum(s.num_tokens for s in seqs)
+    q, k, v = (torch.randn(n, h, 8, generator=gen) for h in (4, 2, 2))
+    outs = []
+    for native_decode in (False, True):
+        cache = PagedKVCache(spec, 16)
+        _fill_cache(cache, torch.Generator().manual_seed(1))
+        meta = build_metadata(
+            seqs, BS, torch.device("cpu"), batched_decode=native_decode, native_decode=native_decode
+        )
+        if native_decode:
+            assert meta.native is not None
+            assert not meta.decode
+            assert meta.native.token_idx.tolist() == [0, 7]
+            assert meta.native.token_range is None
+        outs.append(paged_attention(0, q, k, v, cache, meta, 8**-0.5))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+    one = build_metadata(seqs[:1], BS, torch.device("cpu"), native_decode=True)
+    assert one.native is not None
+    assert one.native.token_range == (0, 1)

@@ -146,7 +146,8 @@ def build_metadata(
     native_decode: bool = False,
 ) -> AttentionMetadata:
     """Lay out a step (see the module docstring). Single-token sequences take the batched
-    decode path when ``batched_decode`` is set and there are at least two of them: torch's
+    decode path when ``batched_decode`` is set and there are at least two of them (one for
+    the native kernel): torch's
     gather + SDPA in length groups (``cache_row_elems``, K elements per block and all KV heads,
     sizes the grouping), or with ``native_decode`` the native kernel
     (``pagedkv.engine.native``), all of them in one call."""
@@ -158,7 +159,7 @@ def build_metadata(
     dec_tables: list[np.ndarray] = []
     offset = 0
     num_single = sum(1 for s in seqs if s.num_tokens == 1)
-    use_batched = batched_decode and num_single >= 2
+    use_batched = batched_decode and num_single >= (1 if native_decode else 2)
     for s in seqs:
         n = s.num_tokens
         if n <= 0 or len(s.slot_mapping) != n:
