@@ -2,8 +2,10 @@
 
 Run ``python benchmarks/bench_engine.py`` (a few minutes on 2 cores); ``--quick`` for a smoke
 run; ``--json PATH`` writes every row; ``--threads N`` sets torch's threads for both sides
-(default 1). Times are wall clock (torch may run its own threads, so the thread CPU clock could
-under-count); the rounds of the two implementations alternate.
+(default 1); ``--decode-kernel torch|native`` forces pagedkv's batched decode attention
+(default ``auto``: the native kernel with one torch thread, when it builds). Times are wall
+clock (torch may run its own threads, so the thread CPU clock could under-count); the rounds
+of the two implementations alternate.
 
 Model: a random-weight Llama written locally (hidden 256, 4 layers, 8 query heads over 4 KV
 heads, intermediate 704, vocab 320), float32 on CPU. Fixtures:
@@ -89,7 +91,7 @@ def _hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> int:
 
 
 def decode_cases(
-    model_dir: Path, hf: Any, batch: int, quick: bool
+    model_dir: Path, hf: Any, batch: int, quick: bool, kernel: str
 ) -> tuple[list[Case], dict[str, int]]:
     gen = torch.Generator().manual_seed(0)
     new = 16 if quick else 64
@@ -98,7 +100,9 @@ def decode_cases(
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     engine = LLMEngine.from_model_dir(
         str(model_dir),
-        EngineConfig(block_size=16, num_blocks=2048, enable_prefix_caching=False),
+        EngineConfig(
+            block_size=16, num_blocks=2048, enable_prefix_caching=False, decode_kernel=kernel
+        ),
     )
     counts: dict[str, int] = {}
     name = f"decode{batch}"
@@ -186,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0] if __doc__ else "")
     parser.set_defaults(clock="wall")
     parser.add_argument(
+        "--decode-kernel",
+        default="auto",
+        choices=("auto", "torch", "native"),
+        help="pagedkv's batched decode attention (EngineConfig.decode_kernel; default auto: "
+        "the native kernel with one torch thread when it builds)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (1, 16):
             if f"decode{batch}" not in only:
                 continue
-            cases, counts = decode_cases(model_dir, hf, batch, args.quick)
+            cases, counts = decode_cases(model_dir, hf, batch, args.quick, args.decode_kernel)
             res = run_cases(cases)
             expected = cases[0].ops
             if counts != {"pagedkv": expected, "transformers": expected}:
