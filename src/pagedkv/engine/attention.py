@@ -18,7 +18,9 @@ Two paths compute the same thing:
   buffer, straight into the contiguous ``[seqs, kv_heads, positions, head_dim]`` shape) padded
   to the group's longest context, padding masked out, and attended by one SDPA call with each
   KV head's query group as its query rows. Decode attention is bound by the bytes it moves, so
-  grouping trades one more call for less padding (``plan_decode_groups``).
+  grouping trades one more call for less padding (``plan_decode_groups``);
+* or, for the decodes instead, the native kernel (``pagedkv.engine.native``): one call walks
+  every sequence's block table and reads each block once, no gather and no padding.
 """
 
 from __future__ import annotations
@@ -73,10 +75,6 @@ class DecodeGroup:
     _index: torch.Tensor | None = None  # PagedKVCache.head_block_index(block_ids), per step
     _index_blocks: int = -1  # the cache size _index was computed for
     _additive: torch.Tensor | None = None  # mask as 0 / -inf in the query dtype, per step
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.token_idx.shape[0])
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """``mask`` as 0 / -inf in ``dtype``, built once per step: SDPA would otherwise convert
@@ -147,10 +145,9 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Lay out a step (see the module docstring). Single-token sequences take the batched
     decode path when ``batched_decode`` is set and there are at least two of them (one for
-    the native kernel): torch's
-    gather + SDPA in length groups (``cache_row_elems``, K elements per block and all KV heads,
-    sizes the grouping), or with ``native_decode`` the native kernel
-    (``pagedkv.engine.native``), all of them in one call."""
+    the native kernel): torch's gather + SDPA in length groups (``cache_row_elems``, K elements
+    per block and all KV heads, sizes the grouping), or with ``native_decode`` the native
+    kernel (``pagedkv.engine.native``), all of them in one call."""
     slot_parts: list[np.ndarray] = []
     pos_parts: list[np.ndarray] = []
     ref: list[SeqAttention] = []
@@ -221,8 +218,6 @@ def build_metadata(
 # extra call against ~5 us per padded block of 4,096 elements (16 x 4 heads x 64).
 _GROUP_COST_ELEMS = 32 * 1024
 _MAX_DECODE_GROUPS = 4
-
-
 _EXACT_PLAN_MAX = 128  # above this many decodes, cut equal-count runs instead of the DP
 
 
