@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from pagedkv.engine import native
 from pagedkv.engine.cli import demo_main, generate_main
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm import LLM
@@ -216,6 +217,20 @@ def test_llm_generate_and_cli(model_dir: Path, capsys: pytest.CaptureFixture[str
     assert generate_main(chat) == 0
     assert "tokens/s" in capsys.readouterr().out
     assert generate_main(["--model", str(model_dir / "nope"), "--prompt", "hi"]) == 2
+    one = ["--model", str(model_dir), "--prompt", "hi", "--max-tokens", "3"]
+    with pytest.raises(SystemExit):
+        generate_main([*one, "--decode-kernel", "fast"])
+    capsys.readouterr()
+    if not native.available():  # forcing the kernel without a compiler is a clear error
+        assert generate_main([*one, "--decode-kernel", "native"]) == 2
+        return
+    outs_by_kernel = []
+    for kernel in ("torch", "native"):
+        assert generate_main([*one, "--decode-kernel", kernel, "--n", "2"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        outs_by_kernel.append([line for line in lines if line.startswith("[")])
+    assert len(outs_by_kernel[0]) == 2
+    assert outs_by_kernel[0] == outs_by_kernel[1]  # greedy: the same samples either way
 
 
 def test_demo_runs_and_outputs_match(capsys: pytest.CaptureFixture[str]) -> None:

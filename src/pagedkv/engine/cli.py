@@ -164,6 +164,15 @@ def generate_main(argv: Sequence[str]) -> int:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--speculative-tokens", type=int, default=0)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--decode-kernel",
+        default="auto",
+        choices=["auto", "torch", "native"],
+        help=(
+            "decode attention: auto (the native C kernel on a CPU float32 model with one torch "
+            "thread, when it builds), torch (gather + SDPA) or native"
+        ),
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     add_tier_arguments(parser)
     args = parser.parse_args(list(argv))
@@ -195,6 +204,7 @@ def generate_main(argv: Sequence[str]) -> int:
                 num_blocks=args.num_blocks,
                 num_speculative_tokens=args.speculative_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
+                decode_kernel=args.decode_kernel,
                 tiers=tier_config_from_args(args),
             ),
         )

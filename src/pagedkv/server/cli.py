@@ -35,6 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-speculative-tokens", type=int, default=0)
     p.add_argument(
+        "--decode-kernel",
+        default="auto",
+        choices=["auto", "torch", "native"],
+        help=(
+            "decode attention: auto (the native C kernel on a CPU float32 model with one torch "
+            "thread, when it builds), torch (gather + SDPA) or native"
+        ),
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -75,6 +84,7 @@ def main(argv: list[str]) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         num_speculative_tokens=args.num_speculative_tokens,
+        decode_kernel=args.decode_kernel,
         tiers=tiers,
     )
     engine = LLMEngine.from_model_dir(args.model, cfg)
