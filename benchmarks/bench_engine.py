@@ -3,9 +3,9 @@
 Run ``python benchmarks/bench_engine.py`` (a few minutes on 2 cores); ``--quick`` for a smoke
 run; ``--json PATH`` writes every row; ``--threads N`` sets torch's threads for both sides
 (default 1); ``--decode-kernel torch|native`` forces pagedkv's batched decode attention
-(default ``auto``: the native kernel with one torch thread, when it builds). Times are wall
-clock (torch may run its own threads, so the thread CPU clock could under-count); the rounds
-of the two implementations alternate.
+(default ``auto``: the native kernel when it builds). Times are wall clock (torch may run its
+own threads, so the thread CPU clock could under-count); the rounds of the two
+implementations alternate.
 
 Model: a random-weight Llama written locally (hidden 256, 4 layers, 8 query heads over 4 KV
 heads, intermediate 704, vocab 320), float32 on CPU. Fixtures:
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         choices=("auto", "torch", "native"),
         help="pagedkv's batched decode attention (EngineConfig.decode_kernel; default auto: "
-        "the native kernel with one torch thread when it builds)",
+        "the native kernel when it builds)",
     )
     parser.add_argument(
         "--threads",

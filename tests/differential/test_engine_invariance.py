@@ -130,20 +130,23 @@ def test_forced_preemption_and_recompute(checkpoint: tuple[Path, list[list[int]]
     assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("kernel", ["torch", "native"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_native_decode_kernel_gives_the_same_tokens(
-    checkpoint: tuple[Path, list[list[int]]], block_size: int
+def test_both_decode_kernels_give_the_same_tokens(
+    checkpoint: tuple[Path, list[list[int]]], block_size: int, kernel: str
 ) -> None:
-    """The C decode kernel, with prefix caching on (staggered requests hit the cache) and
-    block sizes that do and do not divide the prompts."""
+    """Torch's batched decode path and the C kernel (the default where it builds), with prefix
+    caching on (staggered requests hit the cache) and block sizes that do and do not divide
+    the prompts."""
     from pagedkv.engine import native
 
-    if not native.available():
+    if kernel == "native" and not native.available():
         pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
     path, refs = checkpoint
     engine = make_engine(
-        path, block_size=block_size, num_blocks=4096 // block_size, decode_kernel="native"
+        path, block_size=block_size, num_blocks=4096 // block_size, decode_kernel=kernel
     )
+    assert engine.runner.uses_native_decode() == (kernel == "native")
     assert [g[0] for g in run_engine(engine, PROMPTS)] == refs
     assert [g[0] for g in run_engine(engine, PROMPTS, stagger=False)] == refs
 

@@ -136,3 +136,30 @@ def test_without_a_compiler_auto_falls_back_and_native_is_a_clear_error(tmp_path
     ).stdout
     assert "auto native: False" in out
     assert "native error: decode_kernel='native': the kernel could not be built" in out
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_rows_shared_among_threads_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    monkeypatch.setattr(native, "_MIN_POSITIONS_PER_THREAD", 1)  # split even small batches
+    gen = torch.Generator().manual_seed(11)
+    lens = torch.randint(1, 90, (7,), generator=gen)
+    pool = torch.randn(2, 2, 96, 8, 16, generator=gen)
+    tables = torch.randperm(96, generator=gen)[: 7 * 12].view(7, 12).contiguous()
+    q = torch.randn(7, 4, 16, generator=gen)
+    cuts = native._split(lens, threads)
+    assert cuts[0] == 0
+    assert cuts[-1] == 7
+    assert 2 < len(cuts) <= min(threads, 7) + 1  # rows really were shared out
+    assert cuts == sorted(set(cuts))
+    one = native.decode_attention(q, pool[0], pool[1], tables, lens, 0.3, threads=1)
+    many = native.decode_attention(q, pool[0], pool[1], tables, lens, 0.3, threads=threads)
+    assert torch.equal(one, many)
+
+
+def test_small_batches_stay_on_the_calling_thread() -> None:
+    assert native._split(torch.tensor([100, 200, 300]), 8) == [0, 3]
+    big = torch.full((8,), 4096)
+    cuts = native._split(big, 4)
+    assert cuts == [0, 2, 4, 6, 8]  # equal contexts: equal runs

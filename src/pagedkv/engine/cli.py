@@ -169,8 +169,8 @@ def generate_main(argv: Sequence[str]) -> int:
         default="auto",
         choices=["auto", "torch", "native"],
         help=(
-            "decode attention: auto (the native C kernel on a CPU float32 model with one torch "
-            "thread, when it builds), torch (gather + SDPA) or native"
+            "decode attention: auto (the native C kernel on a CPU float32 model, when it "
+            "builds), torch (gather + SDPA) or native"
         ),
     )
     parser.add_argument("-v", "--verbose", action="store_true")

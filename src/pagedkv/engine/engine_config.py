@@ -22,8 +22,8 @@ class EngineConfig:
     so each step's large activations are reused, not page-faulted in again
     (``pagedkv.engine.host_alloc``). ``decode_kernel`` picks the batched decode attention:
     ``"torch"`` (gather + SDPA), ``"native"`` (the C kernel, CPU float32; an error when it
-    cannot be built) or ``"auto"``: the native kernel for a CPU float32 model while torch runs
-    one intra-op thread and the kernel builds, torch's path otherwise. ``freeze_gc_heap`` moves
+    cannot be built) or ``"auto"``: the native kernel for a CPU float32 model when it builds,
+    torch's path otherwise. ``freeze_gc_heap`` moves
     every object alive when the
     engine is built out of Python's cyclic collector (``gc.freeze()``), so collections while
     serving don't rescan the model and the imported libraries.

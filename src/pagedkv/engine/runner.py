@@ -80,11 +80,9 @@ class ModelRunner:
         return fits and native.available()
 
     def uses_native_decode(self) -> bool:
-        """This step's choice: forced native, or auto with one torch intra-op thread (the
-        kernel is single-threaded; with more threads torch's path parallelises)."""
-        if not self._native_ok:
-            return False
-        return self.decode_kernel == "native" or torch.get_num_threads() == 1
+        """Whether decodes run the native kernel: ``native``, or ``auto`` on a CPU float32
+        model once the kernel is built (it shares rows among torch's intra-op threads)."""
+        return self._native_ok
 
     def ensure_blocks(self, num_blocks: int) -> None:
         """Grow the KV tensors to hold block ids below ``num_blocks`` (elastic pools).

@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "torch", "native"],
         help=(
-            "decode attention: auto (the native C kernel on a CPU float32 model with one torch "
-            "thread, when it builds), torch (gather + SDPA) or native"
+            "decode attention: auto (the native C kernel on a CPU float32 model, when it "
+            "builds), torch (gather + SDPA) or native"
         ),
     )
     p.add_argument(
