@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.native import add_decode_kernel_argument
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import PagedKVError
 from pagedkv.tiers.config import TierConfig, add_tier_arguments, tier_config_from_args
@@ -164,15 +165,7 @@ def generate_main(argv: Sequence[str]) -> int:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--speculative-tokens", type=int, default=0)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument(
-        "--decode-kernel",
-        default="auto",
-        choices=["auto", "torch", "native"],
-        help=(
-            "decode attention: auto (the native C kernel on a CPU float32 model, when it "
-            "builds), torch (gather + SDPA) or native"
-        ),
-    )
+    add_decode_kernel_argument(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
     add_tier_arguments(parser)
     args = parser.parse_args(list(argv))

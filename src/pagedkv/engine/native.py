@@ -20,6 +20,7 @@ threads on 32 sequences of 1,000 tokens (8 KV heads of 128).
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import hashlib
 import itertools
@@ -109,6 +110,19 @@ def _build() -> ctypes.CDLL:
         fn.restype = ctypes.c_int
         return lib
     raise OSError("; ".join(errors))
+
+
+def add_decode_kernel_argument(parser: argparse.ArgumentParser) -> None:
+    """``--decode-kernel`` for the CLIs (``EngineConfig.decode_kernel``)."""
+    parser.add_argument(
+        "--decode-kernel",
+        default="auto",
+        choices=["auto", "torch", "native"],
+        help=(
+            "decode attention: auto (the native C kernel on a CPU float32 model, when it "
+            "builds), torch (gather + SDPA) or native"
+        ),
+    )
 
 
 # The C kernel's fixed limits (its stack buffers).

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from pagedkv.config import env_str
+from pagedkv.engine.native import add_decode_kernel_argument
 from pagedkv.errors import PagedKVError
 from pagedkv.tiers.config import add_tier_arguments, tier_config_from_args
 
@@ -34,15 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-speculative-tokens", type=int, default=0)
-    p.add_argument(
-        "--decode-kernel",
-        default="auto",
-        choices=["auto", "torch", "native"],
-        help=(
-            "decode attention: auto (the native C kernel on a CPU float32 model, when it "
-            "builds), torch (gather + SDPA) or native"
-        ),
-    )
+    add_decode_kernel_argument(p)
     p.add_argument(
         "--threads",
         type=int,
