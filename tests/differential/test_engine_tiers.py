@@ -60,10 +60,10 @@ def test_corrupt_tier_payloads_are_recomputed_never_used(
         assert offload.flush(10.0)
         # flip one byte in the middle of every stored payload (the body, past the header)
         with host._lock:
-            for h, data in list(host._blocks.items()):
+            for h, data in list(host._lru.items()):
                 bad = bytearray(data)
                 bad[len(bad) // 2] ^= 0xFF
-                host._blocks[h] = bytes(bad)
+                host._lru[h] = bytes(bad)
         engine.scheduler.manager.reset_prefix_cache()
         assert [g[0] for g in run_engine(engine, PROMPTS)] == refs
         assert engine.tier_io is not None

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
+from pagedkv.errors import InvalidRequestError
 from pagedkv.tiers.payload import TierLayout
+
+V = TypeVar("V")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,3 +186,48 @@ class KVTier(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LocalTier(KVTier, Generic[V]):
+    """A tier on this machine whose index lives in memory, under a byte budget: ``_lru`` maps
+    each stored block's hash to the subclass's per-block value (the payload for host RAM, the
+    file size for the disk), least recently used first, and ``_num_bytes`` counts the stored
+    payload bytes. Lookups answer from the index without I/O and count like any tier's; the
+    subclass keeps ``_lru`` and ``_num_bytes`` in step (its invariants say how)."""
+
+    def __init__(self, name: str, layout: TierLayout, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise InvalidRequestError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        super().__init__(name, layout)
+        self.capacity_bytes = capacity_bytes
+        self._lru: OrderedDict[bytes, V] = OrderedDict()
+        self._num_bytes = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_bytes
+
+    def contains(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._lru
+
+    def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        with self._lock:
+            n = count_prefix(self._lru, block_hashes)
+            self._counters.record_lookup(len(block_hashes), n)
+            return n
+
+    def lru_order(self) -> list[bytes]:
+        """Stored hashes, least recently used first (for tests and debugging)."""
+        with self._lock:
+            return list(self._lru)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return self._counters.snapshot(
+                self.name, len(self._lru), self._num_bytes, self.capacity_bytes
+            )

@@ -27,12 +27,11 @@ import contextlib
 import logging
 import os
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from pagedkv.errors import CorruptBlockError, InvalidRequestError, InvariantViolation
-from pagedkv.tiers.base import KVTier, TierStats, count_prefix
+from pagedkv.tiers.base import LocalTier
 from pagedkv.tiers.disk_files import (
     BLOCK_SUFFIX,
     DISK_FULL_ERRNOS,
@@ -50,7 +49,7 @@ from pagedkv.tiers.payload import TierLayout, decode, read_header
 logger = logging.getLogger(__name__)
 
 
-class DiskTier(KVTier):
+class DiskTier(LocalTier[int]):
     """Block payloads as files under ``root``, with an exact byte budget and LRU eviction.
 
     Invariants (check_invariants() verifies each):
@@ -78,8 +77,7 @@ class DiskTier(KVTier):
         clock: Callable[[], float] = time.monotonic,
         name: str = "disk",
     ) -> None:
-        if capacity_bytes <= 0:
-            raise InvalidRequestError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        super().__init__(name, layout, capacity_bytes)  # _lru: hash -> file size, LRU first
         if write_backoff_s < 0:
             raise InvalidRequestError(f"write_backoff_s must be >= 0, got {write_backoff_s}")
         try:
@@ -87,16 +85,12 @@ class DiskTier(KVTier):
         except ValueError:
             names = ", ".join(p.value for p in FsyncPolicy)
             raise InvalidRequestError(f"unknown fsync policy {fsync!r}; use {names}") from None
-        super().__init__(name, layout)
         self.root = Path(root)
-        self.capacity_bytes = capacity_bytes
         self.write_backoff_s = write_backoff_s
         self._writer = writer
         self._clock = clock
         self._tag = layout.tag
         self._suffix = f".{self._tag}{BLOCK_SUFFIX}"
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, LRU first
-        self._num_bytes = 0  # I1: sum(_index.values())
         self._writing: dict[bytes, int] = {}  # hash -> size, writes in progress (I5)
         self._reserved = 0  # sum(_writing.values())
         self._disabled_until: float | None = None  # writes off until this clock time
@@ -128,7 +122,7 @@ class DiskTier(KVTier):
         if entries:
             self._last_stamp_ns = entries[-1][0]
         for _, h, size in entries:
-            self._index[h] = size
+            self._lru[h] = size
             self._num_bytes += size
         if self.num_temp_files_removed:
             logger.info(
@@ -152,7 +146,7 @@ class DiskTier(KVTier):
         logger.info(
             "disk tier %s: %d blocks, %d bytes indexed in %.3f s (%d files of other layouts)",
             self.root,
-            len(self._index),
+            len(self._lru),
             self._num_bytes,
             self.scan_s,
             self.num_foreign_files,
@@ -186,7 +180,7 @@ class DiskTier(KVTier):
 
     def _evict_one(self) -> None:
         """Delete the least recently used block (lock held)."""
-        h, size = self._index.popitem(last=False)
+        h, size = self._lru.popitem(last=False)
         self._num_bytes -= size
         self._counters.evictions += 1
         try:
@@ -196,14 +190,6 @@ class DiskTier(KVTier):
             logger.warning("disk tier: could not delete evicted block %s: %s", h.hex(), exc)
 
     # ------------------------------------------------------------------ queries
-    @property
-    def num_blocks(self) -> int:
-        return len(self._index)
-
-    @property
-    def num_bytes(self) -> int:
-        return self._num_bytes
-
     def can_write(self) -> bool:
         """False while writes are disabled after a full disk."""
         with self._lock:
@@ -218,28 +204,13 @@ class DiskTier(KVTier):
             return True
         return False
 
-    def contains(self, block_hash: bytes) -> bool:
-        with self._lock:
-            return block_hash in self._index
-
-    def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:
-        with self._lock:
-            n = count_prefix(self._index, block_hashes)
-            self._counters.record_lookup(len(block_hashes), n)
-            return n
-
-    def lru_order(self) -> list[bytes]:
-        """Indexed hashes, least recently used first."""
-        with self._lock:
-            return list(self._index)
-
     # ------------------------------------------------------------------ reads
     def try_get(self, block_hash: bytes) -> bytes | None:
         with self._lock:
-            if block_hash not in self._index:
+            if block_hash not in self._lru:
                 self._counters.misses += 1
                 return None
-            self._index.move_to_end(block_hash)
+            self._lru.move_to_end(block_hash)
         path = self.path_of(block_hash)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -300,8 +271,8 @@ class DiskTier(KVTier):
                     same = True
                 if same:
                     unlink_quietly(path)
-            if same and block_hash in self._index:
-                self._num_bytes -= self._index.pop(block_hash)
+            if same and block_hash in self._lru:
+                self._num_bytes -= self._lru.pop(block_hash)
         logger.warning("disk tier: block %s is a miss: %s", block_hash.hex(), why)
 
     # ------------------------------------------------------------------ writes
@@ -314,8 +285,8 @@ class DiskTier(KVTier):
             )
         size = len(payload)
         with self._lock:
-            if block_hash in self._index:  # a put of a stored block counts as a use
-                self._index.move_to_end(block_hash)
+            if block_hash in self._lru:  # a put of a stored block counts as a use
+                self._lru.move_to_end(block_hash)
                 self._touch(block_hash)
                 return True
             if block_hash in self._writing:
@@ -323,7 +294,7 @@ class DiskTier(KVTier):
             if size > self.capacity_bytes or not self._writes_enabled():
                 self._counters.dropped_writes += 1
                 return False
-            while self._index and self._num_bytes + self._reserved + size > self.capacity_bytes:
+            while self._lru and self._num_bytes + self._reserved + size > self.capacity_bytes:
                 self._evict_one()
             if self._num_bytes + self._reserved + size > self.capacity_bytes:
                 self._counters.dropped_writes += 1  # the rest is reserved by writes in progress
@@ -351,7 +322,7 @@ class DiskTier(KVTier):
         with self._lock:
             del self._writing[block_hash]
             self._reserved -= size
-            self._index[block_hash] = size
+            self._lru[block_hash] = size
             self._touch(block_hash)  # stamps follow the order blocks enter the index
             self._num_bytes += size
             self._counters.bytes_in += size
@@ -377,7 +348,7 @@ class DiskTier(KVTier):
 
     def delete(self, block_hash: bytes) -> bool:
         with self._lock:
-            size = self._index.pop(block_hash, None)
+            size = self._lru.pop(block_hash, None)
             if size is None:
                 return False
             self._num_bytes -= size
@@ -392,15 +363,9 @@ class DiskTier(KVTier):
             os.close(fd)
 
     # ------------------------------------------------------------------ reporting
-    def stats(self) -> TierStats:
-        with self._lock:
-            return self._counters.snapshot(
-                self.name, len(self._index), self._num_bytes, self.capacity_bytes
-            )
-
     def check_invariants(self) -> None:
         with self._lock:
-            total = sum(self._index.values())
+            total = sum(self._lru.values())
             if total != self._num_bytes:
                 raise InvariantViolation(f"I1: num_bytes {self._num_bytes} != sum {total}")
             if self._num_bytes + self._reserved > self.capacity_bytes:
@@ -408,7 +373,7 @@ class DiskTier(KVTier):
                     f"I2: {self._num_bytes} + {self._reserved} reserved bytes > capacity "
                     f"{self.capacity_bytes}"
                 )
-            for h, size in self._index.items():
+            for h, size in self._lru.items():
                 try:
                     real = os.stat(self.path_of(h)).st_size
                 except FileNotFoundError:
@@ -421,8 +386,8 @@ class DiskTier(KVTier):
                 for f in sub.iterdir():
                     if f.name.endswith(self._suffix):
                         h = bytes.fromhex(f.name[: -len(self._suffix)])
-                        if h not in self._index and h not in self._writing:
+                        if h not in self._lru and h not in self._writing:
                             raise InvariantViolation(f"I4: file {f} is not indexed")
-            both = self._index.keys() & self._writing.keys()
+            both = self._lru.keys() & self._writing.keys()
             if both:
                 raise InvariantViolation(f"I5: {len(both)} blocks are indexed and being written")

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
-
 from pagedkv.errors import InvalidRequestError, InvariantViolation
-from pagedkv.tiers.base import KVTier, TierStats, count_prefix
+from pagedkv.tiers.base import LocalTier
 from pagedkv.tiers.payload import TierLayout, read_header
 
 
-class HostTier(KVTier):
+class HostTier(LocalTier[bytes]):
     """Block payloads in host memory, least recently used evicted first.
 
     An ``OrderedDict`` keeps LRU order because it moves a key to the end and pops the oldest in
@@ -25,38 +22,15 @@ class HostTier(KVTier):
     """
 
     def __init__(self, layout: TierLayout, capacity_bytes: int, name: str = "host") -> None:
-        if capacity_bytes <= 0:
-            raise InvalidRequestError(f"capacity_bytes must be positive, got {capacity_bytes}")
-        super().__init__(name, layout)
-        self.capacity_bytes = capacity_bytes
-        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()  # LRU first
-        self._num_bytes = 0  # I1: sum(len(p) for p in _blocks.values())
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self._blocks)
-
-    @property
-    def num_bytes(self) -> int:
-        return self._num_bytes
-
-    def contains(self, block_hash: bytes) -> bool:
-        with self._lock:
-            return block_hash in self._blocks
-
-    def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:
-        with self._lock:
-            n = count_prefix(self._blocks, block_hashes)
-            self._counters.record_lookup(len(block_hashes), n)
-            return n
+        super().__init__(name, layout, capacity_bytes)  # _lru: hash -> payload, LRU first
 
     def try_get(self, block_hash: bytes) -> bytes | None:
         with self._lock:
-            payload = self._blocks.get(block_hash)
+            payload = self._lru.get(block_hash)
             if payload is None:
                 self._counters.misses += 1
                 return None
-            self._blocks.move_to_end(block_hash)
+            self._lru.move_to_end(block_hash)
             self._counters.hits += 1
             self._counters.bytes_out += len(payload)
             return payload
@@ -70,43 +44,32 @@ class HostTier(KVTier):
             )
         size = len(payload)
         with self._lock:
-            if block_hash in self._blocks:
-                self._blocks.move_to_end(block_hash)
+            if block_hash in self._lru:
+                self._lru.move_to_end(block_hash)
                 return True
             if size > self.capacity_bytes:
                 self._counters.dropped_writes += 1
                 return False
             while self._num_bytes + size > self.capacity_bytes:
-                _, old = self._blocks.popitem(last=False)
+                _, old = self._lru.popitem(last=False)
                 self._num_bytes -= len(old)
                 self._counters.evictions += 1
-            self._blocks[block_hash] = payload
+            self._lru[block_hash] = payload
             self._num_bytes += size
             self._counters.bytes_in += size
             return True
 
     def delete(self, block_hash: bytes) -> bool:
         with self._lock:
-            payload = self._blocks.pop(block_hash, None)
+            payload = self._lru.pop(block_hash, None)
             if payload is None:
                 return False
             self._num_bytes -= len(payload)
             return True
 
-    def lru_order(self) -> list[bytes]:
-        """Stored hashes, least recently used first (for tests and debugging)."""
-        with self._lock:
-            return list(self._blocks)
-
-    def stats(self) -> TierStats:
-        with self._lock:
-            return self._counters.snapshot(
-                self.name, len(self._blocks), self._num_bytes, self.capacity_bytes
-            )
-
     def check_invariants(self) -> None:
         with self._lock:
-            total = sum(len(p) for p in self._blocks.values())
+            total = sum(len(p) for p in self._lru.values())
             if total != self._num_bytes:
                 raise InvariantViolation(f"I1: num_bytes {self._num_bytes} != sum {total}")
             if self._num_bytes > self.capacity_bytes:
@@ -116,5 +79,5 @@ class HostTier(KVTier):
 
     def close(self) -> None:
         with self._lock:
-            self._blocks.clear()
+            self._lru.clear()
             self._num_bytes = 0
