@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -363,6 +363,18 @@ def write_json(path: str, results: list[Result], extra: dict[str, Any] | None = 
         **(extra or {}),
     }
     Path(path).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+def selected_fixtures(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, fixtures: Sequence[str]
+) -> set[str]:
+    """The fixtures ``--only`` names (all of them without it); an unknown name is a usage
+    error (exit 2) that lists the choices."""
+    only = set(args.only or fixtures)
+    unknown = only - set(fixtures)
+    if unknown:
+        parser.error(f"unknown fixture(s) {sorted(unknown)}; choose from {', '.join(fixtures)}")
+    return only
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

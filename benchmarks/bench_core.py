@@ -42,6 +42,7 @@ from _harness import (
     flatness,
     print_table,
     run_cases,
+    selected_fixtures,
     set_clock,
     write_json,
 )
@@ -376,10 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     set_clock(args.clock)
-    only = set(args.only or FIXTURES)
-    unknown = only - set(FIXTURES)
-    if unknown:
-        parser.error(f"unknown fixture(s) {sorted(unknown)}; choose from {', '.join(FIXTURES)}")
+    only = selected_fixtures(parser, args, FIXTURES)
     ours: dict[str, Callable[[bool], list[Case]]] = {
         "admission": admission_cases,
         "alloc": alloc_cases,

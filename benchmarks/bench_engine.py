@@ -42,6 +42,7 @@ from _harness import (
     base_parser,
     print_table,
     run_cases,
+    selected_fixtures,
     set_clock,
     write_json,
 )
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     set_clock(args.clock)
     torch.set_num_threads(args.threads)
-    only = set(args.only or FIXTURES)
+    only = selected_fixtures(parser, args, FIXTURES)
     from transformers import LlamaForCausalLM
 
     results: list[Result] = []

@@ -24,6 +24,7 @@ from _harness import (
     base_parser,
     print_table,
     run_cases,
+    selected_fixtures,
     set_clock,
     write_json,
 )
@@ -81,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0] if __doc__ else "")
     args = parser.parse_args(argv)
     set_clock(args.clock)
-    only = set(args.only or FIXTURES)
-    unknown = only - set(FIXTURES)
-    if unknown:
-        parser.error(f"unknown fixture(s) {sorted(unknown)}; choose from {', '.join(FIXTURES)}")
+    only = selected_fixtures(parser, args, FIXTURES)
     num_requests = 60 if args.quick else 300
     last: dict[str, Any] = {}
     cases: list[Case] = []

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import base_parser, machine_info
+from _harness import base_parser, machine_info, selected_fixtures
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.sampler import SamplingParams
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--offload-requests", type=int, help="default 8, quick 2")
     args = parser.parse_args(argv)
-    only = set(args.only or ("ttft", "offload"))
+    only = selected_fixtures(parser, args, ("ttft", "offload"))
     rounds = args.rounds or (2 if args.quick else 5)
     num_tokens = args.prompt_tokens or (1024 if args.quick else 4096)
     num_requests = args.offload_requests or (2 if args.quick else 8)

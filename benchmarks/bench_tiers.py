@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import base_parser, machine_info
+from _harness import base_parser, machine_info, selected_fixtures
 from pagedkv.tiers import DiskTier, PayloadHeader, TierLayout, encode
 
 TARGET_RATIO = 0.8
@@ -400,9 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-mb", type=int, help="MB per disk row (default 256, quick 32)")
     args = parser.parse_args(argv)
     fixtures = ("disk", "encode", "scan", "redis")
-    only = set(args.only or fixtures)
-    if only - set(fixtures):
-        parser.error(f"unknown fixture(s); choose from {', '.join(fixtures)}")
+    only = selected_fixtures(parser, args, fixtures)
     quick = args.quick
     rounds = args.rounds or (3 if quick else 5)
     total_mb = args.total_mb or (32 if quick else 256)
