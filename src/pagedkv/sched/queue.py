@@ -34,7 +34,34 @@ class WaitingQueue(Protocol):
     def __len__(self) -> int: ...
 
 
-class FCFSQueue:
+class _LazyQueue:
+    """What both queues share: ``_live`` counts the entries whose request is still queued;
+    aborted ones stay in the container until ``try_peek`` skips them at the head."""
+
+    _live: int
+
+    def try_peek(self) -> Request | None:
+        raise NotImplementedError
+
+    def _drop_head(self) -> None:
+        raise NotImplementedError
+
+    def pop(self) -> Request:
+        req = self.try_peek()
+        if req is None:
+            raise IndexError("pop from an empty waiting queue")
+        self._drop_head()
+        self._live -= 1
+        return req
+
+    def discard(self, request: Request) -> None:
+        self._live -= 1
+
+    def __len__(self) -> int:
+        return self._live
+
+
+class FCFSQueue(_LazyQueue):
     """First come, first served; preempted requests go to the front. O(1) amortised."""
 
     def __init__(self) -> None:
@@ -55,22 +82,11 @@ class FCFSQueue:
             q.popleft()
         return q[0] if q else None
 
-    def pop(self) -> Request:
-        req = self.try_peek()
-        if req is None:
-            raise IndexError("pop from an empty waiting queue")
+    def _drop_head(self) -> None:
         self._q.popleft()
-        self._live -= 1
-        return req
-
-    def discard(self, request: Request) -> None:
-        self._live -= 1
-
-    def __len__(self) -> int:
-        return self._live
 
 
-class PriorityQueue:
+class PriorityQueue(_LazyQueue):
     """Lowest ``(priority, arrival_time, seq_no)`` first. O(log n) push/pop."""
 
     def __init__(self) -> None:
@@ -89,19 +105,8 @@ class PriorityQueue:
             heapq.heappop(heap)
         return heap[0][1] if heap else None
 
-    def pop(self) -> Request:
-        req = self.try_peek()
-        if req is None:
-            raise IndexError("pop from an empty waiting queue")
+    def _drop_head(self) -> None:
         heapq.heappop(self._heap)
-        self._live -= 1
-        return req
-
-    def discard(self, request: Request) -> None:
-        self._live -= 1
-
-    def __len__(self) -> int:
-        return self._live
 
 
 def make_queue(policy: str) -> WaitingQueue:
