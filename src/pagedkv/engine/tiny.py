@@ -100,7 +100,9 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor
 def write_tiny_model(
     out_dir: str | Path, *, seed: int = 0, num_shards: int = 1, **config_overrides: Any
 ) -> Path:
-    """Write a complete tiny model folder; returns its path."""
+    """Write a complete tiny model folder; returns its path. ``eos_token_id=None`` makes a
+    model with no end-of-sequence token at all (the tokenizer config names none either), so
+    every sample runs to ``max_tokens``."""
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
@@ -121,5 +123,7 @@ def write_tiny_model(
         (path / "model.safetensors.index.json").write_text(json.dumps(index), encoding="utf-8")
     tok.save(str(path / "tokenizer.json"))
     tok_cfg = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
+    if cfg.get("eos_token_id") is None:
+        del tok_cfg["eos_token"]
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg), encoding="utf-8")
     return path
