@@ -12,7 +12,6 @@ belongs to the Redis fixtures).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -30,6 +29,7 @@ import uvicorn
 
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.tiny import write_tiny_model
 from pagedkv.server.app import build_app
 from pagedkv.server.async_engine import AsyncEngine
@@ -41,12 +41,7 @@ START_TIMEOUT_S = 20.0
 def write_endless_model(path: Path) -> Path:
     """A tiny random model with no end-of-sequence token: every sample runs to ``max_tokens``,
     so token counts are exact and a long generation stays in flight until it is aborted."""
-    write_tiny_model(path, eos_token_id=None)
-    tok_cfg_path = path / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
-    tok_cfg.pop("eos_token", None)
-    tok_cfg_path.write_text(json.dumps(tok_cfg), encoding="utf-8")
-    return path
+    return write_tiny_model(path, eos_token_id=None)
 
 
 def free_port() -> int:
@@ -117,9 +112,22 @@ def running_server(
     api_key: str | None = None,
     max_pending: int = 256,
     model_name: str = MODEL_NAME,
+    min_step_s: float = 0.0,
 ) -> Iterator[ServerHandle]:
-    """Serve ``model_dir`` on 127.0.0.1 until the ``with`` block ends."""
+    """Serve ``model_dir`` on 127.0.0.1 until the ``with`` block ends. ``min_step_s`` (fault
+    injection: a slower model) makes every engine step last at least that long, so a long
+    generation outlasts a test's waits however fast the engine is."""
     engine = LLMEngine.from_model_dir(str(model_dir), config or EngineConfig())
+    if min_step_s > 0:
+        real_step = engine.step
+
+        def slow_step() -> list[GenerationOutput]:
+            start = time.monotonic()
+            out = real_step()
+            time.sleep(max(0.0, min_step_s - (time.monotonic() - start)))
+            return out
+
+        engine.step = slow_step  # type: ignore[method-assign]
     async_engine = AsyncEngine(engine, max_pending=max_pending, model_name=model_name)
     app = build_app(async_engine, api_key=api_key)
     port = free_port()

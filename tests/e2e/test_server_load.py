@@ -33,7 +33,8 @@ SHARED_PREFIX = (
     "You are a helpful assistant. Answer briefly and clearly. "
     "Prefix caching lets requests that share a system prompt reuse its blocks. "
 )
-LONG_GENERATION = 3000  # tokens: far more than any test waits for
+LONG_GENERATION = 3000  # tokens: far more than any test waits for, at STEP_S a step
+STEP_S = 0.01  # the servers here step no faster than this (30 s for a long generation)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(model_dir: Path) -> Iterator[ServerHandle]:
-    with running_server(model_dir, config=EngineConfig(check_invariants=True)) as handle:
+    with running_server(
+        model_dir, config=EngineConfig(check_invariants=True), min_step_s=STEP_S
+    ) as handle:
         yield handle
 
 
@@ -157,7 +160,10 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(
 
 def test_disconnect_while_queued_aborts_before_it_ever_runs(model_dir: Path) -> None:
     cfg = EngineConfig(max_num_seqs=1, check_invariants=True)
-    with running_server(model_dir, config=cfg) as srv, httpx.Client(timeout=30) as client:
+    with (
+        running_server(model_dir, config=cfg, min_step_s=STEP_S) as srv,
+        httpx.Client(timeout=30) as client,
+    ):
         aborted: list[str] = []
         real = srv.engine.engine.abort
 
@@ -185,7 +191,7 @@ def test_disconnect_while_queued_aborts_before_it_ever_runs(model_dir: Path) -> 
 
 def test_overload_returns_429_with_retry_after_and_recovers(model_dir: Path) -> None:
     with (
-        running_server(model_dir, max_pending=2) as srv,
+        running_server(model_dir, max_pending=2, min_step_s=STEP_S) as srv,
         httpx.Client(timeout=30) as client,
     ):
         streams = [_open_stream(srv, client, max_tokens=LONG_GENERATION) for _ in range(2)]
@@ -276,7 +282,7 @@ def test_a_step_that_raises_fails_the_stream_with_an_error_event(
 
 
 def test_a_dead_step_loop_turns_health_to_503(model_dir: Path) -> None:
-    with running_server(model_dir) as srv:
+    with running_server(model_dir, min_step_s=STEP_S) as srv:
         assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 200
 
         def broken() -> None:
