@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.config import check_invariants_default
+from pagedkv.engine.kv_cache import parse_dtype
 from pagedkv.errors import InvalidRequestError
 from pagedkv.tiers.config import TierConfig
 
@@ -29,13 +30,13 @@ class EngineConfig:
     serving don't rescan the model and the imported libraries.
     """
 
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16" (pagedkv.engine.dtype)
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
     initial_blocks: int | None = None
-    max_model_len: int | None = None  # default: min(model's max positions, 4096)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
@@ -45,7 +46,10 @@ class EngineConfig:
     decode_kernel: str = "auto"  # "auto" | "torch" | "native" (see pagedkv.engine.native)
     watermark: float = 0.01
     reservation: str = "max_tokens"
-    model_id: str = ""
+    model_id: str = ""  # default: the checkpoint's fingerprint (pagedkv.engine.fingerprint)
+    chat_template: str | None = None  # a file or an inline template (as vLLM's --chat-template)
+    generation_config: str = "auto"  # "auto" | "vllm" | a folder (pagedkv.engine.generation_config)
+    seed: int | None = None  # seeds the draws of requests that give no seed of their own
     tiers: TierConfig | None = None
     tune_host_allocator: bool = True
     freeze_gc_heap: bool = True
@@ -64,5 +68,17 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"decode_kernel must be 'auto', 'torch' or 'native', got {self.decode_kernel!r}"
             )
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)  # raises InvalidRequestError naming the choices
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise InvalidRequestError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.chat_template is not None and not self.chat_template:
+            raise InvalidRequestError("chat_template must be a file path or a template, got ''")
+        if not self.generation_config:
+            raise InvalidRequestError("generation_config must be 'auto', 'vllm' or a folder")
+        if self.seed is not None and (isinstance(self.seed, bool) or self.seed < 0):
+            raise InvalidRequestError(f"seed must be an int >= 0, got {self.seed!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise InvalidRequestError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -25,7 +25,10 @@ class LLM:
     Keyword arguments are :class:`EngineConfig` fields (``block_size=16``,
     ``enable_prefix_caching=False``, ``num_speculative_tokens=4``, ...), plus the KV tiers:
     ``host_tier_bytes``, ``disk_tier`` (a folder) with ``disk_tier_bytes``, ``redis_url``
-    (or a whole ``tiers=TierConfig(...)``). With tiers, call :meth:`close` (or use ``with``)
+    (or a whole ``tiers=TierConfig(...)``). ``dtype="auto"`` (the default) follows the
+    checkpoint on CUDA and computes in float32 on a CPU; ``chat_template`` (a file or an inline
+    template) replaces the checkpoint's; ``generation_config="vllm"`` ignores its
+    ``generation_config.json``. With tiers, call :meth:`close` (or use ``with``)
     so queued blocks reach them before the process exits.
     """
 
@@ -79,6 +82,12 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling used when ``generate`` gets none: the checkpoint's
+        ``generation_config.json`` values (temperature, top_p, top_k, max_new_tokens) over
+        ``SamplingParams``' defaults, as vLLM's ``LLM.get_default_sampling_params``."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -95,7 +104,7 @@ class LLM:
         else:
             items = list(prompts)  # type: ignore[arg-type]
         if sampling is None or isinstance(sampling, SamplingParams):
-            params = [sampling or SamplingParams()] * len(items)
+            params = [sampling or self.get_default_sampling_params()] * len(items)
         else:
             params = list(sampling)
             if len(params) != len(items):

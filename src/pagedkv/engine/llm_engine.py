@@ -23,19 +23,25 @@ from __future__ import annotations
 
 import gc
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pagedkv.core.config import CacheConfig
+from pagedkv.engine.chat_template import load_chat_template
+from pagedkv.engine.dtype import resolve_dtype
 from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.fingerprint import checkpoint_fingerprint
+from pagedkv.engine.generation_config import GenerationDefaults, load_generation_defaults
 from pagedkv.engine.host_alloc import tune_host_allocator
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
 from pagedkv.engine.loader import load_model
-from pagedkv.engine.model_config import generation_eos_ids
+from pagedkv.engine.model_config import ModelConfig
 from pagedkv.engine.models.llama import LlamaModel
 from pagedkv.engine.outputs import CompletionOutput, GenerationOutput
 from pagedkv.engine.runner import ModelRunner
@@ -76,11 +82,18 @@ class LLMEngine:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config
         if config.tune_host_allocator and model.device.type == "cpu":
             tune_host_allocator()
         mcfg = model.config
-        max_len = config.max_model_len or min(mcfg.max_position_embeddings, 4096)
+        if config.dtype == "auto":  # built from a model directly: compute in the model's dtype
+            config = replace(config, dtype=str(model.dtype).removeprefix("torch."))
+        self.config = config
+        max_len = config.max_model_len or mcfg.max_position_embeddings
+        if max_len > mcfg.max_position_embeddings:
+            raise InvalidRequestError(
+                f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                f"({mcfg.max_position_embeddings})"
+            )
         spec = KVCacheSpec(
             mcfg.num_hidden_layers,
             config.block_size,
@@ -136,6 +149,8 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        self.generation_defaults = GenerationDefaults()  # from_model_dir reads the checkpoint's
+        self._seeds = None if config.seed is None else random.Random(config.seed)
         self._groups: dict[str, RequestGroup] = {}
         self._samples: dict[str, tuple[RequestGroup, SampleState]] = {}  # seq_id -> owner
         self.num_draft_tokens = 0
@@ -155,16 +170,41 @@ class LLMEngine:
         *,
         offload: OffloadCoordinator | None = None,
     ) -> LLMEngine:
-        """Load the model (and tokenizer, when the folder has one); ``offload`` adds KV tiers."""
+        """Load the model (and tokenizer, when the folder has one); ``offload`` adds KV tiers.
+
+        Resolved here, once: the dtype (``auto``: :mod:`pagedkv.engine.dtype`), the cache
+        namespace (the checkpoint's fingerprint unless ``model_id`` is given), the chat
+        template (``chat_template``, else the folder's) and the generation defaults."""
         cfg = config or EngineConfig()
-        model = load_model(model_dir, dtype=cfg.dtype, device=_device(cfg.device))
-        tok = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
-        if not cfg.model_id:
-            cfg = replace(cfg, model_id=str(Path(model_dir).resolve()))
+        device = _device(cfg.device)
+        mcfg = ModelConfig.from_file(model_dir) if Path(model_dir).is_dir() else None
+        dtype = resolve_dtype(cfg.dtype, mcfg.torch_dtype if mcfg else "float32", device)
+        defaults = load_generation_defaults(model_dir, cfg.generation_config)
+        template = None if cfg.chat_template is None else load_chat_template(cfg.chat_template)
+        model = load_model(model_dir, dtype=dtype, device=device)
+        tok = (
+            Tokenizer(model_dir, chat_template=template)
+            if (Path(model_dir) / "tokenizer.json").is_file()
+            else None
+        )
+        cfg = replace(cfg, dtype=dtype, model_id=cfg.model_id or checkpoint_fingerprint(model_dir))
         engine = cls(model, tok, cfg, offload=offload)
-        extra = set(generation_eos_ids(model_dir)) - set(engine.eos_token_ids)
-        engine.eos_token_ids = tuple(sorted({*engine.eos_token_ids, *extra}))
+        engine.generation_defaults = defaults
+        engine.eos_token_ids = tuple(sorted({*engine.eos_token_ids, *defaults.eos_token_ids}))
+        for name, value in defaults.unsupported().items():
+            logger.warning(
+                "%s sets %s=%s, which pagedkv's sampler does not implement; it is not applied",
+                defaults.source,
+                name,
+                value,
+            )
         return engine
+
+    def default_sampling_params(self, **request: Any) -> SamplingParams:
+        """``SamplingParams`` for a request's values, where a value left ``None`` takes the
+        checkpoint's ``generation_config.json`` default (as vLLM's
+        ``get_default_sampling_params``)."""
+        return self.generation_defaults.sampling_params(**request)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -315,6 +355,8 @@ class LLMEngine:
     ) -> SampleState:
         seq_id = group.request_id if group.params.n == 1 else f"{group.request_id}#{index}"
         seed = group.params.seed
+        if seed is None and self._seeds is not None:  # EngineConfig.seed: reproducible runs
+            seed = self._seeds.getrandbits(62)
         gen = make_generator(None if seed is None else seed + index, self.model.device)
         detok = None
         if self.tokenizer is not None:

@@ -56,6 +56,10 @@ def load_model(
     """Build a :class:`LlamaModel` from a local folder. ``dtype`` defaults to the config's."""
     path = Path(model_dir)
     if not path.is_dir():
+        if path.exists():
+            raise ModelLoadError(
+                f"{path} is a file, not a model folder (config.json, *.safetensors, tokenizer.json)"
+            )
         raise ModelLoadError(f"model folder {path} does not exist")
     config = ModelConfig.from_file(path)
     target = parse_dtype(dtype if dtype is not None else _config_dtype(config))

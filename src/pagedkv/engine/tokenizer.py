@@ -1,5 +1,6 @@
-"""Tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, chat templates rendered with
-a sandboxed jinja2 environment, and incremental detokenization for streaming."""
+"""Tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, the checkpoint's chat
+template (found and rendered by :mod:`pagedkv.engine.chat_template`), and incremental
+detokenization for streaming."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedkv.engine.chat_template import ChatTemplate, find_chat_template, render_chat_template
 from pagedkv.errors import InvalidRequestError, ModelLoadError
 
 
@@ -26,7 +26,7 @@ def _token_text(value: Any) -> str | None:
 class Tokenizer:
     """Encode, decode and apply the chat template of one model folder."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, *, chat_template: ChatTemplate | None = None) -> None:
         path = Path(model_dir)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -42,17 +42,13 @@ class Tokenizer:
                 cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError) as exc:
                 raise ModelLoadError(f"cannot read {cfg_file}: {exc}") from exc
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        self.chat_template: str | None = template if isinstance(template, str) else None
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.chat_template: ChatTemplate | None = chat_template or find_chat_template(path)
+        self.special_tokens = special_tokens_map(cfg)
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
         self.eos_token_id = (
             None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
         )
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
     @property
     def vocab_size(self) -> int:
@@ -65,27 +61,48 @@ class Tokenizer:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> str:
-        """Render the model's chat template; raises InvalidRequestError when there is none or
-        it fails on these messages."""
+        """Render the model's chat template (see :mod:`pagedkv.engine.chat_template`); raises
+        InvalidRequestError when there is none or it fails on these messages."""
         if self.chat_template is None:
-            raise InvalidRequestError("this model's tokenizer_config.json has no chat_template")
-        try:
-            tmpl = self._env.from_string(self.chat_template)
-            return tmpl.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                raise_exception=_raise,
+            raise InvalidRequestError(
+                "this model ships no chat template (chat_template.jinja, chat_template.json or "
+                "tokenizer_config.json's chat_template); give one with --chat-template"
             )
-        except TemplateError as exc:
-            raise InvalidRequestError(f"chat template failed: {exc}") from exc
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            **template_kwargs,
+        )
 
 
-def _raise(message: str) -> None:
-    raise InvalidRequestError(f"chat template rejected the messages: {message}")
+def special_tokens_map(cfg: Mapping[str, Any]) -> dict[str, str]:
+    """The special tokens of a ``tokenizer_config.json`` as template variables (transformers'
+    ``special_tokens_map``: ``bos_token``, ``eos_token``, ... and the additional ones)."""
+    out: dict[str, str] = {}
+    for name in _SPECIAL_TOKEN_NAMES:
+        text = _token_text(cfg.get(name))
+        if text is not None:
+            out[name] = text
+    return out
+
+
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class IncrementalDetokenizer:
