@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvalidRequestError, OverloadedError, PagedKVError
@@ -127,7 +128,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
     async def serve(
         request: Request, body: _SamplingFields, prompt_ids: list[int], max_tokens: int, chat: bool
     ) -> Response:
-        params = _sampling(body, max_tokens)
+        params = _sampling(body, max_tokens, engine.engine)
         rid = engine.new_request_id("chatcmpl" if chat else "cmpl")
         stream = engine.generate(rid, prompt_ids, params)
         # typed errors (400, 429) are raised here, before any byte is sent
@@ -153,7 +154,8 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
             prompt_ids = tok.encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)
-        max_tokens = body.max_tokens or _DEFAULT_COMPLETION_TOKENS
+        default = engine.engine.generation_defaults.max_tokens  # max_new_tokens, if set
+        max_tokens = body.max_tokens or default or _DEFAULT_COMPLETION_TOKENS
         return await serve(request, body, prompt_ids, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -169,6 +171,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
         prompt_ids = tok.encode(text, add_special_tokens=False)
         room = max(1, engine.engine.max_model_len - len(prompt_ids))
+        room = min(room, engine.engine.generation_defaults.max_tokens or room)
         max_tokens = body.max_completion_tokens or body.max_tokens or room
         return await serve(request, body, prompt_ids, max_tokens, chat=True)
 
@@ -185,12 +188,13 @@ def _check_model(body: _SamplingFields, model_name: str) -> None:
         raise InvalidRequestError(f"unsupported fields: {', '.join(unsupported)}")
 
 
-def _sampling(body: _SamplingFields, max_tokens: int) -> SamplingParams:
-    return SamplingParams(
+def _sampling(body: _SamplingFields, max_tokens: int, engine: LLMEngine) -> SamplingParams:
+    """A request's sampling; fields it leaves unset take the checkpoint's defaults."""
+    return engine.default_sampling_params(
         max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
-        top_k=max(0, body.top_k),
+        top_k=None if body.top_k is None else max(0, body.top_k),
         seed=body.seed,
         n=body.n,
         stop=tuple(body.stop_strings()),
