@@ -66,7 +66,7 @@ def test_malformed_generation_config_is_a_load_error(tmp_path: Path) -> None:
     (model / "generation_config.json").write_text(json.dumps({"top_p": 0.0}))
     with pytest.raises(ModelLoadError, match="top_p"):
         load_generation_defaults(model)
-    with pytest.raises(InvalidRequestError, match="no generation_config.json"):
+    with pytest.raises(InvalidRequestError, match=r"no generation_config\.json"):
         load_generation_defaults(model, str(tmp_path / "elsewhere"))
 
 
