@@ -2,7 +2,9 @@
 so ``pagedkv simulate`` never loads torch.
 
 Subcommands register here as ``name -> "module:function"``; each function takes the remaining
-argv and returns an exit code.
+argv and returns an exit code. Exit codes, one convention for every command: 0 success, 1 a
+failure while running (a model that cannot load, a port in use, a missing optional module),
+2 bad usage (argparse's code: an unknown command or flag, a bad flag value). Errors go to stderr.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: pagedkv <command> [options]", "", "commands:"]
+    lines = ["usage: pagedkv [--version] <command> [options]", "", "commands:"]
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     lines += ["", "Run `pagedkv <command> --help` for a command's options."]
     return "\n".join(lines)
@@ -33,6 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        from pagedkv import __version__
+
+        print(f"pagedkv {__version__}")
         return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:
@@ -48,13 +55,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "run ./scripts/setup.sh or install the matching extra",
             file=sys.stderr,
         )
-        return 2
+        return 1
     func: Callable[[list[str]], int] = getattr(module, func_name)
     try:
         return func(rest)
-    except PagedKVError as exc:  # a user error (bad folder, bad option value): no traceback
+    except PagedKVError as exc:  # a failure while running (bad folder, ...): no traceback
         print(f"pagedkv {name}: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

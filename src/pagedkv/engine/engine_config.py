@@ -47,6 +47,7 @@ class EngineConfig:
     watermark: float = 0.01
     reservation: str = "max_tokens"
     model_id: str = ""  # default: the checkpoint's fingerprint (pagedkv.engine.fingerprint)
+    tokenizer: str | None = None  # a folder with tokenizer.json (default: the model folder)
     chat_template: str | None = None  # a file or an inline template (as vLLM's --chat-template)
     generation_config: str = "auto"  # "auto" | "vllm" | a folder (pagedkv.engine.generation_config)
     seed: int | None = None  # seeds the draws of requests that give no seed of their own
@@ -74,6 +75,8 @@ class EngineConfig:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise InvalidRequestError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.tokenizer is not None and not self.tokenizer:
+            raise InvalidRequestError("tokenizer must be a folder, got ''")
         if self.chat_template is not None and not self.chat_template:
             raise InvalidRequestError("chat_template must be a file path or a template, got ''")
         if not self.generation_config:

@@ -116,9 +116,10 @@ class LLM:
             self.engine.add_request(rid, prompt, p)
         results: dict[str, GenerationOutput] = {}
         if progress:
+            from rich.console import Console
             from rich.progress import Progress
 
-            with Progress(transient=True) as bar:
+            with Progress(console=Console(stderr=True), transient=True) as bar:
                 task = bar.add_task("generating", total=len(items))
                 self._drain(results, lambda: bar.update(task, completed=len(results)))
         else:

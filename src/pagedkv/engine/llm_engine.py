@@ -182,11 +182,11 @@ class LLMEngine:
         defaults = load_generation_defaults(model_dir, cfg.generation_config)
         template = None if cfg.chat_template is None else load_chat_template(cfg.chat_template)
         model = load_model(model_dir, dtype=dtype, device=device)
-        tok = (
-            Tokenizer(model_dir, chat_template=template)
-            if (Path(model_dir) / "tokenizer.json").is_file()
-            else None
-        )
+        tok_dir = cfg.tokenizer or model_dir
+        if cfg.tokenizer is not None or (Path(tok_dir) / "tokenizer.json").is_file():
+            tok: Tokenizer | None = Tokenizer(tok_dir, chat_template=template)
+        else:
+            tok = None
         cfg = replace(cfg, dtype=dtype, model_id=cfg.model_id or checkpoint_fingerprint(model_dir))
         engine = cls(model, tok, cfg, offload=offload)
         engine.generation_defaults = defaults
