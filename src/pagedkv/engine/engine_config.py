@@ -28,6 +28,14 @@ class EngineConfig:
     every object alive when the
     engine is built out of Python's cyclic collector (``gc.freeze()``), so collections while
     serving don't rescan the model and the imported libraries.
+
+    Resolved by ``LLMEngine.from_model_dir`` from the checkpoint: ``dtype="auto"`` (float32 on
+    a CPU, the checkpoint's dtype on CUDA: ``pagedkv.engine.dtype``), ``model_id=""`` (the
+    checkpoint's content fingerprint, which seeds the prefix-hash root and names the tiers'
+    namespace), ``max_model_len=None`` (the model's ``max_position_embeddings``; a larger value
+    is refused), ``chat_template`` (a file or an inline template, replacing the checkpoint's),
+    ``generation_config`` (``"auto"``: the checkpoint's ``generation_config.json`` sampling
+    defaults; ``"vllm"``: none; or a folder). ``seed`` seeds requests that bring none.
     """
 
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16" (pagedkv.engine.dtype)
