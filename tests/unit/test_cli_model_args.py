@@ -167,6 +167,17 @@ def test_generate_threads_verbose_and_output_streams(
     assert all(line.count("INFO") == 1 for line in log_lines)  # the level once
 
 
+def test_generate_chat_with_an_inline_template(
+    model: Path, capsys: pytest.CaptureFixture[str], keep_threads: None
+) -> None:
+    template = "<|user|>{{ messages[0]['content'] }}<|end|><|assistant|>"
+    argv = [str(model), "--prompt", "hi", "--chat", "--chat-template", template]
+    assert generate_main([*argv, "--max-tokens", "2", "--threads", "1"]) == 0
+    assert "chat template --chat-template (inline)" in capsys.readouterr().err
+    assert generate_main([*argv[:-1], str(model / "missing.jinja")]) == 1
+    assert "neither a file nor a template" in capsys.readouterr().err
+
+
 def test_version_and_parser_help_mention_vllm_names() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pagedkv.cli", "--version"],

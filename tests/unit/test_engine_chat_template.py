@@ -138,6 +138,12 @@ def test_chat_template_option_reads_a_file_or_an_inline_template(tmp_path: Path)
     assert "]\n{%" in inline.text  # the typed backslash-n is a newline, as in vLLM
     msgs = [{"role": "user", "content": "é"}]
     assert render_chat_template(inline, msgs) == "[é]\n"
+    as_json = tmp_path / "tokenizer_config.json"
+    as_json.write_text(json.dumps({"chat_template": "J{{ 1 }}"}))
+    assert load_chat_template(as_json) == ChatTemplate("J{{ 1 }}", str(as_json))
+    as_json.write_text("{}")
+    with pytest.raises(InvalidRequestError, match="has no chat_template entry"):
+        load_chat_template(as_json)
     with pytest.raises(InvalidRequestError, match="neither a file nor a template"):
         load_chat_template(tmp_path / "missing.jinja")
     with pytest.raises(ModelLoadError, match="does not compile"):

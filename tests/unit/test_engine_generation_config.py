@@ -84,6 +84,18 @@ def test_repetition_penalty_the_sampler_lacks_is_reported_not_dropped(
     assert "repetition_penalty=1.1" in caplog.text
 
 
+def test_engine_seed_makes_unseeded_requests_reproducible(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "m", eos_token_id=None)
+    params = SamplingParams(max_tokens=12, temperature=1.0)
+
+    def tokens(seed: int | None) -> tuple[int, ...]:
+        with LLM(str(model), num_blocks=64, seed=seed) as llm:
+            return llm.generate([5, 6, 7], params, progress=False)[0].outputs[0].token_ids
+
+    assert tokens(5) == tokens(5)
+    assert len({tokens(None) for _ in range(3)} | {tokens(5)}) > 1  # unseeded runs differ
+
+
 # ---------------------------------------------------------------------------- dtype
 
 

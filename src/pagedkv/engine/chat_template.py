@@ -102,19 +102,20 @@ def load_chat_template(value: str | Path) -> ChatTemplate:
     text = str(value)
     path = Path(text).expanduser()
     try:
-        if path.is_file():
-            content = path.read_text(encoding="utf-8")
-            if path.suffix == ".json":  # a chat_template.json or a tokenizer_config.json
-                found = _pick(_read_json(path).get("chat_template"), str(path))
-                if found is None:
-                    raise InvalidRequestError(f"{path} has no chat_template entry")
-                return found
-            return ChatTemplate(content, str(path))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:  # too long a name, unreadable
-        if isinstance(exc, InvalidRequestError | ModelLoadError):
-            raise
-        if not any(c in text for c in _JINJA_CHARS):
-            raise InvalidRequestError(f"cannot read the chat template {text!r}: {exc}") from exc
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte: not a file
+        is_file = False
+    if is_file:
+        if path.suffix == ".json":  # a chat_template.json or a tokenizer_config.json
+            raw = _read_json(path)
+            found = _pick(raw.get("chat_template") if isinstance(raw, dict) else None, str(path))
+            if found is None:
+                raise InvalidRequestError(f"{path} has no chat_template entry")
+            return found
+        try:
+            return ChatTemplate(path.read_text(encoding="utf-8"), str(path))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(f"cannot read the chat template {path}: {exc}") from exc
     if not any(c in text for c in _JINJA_CHARS):
         raise InvalidRequestError(
             f"chat template {text!r} is neither a file nor a template (no '{{', '}}' or newline)"
