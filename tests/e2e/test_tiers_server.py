@@ -102,7 +102,9 @@ def test_generate_with_a_disk_tier_twice_reuses_it(model: Path, tmp_path: Path) 
 
 def test_generate_rejects_a_disk_tier_without_a_budget(model: Path, tmp_path: Path) -> None:
     argv = ["--model", str(model), "--prompt", "hi", "--disk-tier", str(tmp_path / "kv")]
-    assert generate_main(argv) == 2
+    with pytest.raises(SystemExit) as exc:  # a usage error, found before the model loads
+        generate_main(argv)
+    assert exc.value.code == 2
     assert not (tmp_path / "kv").exists()
 
 
