@@ -104,6 +104,9 @@ def test_fingerprint_names_content_not_path_or_mtime(tmp_path: Path) -> None:
     assert fa == checkpoint_fingerprint(b)
     assert fa.startswith("xxh3-128:")
     assert str(tmp_path) not in fa
+    one = shutil.copy(a / "model.safetensors", tmp_path / "one.gguf")  # a single-file checkpoint
+    other = shutil.copy(a / "model.safetensors", tmp_path / "renamed.gguf")
+    assert checkpoint_fingerprint(one) == checkpoint_fingerprint(other) != fa
     tok = a / "tokenizer_config.json"
     tok.write_text(tok.read_text().replace("</s>", "<|end|>"))  # the tokenizer is part of it
     assert checkpoint_fingerprint(a) != fa

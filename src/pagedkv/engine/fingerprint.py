@@ -9,8 +9,8 @@ What is hashed (xxh3-128), in sorted file-name order, for each file:
 ``name, size, xxh3-128 of its whole content``. The files: ``config.json``, the weights
 (``*.safetensors``, ``model.safetensors.index.json``, ``*.gguf``), and the tokenizer
 (``tokenizer.json``, ``tokenizer_config.json``, ``tokenizer.model``,
-``special_tokens_map.json``). A folder holding only a GGUF file, or the path of one GGUF file,
-hashes that file.
+``special_tokens_map.json``). The path of one file (a GGUF checkpoint) hashes that file alone,
+without its name.
 
 Cost: headers and sizes alone cannot tell two checkpoints of the same shapes apart (a fine-tune,
 another seed), so every byte is read once. A file of at least ``CACHE_MIN_BYTES`` has its content
@@ -65,9 +65,10 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
 def checkpoint_fingerprint(model_path: str | Path) -> str:
     """``"xxh3-128:<32 hex digits>"`` naming the checkpoint's content (module docstring)."""
     digest = xxhash.xxh3_128()
+    in_folder = Path(model_path).is_dir()  # a single file's own name is not part of it
     for file in checkpoint_files(model_path):
         size = file.stat().st_size
-        digest.update(json.dumps([file.name, size]).encode("utf-8"))
+        digest.update(json.dumps([file.name if in_folder else "", size]).encode("utf-8"))
         digest.update(bytes.fromhex(file_content_hash(file)))
     return f"xxh3-128:{digest.hexdigest()}"
 

@@ -178,16 +178,31 @@ class LLMEngine:
         cfg = config or EngineConfig()
         device = _device(cfg.device)
         mcfg = ModelConfig.from_file(model_dir) if Path(model_dir).is_dir() else None
-        dtype = resolve_dtype(cfg.dtype, mcfg.torch_dtype if mcfg else "float32", device)
-        defaults = load_generation_defaults(model_dir, cfg.generation_config)
-        template = None if cfg.chat_template is None else load_chat_template(cfg.chat_template)
-        model = load_model(model_dir, dtype=dtype, device=device)
+        cfg = replace(
+            cfg, dtype=resolve_dtype(cfg.dtype, mcfg.torch_dtype if mcfg else "float32", device)
+        )
+        model = load_model(model_dir, dtype=cfg.dtype, device=device)
         tok_dir = cfg.tokenizer or model_dir
+        tok = None
         if cfg.tokenizer is not None or (Path(tok_dir) / "tokenizer.json").is_file():
-            tok: Tokenizer | None = Tokenizer(tok_dir, chat_template=template)
-        else:
-            tok = None
-        cfg = replace(cfg, dtype=dtype, model_id=cfg.model_id or checkpoint_fingerprint(model_dir))
+            tok = Tokenizer(tok_dir)
+        return cls._from_checkpoint(model_dir, model, tok, cfg, offload)
+
+    @classmethod
+    def _from_checkpoint(
+        cls,
+        path: str,
+        model: LlamaModel,
+        tok: Tokenizer | None,
+        cfg: EngineConfig,
+        offload: OffloadCoordinator | None,
+    ) -> LLMEngine:
+        """The engine of a loaded checkpoint (any format): its namespace (the fingerprint),
+        the ``chat_template`` override, its generation defaults and their extra eos ids."""
+        defaults = load_generation_defaults(path, cfg.generation_config)
+        if tok is not None and cfg.chat_template is not None:
+            tok.chat_template = load_chat_template(cfg.chat_template)
+        cfg = replace(cfg, model_id=cfg.model_id or checkpoint_fingerprint(path))
         engine = cls(model, tok, cfg, offload=offload)
         engine.generation_defaults = defaults
         engine.eos_token_ids = tuple(sorted({*engine.eos_token_ids, *defaults.eos_token_ids}))
