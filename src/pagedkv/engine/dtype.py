@@ -7,10 +7,13 @@ transformers 5) on CUDA, and picks **float32 on a CPU**, whatever the checkpoint
   with more precise activations, at twice the weight memory.
 - Measured on the development machine (AMD EPYC, AVX2, no AVX512-BF16/AMX; 1 thread, a loaded
   2-core VM, so noisy): SmolLM2-135M shapes (30 layers, hidden 576) with random weights decoded
-  at batch 1 in 36.7 ms/step in float32 against 202-225 ms/step in bfloat16, 6x slower:
-  without bf16 instructions torch converts on every matmul. CPUs with AMX or AVX512-BF16 may
-  run bf16 faster; ``--dtype bfloat16`` asks for it explicitly.
-- vLLM's CPU backend likewise avoids float16 on x86 CPUs (it casts to bfloat16).
+  at batch 1 in 36.7 ms/step in float32 against 202-225 ms/step in bfloat16 (6x slower), and
+  at batch 8 in 181-307 ms/step against 5.0-6.0 s/step (over 15x): without bf16 instructions
+  torch converts on every matmul. CPUs with AMX or AVX512-BF16 may run bf16 faster (not
+  measured: none here); ``--dtype bfloat16`` asks for it explicitly.
+- This differs from vLLM on purpose: its CPU backend (``vllm/platforms/cpu.py``, the version
+  read) keeps the checkpoint's dtype for ``auto`` and casts float16 to bfloat16 only with an
+  FP8 KV cache.
 
 An explicit ``float16`` on a CPU is refused (:class:`UnsupportedDtypeError`) unless a probe
 finds torch can run the operations the model needs in float16 on this CPU.
