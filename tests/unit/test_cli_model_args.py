@@ -111,6 +111,8 @@ def test_usage_errors_exit_2_on_stderr(
         [str(model), "--block-size", "0", *extra],
         [str(model), "--disk-tier", "/tmp/x", *extra],  # no budget: EngineConfig rejects it
     ]
+    if command is serve_cli.main:
+        bad += [[str(model), "--log-level", "loud"], [str(model), "--port", "70000"]]
     for argv in bad:
         with pytest.raises(SystemExit) as info:
             command(argv)  # type: ignore[operator]

@@ -178,6 +178,7 @@ def generate_main(argv: Sequence[str]) -> int:
     parser.add_argument("--n", type=int, default=1)
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("-v", "--verbose", action="store_true")
+    add_tier_arguments(parser)
     args = parser.parse_args(list(argv))
     model = model_path(parser, args)
     config = engine_config(parser, args)

@@ -28,7 +28,7 @@ from pagedkv.engine.dtype import DTYPE_CHOICES
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.native import add_decode_kernel_argument
 from pagedkv.errors import PagedKVError
-from pagedkv.tiers.config import add_tier_arguments, parse_bytes, tier_config_from_args
+from pagedkv.tiers.config import parse_bytes, tier_config_from_args
 
 
 def _size(text: str) -> int:
@@ -49,7 +49,8 @@ def _positive(text: str) -> int:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the model and engine flags (module docstring) and the KV tier flags."""
+    """Add the model and engine flags (module docstring); the KV tier flags are
+    ``pagedkv.tiers.config.add_tier_arguments``, which :func:`engine_config` reads."""
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="local model folder")
     parser.add_argument("--model", default=None, help="the model folder (instead of MODEL)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
@@ -95,7 +96,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch intra-op threads (default: torch's; 1 is often faster on a busy CPU)",
     )
-    add_tier_arguments(parser)
 
 
 def model_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:

@@ -10,9 +10,9 @@ import argparse
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from pagedkv.config import env_str
-from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.model_args import (
     add_model_arguments,
     apply_threads,
@@ -22,8 +22,9 @@ from pagedkv.engine.model_args import (
     setup_logging,
 )
 from pagedkv.errors import PagedKVError
+from pagedkv.tiers.config import add_tier_arguments
 
-_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a local Hugging Face model folder over an "
         "OpenAI-compatible HTTP API (completions, chat, models, health, metrics).",
     )
-    add_model_arguments(p)
+    add_model_arguments(p)  # MODEL, --dtype, --max-model-len, --threads, ... (vLLM's names)
     p.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: folder name)"
     )
@@ -40,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require this Bearer token (or PAGEDKV_API_KEY)")
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
-    p.add_argument("--log-level", default="info", type=str.lower, choices=_LOG_LEVELS)
+    p.add_argument("--log-level", default="info")
+    add_tier_arguments(p)
     return p
 
 
@@ -56,40 +58,44 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
+
+
+def serve_on(app: Any, sock: socket.socket, **uvicorn_options: Any) -> None:
+    """Run uvicorn on an already bound socket until it shuts down; closes the socket."""
+    import uvicorn
+
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_config=None, **uvicorn_options)).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     model = model_path(parser, args)
-    cfg = engine_config(parser, args)
+    cfg = engine_config(parser, args)  # usage errors exit 2 here, before anything loads
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
-    setup_logging("DEBUG" if args.log_level == "trace" else args.log_level)
+    args.log_level = args.log_level.lower()
+    if args.log_level not in _LOG_LEVELS:
+        parser.error(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {args.log_level!r}")
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.startup import startup_line
+    from pagedkv.server.app import build_app
+    from pagedkv.server.async_engine import AsyncEngine
+
+    setup_logging("debug" if args.log_level == "trace" else args.log_level)
     apply_threads(args)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
         return fail("serve", f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     try:
-        return _serve(args, model, cfg, sock)
-    finally:
-        sock.close()
-
-
-def _serve(args: argparse.Namespace, model: str, cfg: EngineConfig, sock: socket.socket) -> int:
-    import uvicorn
-
-    from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.engine.startup import startup_line
-    from pagedkv.server.app import build_app
-    from pagedkv.server.async_engine import AsyncEngine
-
-    try:
         engine = LLMEngine.from_model_dir(model, cfg)
     except PagedKVError as exc:
+        sock.close()
         return fail("serve", exc)
     name = args.served_model_name or Path(model).resolve().name
     sys.stderr.write(startup_line(engine, model) + f" | served as {name!r}\n")
@@ -97,6 +103,5 @@ def _serve(args: argparse.Namespace, model: str, cfg: EngineConfig, sock: socket
     app = build_app(
         AsyncEngine(engine, max_pending=args.max_pending, model_name=name), api_key=api_key
     )
-    config = uvicorn.Config(app, log_level=args.log_level, log_config=None)
-    uvicorn.Server(config).run(sockets=[sock])
+    serve_on(app, sock, log_level=args.log_level)
     return 0
