@@ -204,3 +204,18 @@ def _parse_rope(raw: Mapping[str, Any]) -> RopeConfig:
         if isinstance(exc, ModelLoadError):
             raise
         raise ModelLoadError(f"bad rope parameters {dict(scaling)!r}: {exc}") from exc
+
+
+def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """End-of-sequence ids from ``generation_config.json`` (chat models list several there,
+    e.g. Llama 3 Instruct's end-of-turn token); empty when the file is absent or unreadable."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return ()
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    if eos is None:
+        return ()
+    items = eos if isinstance(eos, list) else [eos]
+    return tuple(int(e) for e in items if isinstance(e, int))
