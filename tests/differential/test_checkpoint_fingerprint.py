@@ -123,7 +123,12 @@ def test_large_file_hash_is_cached_and_a_rewrite_is_noticed(
     assert len(entries) == len(fingerprint.checkpoint_files(model))
     calls: list[Path] = []
     real = fingerprint._hash_bytes
-    monkeypatch.setattr(fingerprint, "_hash_bytes", lambda f: calls.append(f) or real(f))
+
+    def counting(file: Path) -> str:
+        calls.append(file)
+        return real(file)
+
+    monkeypatch.setattr(fingerprint, "_hash_bytes", counting)
     assert checkpoint_fingerprint(model) == first
     assert calls == []  # every content hash came from the cache
     write_tiny_model(tmp_path / "m", seed=1)  # rewritten in place: same sizes

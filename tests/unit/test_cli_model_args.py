@@ -15,6 +15,7 @@ import torch
 
 from pagedkv.cli import main as pagedkv_main
 from pagedkv.engine.cli import generate_main
+from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.model_args import add_model_arguments, engine_config, model_path
 from pagedkv.engine.startup import startup_line
@@ -35,7 +36,7 @@ def keep_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _parse(argv: list[str]) -> tuple[str, object]:
+def _parse(argv: list[str]) -> tuple[str, EngineConfig]:
     parser = serve_cli.build_parser()
     args = parser.parse_args(argv)
     return model_path(parser, args), engine_config(parser, args)
@@ -62,22 +63,22 @@ def test_vllm_names_build_the_same_config_as_pagedkvs(model: Path) -> None:
     ]
     path, cfg = _parse(vllm_style)
     assert path == str(model)
-    assert cfg.enable_prefix_caching is False  # type: ignore[attr-defined]
-    assert cfg.kv_cache_bytes == 1 << 20  # type: ignore[attr-defined]
-    assert (cfg.tokenizer, cfg.chat_template, cfg.seed) == (str(model), "{{ 1 }}", 5)  # type: ignore[attr-defined]
-    assert (cfg.max_model_len, cfg.num_speculative_tokens) == (1000, 2)  # type: ignore[attr-defined]
+    assert cfg.enable_prefix_caching is False
+    assert cfg.kv_cache_bytes == 1 << 20
+    assert (cfg.tokenizer, cfg.chat_template, cfg.seed) == (str(model), "{{ 1 }}", 5)
+    assert (cfg.max_model_len, cfg.num_speculative_tokens) == (1000, 2)
     legacy = ["--model", str(model), "--no-prefix-caching", "--speculative-tokens", "2"]
     _, old = _parse(legacy)
-    assert old.enable_prefix_caching is False  # type: ignore[attr-defined]
-    assert old.num_speculative_tokens == 2  # type: ignore[attr-defined]
+    assert old.enable_prefix_caching is False
+    assert old.num_speculative_tokens == 2
     _, default = _parse([str(model)])
-    assert default.enable_prefix_caching is True  # type: ignore[attr-defined]
-    assert default.dtype == "auto"  # type: ignore[attr-defined]
+    assert default.enable_prefix_caching is True
+    assert default.dtype == "auto"
 
 
 def test_pool_in_bytes_derives_blocks_and_context_is_the_models_own(model: Path) -> None:
     _, cfg = _parse([str(model), "--kv-cache-memory-bytes", "1M", "--block-size", "16"])
-    engine = LLMEngine.from_model_dir(str(model), cfg)  # type: ignore[arg-type]
+    engine = LLMEngine.from_model_dir(str(model), cfg)
     # 2 (K and V) x 2 layers x 2 KV heads x head_dim 16 x 16 tokens x 4 bytes = 8 KiB per block
     assert engine.scheduler.manager.pool.num_blocks == (1 << 20) // (2 * 2 * 2 * 16 * 16 * 4)
     assert engine.max_model_len == 8192  # max_position_embeddings, not capped at 4096
@@ -93,7 +94,7 @@ def test_pool_in_bytes_derives_blocks_and_context_is_the_models_own(model: Path)
         assert part in line
     _, too_long = _parse([str(model), "--max-model-len", "9000"])
     with pytest.raises(InvalidRequestError, match="exceeds the model's max_position_embeddings"):
-        LLMEngine.from_model_dir(str(model), too_long)  # type: ignore[arg-type]
+        LLMEngine.from_model_dir(str(model), too_long)
 
 
 @pytest.mark.parametrize("command", [generate_main, serve_cli.main])
@@ -197,3 +198,18 @@ def test_version_and_parser_help_mention_vllm_names() -> None:
     text = parser.format_help()
     for flag in ("--enable-prefix-caching", "--kv-cache-memory-bytes", "--chat-template"):
         assert flag in text
+
+
+def test_tokenizer_from_another_folder(model: Path, tmp_path: Path) -> None:
+    bare = write_tiny_model(tmp_path / "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    _, cfg = _parse([str(bare)])
+    assert LLMEngine.from_model_dir(str(bare), cfg).tokenizer is None
+    _, cfg = _parse([str(bare), "--tokenizer", str(model)])
+    engine = LLMEngine.from_model_dir(str(bare), cfg)
+    assert engine.tokenizer is not None
+    assert engine.tokenizer.encode("hello") == LLMEngine.from_model_dir(
+        str(model),
+        cfg,
+    ).tokenizer.encode("hello")  # type: ignore[union-attr]
