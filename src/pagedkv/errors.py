@@ -18,6 +18,7 @@ Hierarchy::
     ├── TierUnavailableError(ConnectionError) a storage tier cannot be reached
     ├── ModelLoadError(ValueError)           missing files or unsupported architecture
     ├── OverloadedError(RuntimeError)        a queue is full (the server answers 429)
+    ├── ModelExecutionError(RuntimeError)    the model step or sampling failed for one request
     └── InvariantViolation(RuntimeError)     an internal invariant broke: a bug, never user error
 """
 
@@ -73,6 +74,11 @@ class ModelLoadError(PagedKVError, ValueError):
 
 class OverloadedError(PagedKVError, RuntimeError):
     """A bounded queue is full; the caller should retry later."""
+
+
+class ModelExecutionError(PagedKVError, RuntimeError):
+    """The model step or sampling failed for one request (non-finite logits, a kernel error);
+    that request finishes with ``finish_reason="error"``, the others go on."""
 
 
 class InvariantViolation(PagedKVError, RuntimeError):  # noqa: N818  (the name STYLE.md gives)

@@ -14,9 +14,15 @@ import torch
 from pagedkv.errors import InvalidRequestError
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""A temperature below this samples greedily, as vLLM does: dividing float32 logits by a
+temperature near 1e-38 overflows them to inf (and the softmax to NaN)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens for one request. ``temperature == 0`` means greedy."""
+    """How to pick tokens for one request. ``temperature`` below 1e-5 (0 included) means
+    greedy; any ``top_p`` in (0, 1] keeps at least the most likely token."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -49,7 +55,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -73,7 +79,8 @@ def sample(
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-        drop = before >= params.top_p  # keeps the smallest set reaching top_p (>= 1 token)
+        drop = before >= params.top_p  # keeps the smallest set reaching top_p
+        drop[:, 0] = False  # and the best token always (a top_p below float32's range is 0.0)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
     probs = torch.softmax(x, dim=-1)
