@@ -8,7 +8,8 @@ Hierarchy::
 
     PagedKVError
     ├── InvalidRequestError(ValueError)      bad sizes, bad tokens, bad sampling values
-    │   └── PromptTooLongError               a prompt that can never fit
+    │   ├── PromptTooLongError               a prompt that can never fit
+    │   └── UnsupportedParameterError        a request parameter the server does not implement
     ├── UnknownRequestError(KeyError)        a request id the component does not hold
     ├── RequestStateError(RuntimeError)      a valid id in the wrong state (double free, ...)
     ├── RollbackError(ValueError)            a rollback that would cut committed tokens
@@ -35,6 +36,14 @@ class InvalidRequestError(PagedKVError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """A prompt that can never fit in the model's context or in the whole block pool."""
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    """A request parameter set to a value the server does not implement; ``param`` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownRequestError(PagedKVError, KeyError):

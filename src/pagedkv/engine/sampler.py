@@ -13,7 +13,6 @@ import torch
 
 from pagedkv.errors import InvalidRequestError
 
-
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """A temperature below this samples greedily, as vLLM does: dividing float32 logits by a
 temperature near 1e-38 overflows them to inf (and the softmax to NaN)."""
@@ -45,8 +44,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.n, int) or not 1 <= self.n <= 128:
             raise InvalidRequestError(f"n must be an int in [1, 128], got {self.n!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequestError(f"seed must be an int >= 0, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+        ):  # int64, as vLLM; sample i draws from seed + i, which torch takes below 2**64
+            raise InvalidRequestError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stops):
