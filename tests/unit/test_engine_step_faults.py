@@ -10,7 +10,6 @@ raise, give it NaN logits, or make a tier load raise):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,9 +128,7 @@ def test_non_finite_logits_raise_a_typed_error(bad: torch.Tensor) -> None:
 
 
 @pytest.fixture
-def poisoned(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[LLMEngine, list[int]]]:
+def poisoned(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[LLMEngine, list[int]]:
     """An engine whose model run raises whenever the batch holds the first position of a prompt
     starting with POISON (a fake for fault injection); yields it and each run's batch size."""
     engine = _engine(model_dir)
@@ -146,7 +143,7 @@ def poisoned(
         return real(batch)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
-    yield engine, sizes
+    return engine, sizes
 
 
 def test_a_step_raising_for_one_request_fails_it_alone(
