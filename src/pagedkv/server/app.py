@@ -31,7 +31,7 @@ from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import OverloadedError, PagedKVError
 from pagedkv.server.async_engine import AsyncEngine
-from pagedkv.server.middleware import BodySizeLimit, StatusCounter
+from pagedkv.server.middleware import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, StatusCounter
 from pagedkv.server.prompts import chat_messages, chat_prompt_ids, text_prompt_ids
 from pagedkv.server.responses import completion_body, error_response, sse_completion
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -40,7 +40,6 @@ from pagedkv.server.utility_routes import ModelNotFoundError, add_utility_routes
 logger = logging.getLogger(__name__)
 
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # far above any prompt max_model_len tokens can hold
 _ROUTES = ("/health", "/metrics", "/version", "/tokenize", "/detokenize", "/v1/models",
            "/v1/completions", "/v1/chat/completions")  # fmt: skip
 _T = TypeVar("_T")

@@ -9,6 +9,7 @@ from pathlib import Path
 from pagedkv.config import env_str
 from pagedkv.engine.native import add_decode_kernel_argument
 from pagedkv.errors import PagedKVError
+from pagedkv.server.limits_cli import add_server_limit_arguments, check_server_limits
 from pagedkv.tiers.config import add_tier_arguments, tier_config_from_args
 
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
+    add_server_limit_arguments(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-speculative-tokens", type=int, default=0)
     add_decode_kernel_argument(p)
@@ -57,6 +59,7 @@ def main(argv: list[str]) -> int:
     from pagedkv.server.async_engine import AsyncEngine
 
     logging.basicConfig(level=args.log_level.upper())
+    check_server_limits(args)
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"pagedkv serve: --threads must be >= 1, got {args.threads}")
@@ -83,8 +86,18 @@ def main(argv: list[str]) -> int:
     engine = LLMEngine.from_model_dir(args.model, cfg)
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or env_str("PAGEDKV_API_KEY")
-    app = build_app(
-        AsyncEngine(engine, max_pending=args.max_pending, model_name=name), api_key=api_key
+    async_engine = AsyncEngine(
+        engine,
+        max_pending=args.max_pending,
+        model_name=name,
+        stall_timeout_s=args.health_stall_timeout,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    app = build_app(async_engine, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,  # then open streams are cancelled
+    )
     return 0

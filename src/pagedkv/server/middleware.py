@@ -21,6 +21,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+"""8 MiB: far above what a prompt of any supported ``max_model_len`` needs as text or ids."""
+
 
 def _too_large_message(max_bytes: int) -> str:
     return f"request body is larger than {max_bytes} bytes (--max-request-bytes)"
