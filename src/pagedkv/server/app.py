@@ -106,7 +106,8 @@ def build_app(
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         headers = dict(exc.headers) if exc.headers else None
-        return error_response(exc.status_code, str(exc.detail), err_type, headers=headers)
+        code = "request_too_large" if exc.status_code == 413 else None  # BodySizeLimit
+        return error_response(exc.status_code, str(exc.detail), err_type, code, headers=headers)
 
     @app.exception_handler(OverloadedError)
     async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
