@@ -4,9 +4,11 @@ A step::
 
     propose drafts (prompt lookup) for decoding requests      -> Request.draft_token_ids
     SchedulerOutput = scheduler.schedule()
-    load tier blocks (block_loads) into their device blocks    (with an offload coordinator)
+    load tier blocks (block_loads) into their device blocks    (a failed load: recompute)
     logits = runner.execute(output)                            paged KV written, attention run
     sample each sampling request; verify drafts                accepted tokens (+ bonus)
+      (a run that raises is bisected, and sampling is checked per request, so one request
+       fails only itself: ``pagedkv.engine.step_faults``)
     scheduler.update(output, accepted, failed_loads)           commit / roll back / finish
     offload the full blocks this step computed                 (with an offload coordinator)
     detokenize, stop strings (scheduler.finish), fork n > 1 samples

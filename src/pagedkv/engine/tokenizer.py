@@ -55,6 +55,7 @@ class Tokenizer:
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._plain: HFTokenizer | None = None  # specials as text; built on first use
         self._max_token_chars: int | None = None
+        self._special_tokens: tuple[str, ...] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -87,8 +88,11 @@ class Tokenizer:
     @property
     def special_tokens(self) -> tuple[str, ...]:
         """The text of every special (control) token, longest first."""
-        added = self._tok.get_added_tokens_decoder().values()
-        return tuple(sorted({t.content for t in added if t.special}, key=len, reverse=True))
+        if self._special_tokens is None:
+            added = self._tok.get_added_tokens_decoder().values()
+            texts = {t.content for t in added if t.special}
+            self._special_tokens = tuple(sorted(texts, key=len, reverse=True))
+        return self._special_tokens
 
     @property
     def max_token_chars(self) -> int:

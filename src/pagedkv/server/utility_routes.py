@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv import __version__
-from pagedkv.errors import InvalidRequestError, PagedKVError
+from pagedkv.errors import InvalidRequestError, PagedKVError, UnsupportedParameterError
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.prompts import (
     chat_messages,
@@ -82,6 +82,12 @@ def add_utility_routes(app: FastAPI, engine: AsyncEngine, created: int) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("send exactly one of 'prompt' and 'messages'")
         if body.messages is not None:
+            if body.add_special_tokens:  # the template writes the specials of a chat
+                raise UnsupportedParameterError(
+                    "add_special_tokens=true is not supported with messages (the chat "
+                    "template writes the special tokens)",
+                    "add_special_tokens",
+                )
             chat = ChatCompletionRequest(model=served, messages=body.messages)
             messages = chat_messages(chat)
             ids = await asyncio.to_thread(
