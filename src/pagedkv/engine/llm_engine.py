@@ -41,10 +41,10 @@ from pagedkv.engine.model_config import generation_eos_ids
 from pagedkv.engine.models.llama import LlamaModel
 from pagedkv.engine.outputs import CompletionOutput, GenerationOutput
 from pagedkv.engine.runner import ModelRunner
-from pagedkv.engine.sampler import SamplingParams, make_generator
+from pagedkv.engine.sampler import SamplingParams, make_generator, sample
 from pagedkv.engine.samples import RequestGroup, SampleState
 from pagedkv.engine.spec_decode import DraftProposer, NgramProposer, accept_drafts
-from pagedkv.engine.step_faults import execute_isolating, sample_checked
+from pagedkv.engine.step_faults import execute_isolating, nonfinite_requests
 from pagedkv.engine.tier_io import TierIO
 from pagedkv.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedkv.errors import (
@@ -256,17 +256,17 @@ class LLMEngine:
         if self.tier_io is not None and not ran.failed:  # the recompute cost a load must beat
             self.tier_io.observe_step(out.scheduled, time.perf_counter() - t0)
         logits = ran.logits
-        failed = ran.failed  # seq id -> error: only these fail (see step_faults)
+        failed = ran.failed | nonfinite_requests(logits)  # only these fail (see step_faults)
         sampled: dict[str, list[int]] = {}
         for sr in out.scheduled:
-            if not sr.samples or sr.request_id not in logits:
+            if not sr.samples or sr.request_id not in logits or sr.request_id in failed:
                 continue
             group, smp = self._samples[sr.request_id]
             if smp.force_token is not None:
                 sampled[sr.request_id] = [smp.force_token]
                 continue
             try:  # one request's logits or parameters fail that request only
-                toks = sample_checked(logits[sr.request_id], group.params, smp.generator)
+                toks = sample(logits[sr.request_id], group.params, smp.generator)
             except Exception as exc:
                 logger.warning("sampling failed for %s: %s", sr.request_id, exc)
                 failed[sr.request_id] = exc

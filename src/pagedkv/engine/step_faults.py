@@ -6,9 +6,9 @@ Three places in a step can fail because of one request, and each is contained he
   halves and each half is run again, recursively, until the requests that raise on their own
   are found (:func:`execute_isolating`). Those fail; every other request gets the logits of the
   half it ran in. One guilty request among ``N`` costs about ``2 log2 N`` extra runs, once.
-* **sampling** (:func:`sample_checked`): per request, inside the step's error handling, after a
-  check that the logits hold no NaN and no ``+inf`` (a row of only ``-inf`` is caught by the
-  sampler itself, which then raises for that request).
+* **sampling**: per request, inside the step's error handling, after one check of the whole
+  step's logits for NaN, ``+inf`` and rows that are ``-inf`` everywhere
+  (:func:`nonfinite_requests`).
 * **tier loads** are contained by ``TierIO.load`` and the engine (a load that raises fails the
   loads of that step, and their requests recompute).
 
@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.engine.sampler import SamplingParams, sample
 from pagedkv.errors import ModelExecutionError
 from pagedkv.sched.output import ScheduledRequest
 
@@ -92,14 +91,23 @@ def execute_isolating(
     return StepResult(logits, failed)
 
 
-def sample_checked(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> list[int]:
-    """``sample(...)`` after checking the logits: NaN or ``+inf`` anywhere, or a row that is
-    ``-inf`` everywhere (nothing can be drawn), raises :class:`ModelExecutionError` (one
-    reduction and one host sync per request). ``-inf`` elsewhere is a legal mask value."""
-    row_max = logits.amax(dim=-1)  # NaN propagates through amax; +inf and all -inf show too
-    if not bool(torch.isfinite(row_max).all()):
-        bad = [float(v) for v in row_max.tolist() if not math.isfinite(v)]
-        raise ModelExecutionError(f"the model produced non-finite logits (row max {bad[0]})")
-    return sample(logits, params, generator)
+def nonfinite_requests(logits: Mapping[str, torch.Tensor]) -> dict[str, Exception]:
+    """The requests whose logits hold a NaN or ``+inf``, or a row that is ``-inf`` everywhere
+    (nothing can be drawn), each with a :class:`ModelExecutionError`. ``-inf`` elsewhere is a
+    legal mask value. One reduction per request and one host sync for the whole step."""
+    if not logits:
+        return {}
+    ids = list(logits)
+    row_max = [logits[rid].amax(dim=-1) for rid in ids]  # NaN propagates through amax
+    finite = torch.isfinite(torch.cat(row_max)).tolist()
+    bad: dict[str, Exception] = {}
+    start = 0
+    for rid, rows in zip(ids, row_max, strict=True):
+        n = int(rows.shape[0])
+        if not all(finite[start : start + n]):
+            worst = next(float(v) for v in rows.tolist() if not math.isfinite(v))
+            bad[rid] = ModelExecutionError(
+                f"the model produced non-finite logits (row max {worst})"
+            )
+        start += n
+    return bad
