@@ -6,13 +6,16 @@ that every innocent stream finishes with the text it gets alone and the server k
   and sampled (greedily: the limit of both);
 - NaN logits for the guilty request (fault injection in the model runner);
 - a model step that raises whenever the guilty request is in the batch (fault injection): the
-  engine bisects the batch, so only the guilty request fails.
+  engine bisects the batch, so only the guilty request fails;
+- a tier load that raises (fault injection): the loading requests recompute their prefix and
+  give the text they gave before.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -21,12 +24,14 @@ import torch
 
 from e2e.server_fixtures import MODEL_NAME, ServerHandle, running_server, write_endless_model
 from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.tiers import TierConfig
 
 pytestmark = pytest.mark.engine
 
 NUM_INNOCENT = 16
 MAX_TOKENS = 8
 GUILTY_PROMPT = "zzzz the guilty request"
+SHARED = "a shared system prompt that spans several kv blocks, for the tier to hold:"
 PROMPTS = [f"innocent request number {i}: tell me" for i in range(NUM_INNOCENT)]
 
 
@@ -165,3 +170,42 @@ def test_a_step_raising_for_one_request_fails_only_it(
         monkeypatch.setattr(runner, "execute", real)
         after = _stream(oc, GUILTY_PROMPT, temperature=0)
         assert after[1] == "length"  # the server goes on; the request itself was never bad
+
+
+def test_a_tier_load_that_raises_recomputes_with_the_same_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = write_endless_model(tmp_path / "m")
+    cfg = EngineConfig(check_invariants=True, block_size=4, tiers=TierConfig(host_bytes=16 << 20))
+    prompts = [f"{SHARED} question {i}" for i in range(6)]
+    with running_server(model, config=cfg) as srv:
+        tio = srv.engine.engine.tier_io
+        assert tio is not None
+        tio.measure_recompute = False  # always load what the tier holds
+        with openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0, timeout=60) as oc:
+            first = {p: _stream(oc, p, temperature=0) for p in prompts}
+            assert tio.offload.flush(10.0)
+            with srv.engine._lock:
+                srv.engine.engine.scheduler.manager.reset_prefix_cache()
+
+            def broken(*_: Any) -> Any:
+                raise ConnectionError("simulated tier failure mid-load")
+
+            monkeypatch.setattr(tio.offload, "load", broken)
+            results: dict[str, tuple[str, str | None]] = {}
+            threads = [
+                threading.Thread(
+                    target=lambda p=p: results.__setitem__(p, _stream(oc, p, temperature=0))
+                )
+                for p in prompts
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        assert results == first
+        assert all(reason == "length" for _, reason in first.values())
+        assert tio.num_failed_loads > 0
+        assert srv.engine.engine.scheduler.num_loaded_blocks == 0
+        srv.wait_idle()
+        srv.check_invariants()
