@@ -209,3 +209,46 @@ def test_a_tier_load_that_raises_recomputes_with_the_same_tokens(
             assert _tokens(second, f"again-{rid}") == alone[rid]
     finally:
         engine.close()
+
+
+def test_a_bisected_step_redoes_copy_on_write_copies_safely(
+    poisoned: tuple[LLMEngine, list[int]], model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n=2 samples fork after their prefill and copy their shared partial block on the first
+    write; the guilty request arrives in that very step, so the copies run again in each rerun
+    of the bisection. The samples still draw what they draw without the guilty request."""
+    seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=7, n=2)
+    prompts = {rid: PROMPTS[rid] for rid in ("r0", "r1", "r2")}  # 7 tokens: a partial block
+
+    def run(engine: LLMEngine, guilty: bool) -> dict[str, Any]:
+        for rid, p in prompts.items():
+            engine.add_request(rid, p, seeded)
+        done: dict[str, Any] = {}
+        first = True
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if first and guilty:
+                engine.add_request("guilty", [POISON, 1, 2, 3, 4, 5], GREEDY)
+            first = False
+            engine.check_invariants()
+        return done
+
+    base = run(_engine(model_dir), guilty=False)
+    engine, sizes = poisoned
+    copies: list[int] = []
+    real = engine.runner.execute
+
+    def recording(batch: Any) -> dict[str, torch.Tensor]:
+        copies.append(len(batch.block_copies))
+        return real(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", recording)
+    done = run(engine, guilty=True)
+    assert done["guilty"].outputs[0].finish_reason == "error"
+    for rid in prompts:
+        got = [c.token_ids for c in done[rid].outputs]
+        assert got == [c.token_ids for c in base[rid].outputs]
+    assert any(n > 1 for n in sizes[1:3])  # the second step was bisected ...
+    assert max(copies) > 0  # ... and it carried copy-on-write copies into every rerun

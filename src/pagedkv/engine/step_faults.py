@@ -18,9 +18,14 @@ block is copied on the first write, and committed blocks are immutable). Every r
 of committed positions or of positions the same request writes earlier in the same forward pass.
 So a rerun writes the same values into the same slots and reads the same committed data: a
 rerun of a request gives the logits it would have had, whatever ran (or half ran) before.
-Redoing the copy-on-write copies is also safe: they copy committed positions (unchanged) and
-positions the destination's owner overwrites before it reads them. The slots a failed request
-half-wrote are uncommitted and are freed without a hash, so they are never served.
+
+The copy-on-write copies (src, dst) need care: a copy redone *after* the destination's owner
+ran would overwrite what that run wrote into dst (positions committed at the end of the step).
+So a rerun applies only the copies whose destination belongs to a request in the rerun (and the
+copies whose destination no scheduled request holds): each copy then runs just before its
+owner's forward pass, which overwrites every position it will commit; the rest of dst holds
+committed positions, which no one changes, and positions never read. The slots a failed
+request half-wrote are uncommitted and are freed without a hash, so they are never served.
 """
 
 from __future__ import annotations
@@ -68,10 +73,16 @@ def execute_isolating(
     """
     failed: dict[str, Exception] = {}
     copies = list(block_copies)
+    dst_owner = _destination_owners(scheduled, copies)
 
     def run(part: list[ScheduledRequest], first: bool) -> dict[str, torch.Tensor]:
+        if first:
+            mine = copies
+        else:  # only the copies this part owns (see the module docstring)
+            ids = {s.request_id for s in part}
+            mine = [c for c in copies if dst_owner.get(c[1]) in ids or c[1] not in dst_owner]
         try:
-            return execute(_SubBatch(part, copies))
+            return execute(_SubBatch(part, mine))
         except Exception as exc:
             if len(part) <= 1:
                 for s in part:
@@ -89,6 +100,21 @@ def execute_isolating(
         return StepResult(execute(_SubBatch([], copies)), {})
     logits = run(list(scheduled), True)
     return StepResult(logits, failed)
+
+
+def _destination_owners(
+    scheduled: Sequence[ScheduledRequest], copies: Sequence[tuple[int, int]]
+) -> dict[int, str]:
+    """``dst block -> request id`` for each copy whose destination a scheduled request holds."""
+    if not copies:
+        return {}
+    dsts = {dst for _, dst in copies}
+    owner: dict[int, str] = {}
+    for s in scheduled:
+        for b in s.block_table.tolist():
+            if b in dsts:
+                owner[int(b)] = s.request_id
+    return owner
 
 
 def nonfinite_requests(logits: Mapping[str, torch.Tensor]) -> dict[str, Exception]:
