@@ -17,7 +17,9 @@ at positions not yet committed, in blocks that only the request itself writes (a
 block is copied on the first write, and committed blocks are immutable). Every read of a step is
 of committed positions or of positions the same request writes earlier in the same forward pass.
 So a rerun writes the same values into the same slots and reads the same committed data: a
-rerun of a request gives the logits it would have had, whatever ran (or half ran) before.
+rerun of a request gives the logits it would have had, whatever ran (or half ran) before. (This
+assumes no request reads KV that another request writes in the same step; a scheduler that
+shared blocks still being computed would have to rerun their writers first.)
 
 The copy-on-write copies (src, dst) need care: a copy redone *after* the destination's owner
 ran would overwrite what that run wrote into dst (positions committed at the end of the step).
