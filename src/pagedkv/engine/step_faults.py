@@ -75,12 +75,15 @@ def execute_isolating(
     """
     failed: dict[str, Exception] = {}
     copies = list(block_copies)
-    dst_owner = _destination_owners(scheduled, copies)
+    owners: list[dict[int, str]] = []  # dst block -> request, built on the first rerun only
 
     def run(part: list[ScheduledRequest], first: bool) -> dict[str, torch.Tensor]:
         if first:
             mine = copies
         else:  # only the copies this part owns (see the module docstring)
+            if not owners:
+                owners.append(_destination_owners(scheduled, copies))
+            dst_owner = owners[0]
             ids = {s.request_id for s in part}
             mine = [c for c in copies if dst_owner.get(c[1]) in ids or c[1] not in dst_owner]
         try:
