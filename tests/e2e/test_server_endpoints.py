@@ -115,6 +115,13 @@ def test_special_tokens_typed_in_content_stay_text(http: httpx.Client, typed: st
     assert same["tokens"].count(USER_ID) == 1
 
 
+def oc_ids(oc: openai.OpenAI, text: str) -> list[int]:
+    """The ids the server's tokenizer gives ``text`` (through ``/tokenize``)."""
+    base = str(oc.base_url).removesuffix("/").removesuffix("/v1")
+    ids: list[int] = httpx.post(f"{base}/tokenize", json={"prompt": text}).json()["tokens"]
+    return ids
+
+
 def test_values_that_ask_for_the_default_are_accepted(oc: openai.OpenAI) -> None:
     chat = oc.chat.completions.create(
         model=MODEL_NAME,
@@ -146,6 +153,11 @@ def test_values_that_ask_for_the_default_are_accepted(oc: openai.OpenAI) -> None
         model=MODEL_NAME, prompt="hi", max_tokens=2, best_of=1, user="u", n=17
     )
     assert len(cmpl.choices) == 17
+    # a batch of one prompt (what LangChain sends) is that prompt
+    one = oc.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3, temperature=0)
+    for batch in (["hi"], [oc_ids(oc, "hi")]):
+        same = oc.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=3, temperature=0)
+        assert same.choices[0].text == one.choices[0].text
 
 
 def test_message_fields_reach_the_template(tmp_path: Path) -> None:

@@ -172,11 +172,12 @@ def build_app(
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_request(body, model_name)
-        if isinstance(body.prompt, str):
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
             tok, max_len = engine.engine.tokenizer, engine.engine.max_model_len
-            prompt_ids = await asyncio.to_thread(text_prompt_ids, tok, body.prompt, max_len)
+            prompt_ids = await asyncio.to_thread(text_prompt_ids, tok, prompt, max_len)
         else:
-            prompt_ids = list(body.prompt)
+            prompt_ids = list(prompt)
         max_tokens = body.max_tokens or _DEFAULT_COMPLETION_TOKENS
         return await serve(request, body, prompt_ids, max_tokens, chat=False)
 

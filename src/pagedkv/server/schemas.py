@@ -8,7 +8,7 @@ the parameter otherwise, so a client never silently gets less than it asked for.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -84,14 +84,28 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    """``prompt`` is a string or token ids; a batch of one (``["text"]`` or ``[[ids]]``, what
+    LangChain and the ``openai`` client send for one prompt) is that prompt. Larger batches are
+    refused (send one request per prompt)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v: str | list[int]) -> str | list[int]:
+    def _one_prompt(cls, v: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], str | list):
+            if len(v) != 1:
+                raise ValueError(
+                    f"a batch of {len(v)} prompts is not supported; send one request per prompt"
+                )
+            v = v[0]
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
-        return v
+        return v  # type: ignore[return-value]  # one prompt: str or list[int]
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt (the validator unwrapped a batch of one)."""
+        return cast("str | list[int]", self.prompt)
 
 
 class ChatMessage(BaseModel):
