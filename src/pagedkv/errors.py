@@ -8,7 +8,8 @@ Hierarchy::
 
     PagedKVError
     ├── InvalidRequestError(ValueError)      bad sizes, bad tokens, bad sampling values
-    │   └── PromptTooLongError               a prompt that can never fit
+    │   ├── PromptTooLongError               a prompt that can never fit
+    │   └── UnsupportedParameterError        a request parameter the server does not implement
     ├── UnknownRequestError(KeyError)        a request id the component does not hold
     ├── RequestStateError(RuntimeError)      a valid id in the wrong state (double free, ...)
     ├── RollbackError(ValueError)            a rollback that would cut committed tokens
@@ -18,6 +19,7 @@ Hierarchy::
     ├── TierUnavailableError(ConnectionError) a storage tier cannot be reached
     ├── ModelLoadError(ValueError)           missing files or unsupported architecture
     ├── OverloadedError(RuntimeError)        a queue is full (the server answers 429)
+    ├── ModelExecutionError(RuntimeError)    the model step or sampling failed for one request
     └── InvariantViolation(RuntimeError)     an internal invariant broke: a bug, never user error
 """
 
@@ -34,6 +36,14 @@ class InvalidRequestError(PagedKVError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """A prompt that can never fit in the model's context or in the whole block pool."""
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    """A request parameter set to a value the server does not implement; ``param`` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownRequestError(PagedKVError, KeyError):
@@ -73,6 +83,11 @@ class ModelLoadError(PagedKVError, ValueError):
 
 class OverloadedError(PagedKVError, RuntimeError):
     """A bounded queue is full; the caller should retry later."""
+
+
+class ModelExecutionError(PagedKVError, RuntimeError):
+    """The model step or sampling failed for one request (non-finite logits, a kernel error);
+    that request finishes with ``finish_reason="error"``, the others go on."""
 
 
 class InvariantViolation(PagedKVError, RuntimeError):  # noqa: N818  (the name STYLE.md gives)

@@ -33,6 +33,7 @@ from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.tiny import write_tiny_model
 from pagedkv.server.app import build_app
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.middleware import DEFAULT_MAX_REQUEST_BYTES
 
 MODEL_NAME = "tiny"
 START_TIMEOUT_S = 20.0
@@ -113,6 +114,8 @@ def running_server(
     max_pending: int = 256,
     model_name: str = MODEL_NAME,
     min_step_s: float = 0.0,
+    stall_timeout_s: float = 60.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> Iterator[ServerHandle]:
     """Serve ``model_dir`` on 127.0.0.1 until the ``with`` block ends. ``min_step_s`` (fault
     injection: a slower model) makes every engine step last at least that long, so a long
@@ -128,8 +131,10 @@ def running_server(
             return out
 
         engine.step = slow_step  # type: ignore[method-assign]
-    async_engine = AsyncEngine(engine, max_pending=max_pending, model_name=model_name)
-    app = build_app(async_engine, api_key=api_key)
+    async_engine = AsyncEngine(
+        engine, max_pending=max_pending, model_name=model_name, stall_timeout_s=stall_timeout_s
+    )
+    app = build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes)
     port = free_port()
     uv_config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_keep_alive=5

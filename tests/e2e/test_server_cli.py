@@ -12,6 +12,7 @@ import pytest
 
 from e2e.server_fixtures import spawned_server, write_endless_model
 from pagedkv.server.cli import build_parser
+from pagedkv.server.limits_cli import check_server_limits
 
 pytestmark = pytest.mark.engine
 
@@ -22,6 +23,24 @@ def test_parser_binds_loopback_by_default() -> None:
     args = build_parser().parse_args(["--model", "some/dir"])
     assert args.host == "127.0.0.1"
     assert args.api_key is None  # the environment variable is read by main(), not here
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--max-request-bytes", "0"), ("--health-stall-timeout", "0"), ("--shutdown-timeout", "-1")],
+)
+def test_bad_server_limits_exit_naming_the_flag(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = build_parser()
+    args = parser.parse_args(["--model", "some/dir", flag, value])
+    with pytest.raises(SystemExit) as exc:
+        check_server_limits(parser, args)
+    assert exc.value.code == 2  # a usage error, as every command exits
+    assert flag in capsys.readouterr().err
+    defaults = parser.parse_args(["--model", "some/dir"])
+    check_server_limits(parser, defaults)  # the defaults are valid
+    assert defaults.max_request_bytes == 8 << 20
 
 
 def _listening_addresses(port: int) -> set[str]:

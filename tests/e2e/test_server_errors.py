@@ -6,6 +6,7 @@ unknown route.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +53,7 @@ def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
 
 CMPL = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+JSON = {"Content-Type": "application/json"}
 TOO_LONG_IDS = list(range(2, 2 + MAX_MODEL_LEN))
 
 
@@ -64,16 +66,24 @@ BAD_BODIES = [
     ("completions", _with(CMPL, model=...), "model"),
     ("completions", _with(CMPL, prompt=...), "prompt"),
     ("completions", _with(CMPL, prompt=[]), "prompt"),
+    ("completions", _with(CMPL, prompt=[[]]), "prompt"),
+    ("completions", _with(CMPL, prompt=["a", "b"]), "prompt"),  # a batch of 2: one per request
+    ("completions", _with(CMPL, prompt=[[1], [2]]), "prompt"),
     ("completions", _with(CMPL, prompt=[1, 10**6]), "outside"),
     ("completions", _with(CMPL, prompt=TOO_LONG_IDS), "max_model_len"),
     ("completions", _with(CMPL, prompt="the quick brown fox " * 20), "max_model_len"),
-    ("completions", _with(CMPL, model="gpt-4o"), "does not exist"),
     ("completions", _with(CMPL, temperature=-0.1), "temperature"),
     ("completions", _with(CMPL, temperature=2.5), "temperature"),
     ("completions", _with(CMPL, top_p=0), "top_p"),
     ("completions", _with(CMPL, top_p=1.5), "top_p"),
     ("completions", _with(CMPL, n=0), "n"),
-    ("completions", _with(CMPL, n=17), "n"),
+    ("completions", _with(CMPL, n=129), "n"),
+    ("completions", _with(CMPL, seed=2**64), "seed"),
+    ("completions", _with(CMPL, seed=2**63), "seed"),
+    ("completions", _with(CMPL, best_of=2), "best_of"),
+    ("completions", _with(CMPL, response_format={"type": "json_object", "x": 1}), "response_"),
+    ("completions", _with(CMPL, service_tier="flex"), "service_tier"),
+    ("completions", _with(CMPL, prompt="a \ud800 lone surrogate"), "surrogate"),
     ("completions", _with(CMPL, max_tokens=0), "max_tokens"),
     ("completions", _with(CMPL, max_tokens="ten"), "max_tokens"),
     ("completions", _with(CMPL, seed=-1), "seed"),
@@ -96,9 +106,18 @@ BAD_BODIES = [
         _with(CHAT, messages=[{"role": "user", "content": "the quick brown fox " * 20}]),
         "max_model_len",
     ),
-    ("chat/completions", _with(CHAT, model="gpt-4o"), "does not exist"),
     ("chat/completions", _with(CHAT, tools=[{"type": "function"}]), "tools"),
     ("chat/completions", _with(CHAT, top_p=-1), "top_p"),
+    (
+        "chat/completions",
+        _with(CHAT, messages=[{"role": "user", "content": "\udfff"}]),
+        "surrogate",
+    ),
+    (
+        "chat/completions",
+        _with(CHAT, messages=[{"role": "user", "content": "hi", "audio": {"id": "a"}}]),
+        "audio",
+    ),
     ("chat/completions", _with(CHAT, max_completion_tokens=0), "max_completion_tokens"),
 ]
 
@@ -110,7 +129,9 @@ def test_bad_body_gets_400(
     http: httpx.Client, route: str, body: dict[str, Any], mentions: str
 ) -> None:
     for stream in (False, True):  # streaming requests fail before the first byte, alike
-        err = _error(http.post(f"/{route}", json={**body, "stream": stream}), 400)
+        content = json.dumps({**body, "stream": stream})  # ASCII: a lone surrogate as \\udXXX
+        resp = http.post(f"/{route}", content=content, headers=JSON)
+        err = _error(resp, 400)
         assert err["type"] == "invalid_request_error"
         assert mentions in err["message"]
         assert err["param"] is None or mentions in err["param"]  # the field, when one is to blame
@@ -126,11 +147,25 @@ def test_invalid_json_gets_400(http: httpx.Client, content: bytes) -> None:
     assert _error(resp, 400)["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_unknown_model_gets_404_model_not_found(http: httpx.Client, route: str) -> None:
+    body = _with(CMPL if route == "completions" else CHAT, model="gpt-4o")
+    for stream in (False, True):
+        err = _error(http.post(f"/{route}", json={**body, "stream": stream}), 404)
+        assert (err["type"], err["code"], err["param"]) == (
+            "invalid_request_error", "model_not_found", "model",
+        )  # fmt: skip
+        assert "gpt-4o" in err["message"]
+
+
 def test_openai_client_raises_bad_request_with_the_message(srv: ServerHandle) -> None:
     with openai.OpenAI(base_url=srv.v1, api_key=KEY, max_retries=0, timeout=30) as client:
-        with pytest.raises(openai.BadRequestError, match="does not exist") as info:
+        with pytest.raises(openai.NotFoundError, match="does not exist") as info:
             client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
-        assert info.value.status_code == 400
+        assert info.value.status_code == 404
+        with pytest.raises(openai.BadRequestError, match="seed") as bad:
+            client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, seed=2**64)
+        assert bad.value.status_code == 400
         ok = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
         assert ok.usage is not None
         assert ok.usage.completion_tokens == 2

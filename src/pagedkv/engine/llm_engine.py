@@ -4,9 +4,11 @@ A step::
 
     propose drafts (prompt lookup) for decoding requests      -> Request.draft_token_ids
     SchedulerOutput = scheduler.schedule()
-    load tier blocks (block_loads) into their device blocks    (with an offload coordinator)
+    load tier blocks (block_loads) into their device blocks    (a failed load: recompute)
     logits = runner.execute(output)                            paged KV written, attention run
     sample each sampling request; verify drafts                accepted tokens (+ bonus)
+      (a run that raises is bisected, and sampling is checked per request, so one request
+       fails only itself: ``pagedkv.engine.step_faults``)
     scheduler.update(output, accepted, failed_loads)           commit / roll back / finish
     offload the full blocks this step computed                 (with an offload coordinator)
     detokenize, stop strings (scheduler.finish), fork n > 1 samples
@@ -25,7 +27,7 @@ import gc
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SamplingParams, make_generator, sample
 from pagedkv.engine.samples import RequestGroup, SampleState
 from pagedkv.engine.spec_decode import DraftProposer, NgramProposer, accept_drafts
+from pagedkv.engine.step_faults import execute_isolating, nonfinite_requests
 from pagedkv.engine.tier_io import TierIO
 from pagedkv.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedkv.errors import (
@@ -57,7 +60,14 @@ from pagedkv.errors import (
     PromptTooLongError,
     UnknownRequestError,
 )
-from pagedkv.sched import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig
+from pagedkv.sched import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from pagedkv.tiers.offload import OffloadCoordinator
 from pagedkv.tiers.payload import TierLayout
 
@@ -295,34 +305,34 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose_drafts()
         out = sched.schedule()
-        failed_loads: set[str] = set()
-        try:
-            if self.tier_io is not None and out.block_loads:
-                top = max(b for b, _ in out.block_loads)
-                self.runner.ensure_blocks(top + 1)
-                failed_loads = self.tier_io.load(sched, out, self.runner.kv_cache)
-            t0 = time.perf_counter()
-            logits = self.runner.execute(out)
-            if self.tier_io is not None:  # the recompute cost a tier load must beat
-                self.tier_io.observe_step(out.scheduled, time.perf_counter() - t0)
-        except Exception:
-            logger.exception("model step failed; finishing its %d requests", len(out.scheduled))
-            return self._fail_step([s.request_id for s in out.scheduled])
+        failed_loads = self._load_tier_blocks(out)
+        t0 = time.perf_counter()
+        ran = execute_isolating(self.runner.execute, out.scheduled, out.block_copies)
+        if self.tier_io is not None and not ran.failed:  # the recompute cost a load must beat
+            self.tier_io.observe_step(out.scheduled, time.perf_counter() - t0)
+        logits = ran.logits
+        failed = ran.failed | nonfinite_requests(logits)  # only these fail (see step_faults)
         sampled: dict[str, list[int]] = {}
         for sr in out.scheduled:
-            if not sr.samples or sr.request_id not in logits:
+            if not sr.samples or sr.request_id not in logits or sr.request_id in failed:
                 continue
             group, smp = self._samples[sr.request_id]
             if smp.force_token is not None:
                 sampled[sr.request_id] = [smp.force_token]
                 continue
-            toks = sample(logits[sr.request_id], group.params, smp.generator)
+            try:  # one request's logits or parameters fail that request only
+                toks = sample(logits[sr.request_id], group.params, smp.generator)
+            except Exception as exc:
+                logger.warning("sampling failed for %s: %s", sr.request_id, exc)
+                failed[sr.request_id] = exc
+                continue
             if sr.num_draft_tokens:
                 drafts = sr.token_ids[1:]
                 toks = accept_drafts(drafts, toks)
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_draft_tokens += len(toks) - 1
             sampled[sr.request_id] = toks
+        changed = self._fail_samples(failed)  # finished before update, which then skips them
         to_store: list[tuple[int, bytes]] = []
         if self.tier_io is not None:
             accepted = {
@@ -335,7 +345,6 @@ class LLMEngine:
         if self.tier_io is not None and to_store:
             self.tier_io.store(self.runner.kv_cache, to_store)
         now = time.perf_counter()
-        changed: dict[str, RequestGroup] = {}
         for rid in out.finished_ids:  # finished inside schedule(): it outgrew the pool alone
             entry = self._samples.get(rid)
             # finished_ids also lists requests finished by the last update (already reported);
@@ -487,9 +496,26 @@ class LLMEngine:
             now - group.arrival_s,
         )
 
-    def _fail_step(self, seq_ids: list[str]) -> list[GenerationOutput]:
+    def _load_tier_blocks(self, out: SchedulerOutput) -> set[str]:
+        """Fill this step's tier loads; return the loading requests whose load failed. A load
+        that raises fails every load of the step: those requests recompute their prefix
+        (``update`` rolls back their loaded-but-unfilled blocks, never commits them)."""
+        if self.tier_io is None or not out.block_loads:
+            return set()
+        try:
+            self.runner.ensure_blocks(max(b for b, _ in out.block_loads) + 1)
+            return self.tier_io.load(self.scheduler, out, self.runner.kv_cache)
+        except Exception:
+            n = len(out.loading_ids)
+            logger.exception("loading blocks from the KV tiers failed; %d requests recompute", n)
+            self.tier_io.num_failed_loads += n
+            return set(out.loading_ids)
+
+    def _fail_samples(self, failures: Mapping[str, Exception]) -> dict[str, RequestGroup]:
+        """Finish each failed sample (and the rest of its group) with ``"error"``; returns the
+        groups to report. Call before ``update`` so that it skips them."""
         changed: dict[str, RequestGroup] = {}
-        for sid in seq_ids:
+        for sid in failures:
             group, smp = self._samples[sid]
             req = self.scheduler.requests.get(sid)
             if req is not None and req.status is RequestStatus.RUNNING:
@@ -505,8 +531,7 @@ class LLMEngine:
                 missing.finish_reason = FinishReason.ERROR
                 self._register(group, missing)
             changed[group.request_id] = group
-        now = time.perf_counter()
-        return [self._emit(g, now) for g in changed.values()]
+        return changed
 
     def check_invariants(self) -> None:
         for sid, (group, smp) in self._samples.items():

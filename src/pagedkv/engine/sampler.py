@@ -13,10 +13,15 @@ import torch
 
 from pagedkv.errors import InvalidRequestError
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""A temperature below this samples greedily, as vLLM does: dividing float32 logits by a
+temperature near 1e-38 overflows them to inf (and the softmax to NaN)."""
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens for one request. ``temperature == 0`` means greedy."""
+    """How to pick tokens for one request. ``temperature`` below 1e-5 (0 included) means
+    greedy; any ``top_p`` in (0, 1] keeps at least the most likely token."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -39,8 +44,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.n, int) or not 1 <= self.n <= 128:
             raise InvalidRequestError(f"n must be an int in [1, 128], got {self.n!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequestError(f"seed must be an int >= 0, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+        ):  # int64, as vLLM; sample i draws from seed + i, which torch takes below 2**64
+            raise InvalidRequestError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stops):
@@ -49,7 +56,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -73,7 +80,8 @@ def sample(
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-        drop = before >= params.top_p  # keeps the smallest set reaching top_p (>= 1 token)
+        drop = before >= params.top_p  # keeps the smallest set reaching top_p
+        drop[:, 0] = False  # and the best token always (a top_p below float32's range is 0.0)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
     probs = torch.softmax(x, dim=-1)

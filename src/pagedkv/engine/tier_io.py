@@ -6,8 +6,9 @@ hash, and handed to the offload coordinator, whose writer thread fills the tiers
 blocks the step; a full queue drops the write). Loads: when the scheduler admits a request whose
 prefix continues in a tier (``SchedulerOutput.block_loads``), the payloads are fetched, checked
 and written into the blocks the scheduler allocated; a request any of whose blocks is missing or
-corrupt is reported in ``failed_loads`` and recomputes instead. Never wrong data: a payload is
-written only after its header, hash and checksum check out.
+corrupt, or whose load raises, is reported in ``failed_loads`` and recomputes instead (the
+scheduler rolls its loaded-but-unfilled blocks back; they are never committed). Never wrong
+data: a payload is written only after its header, hash and checksum check out.
 
 Slower than recompute? The engine reports each step's model time (:meth:`TierIO.observe_step`);
 steps that prefill at least a block's worth of tokens feed a moving average of seconds per
@@ -133,14 +134,14 @@ class TierIO:
         failed: set[str] = set()
         for rid, items in per_request.items():
             hashes = [h for _, h in items]
-            payloads = self.offload.load(hashes)
-            try:
+            try:  # any failure (a corrupt payload, a tier that raises) fails this request only
+                payloads = self.offload.load(hashes)
                 if len(payloads) < len(items):
                     raise CorruptBlockError(f"{len(payloads)} of {len(items)} blocks came back")
                 for (block_id, block_hash), data in zip(items, payloads, strict=False):
                     body = decode(data, self.layout, block_hash).body
                     kv.write_block(block_id, bytes(body))
-            except CorruptBlockError as exc:
+            except Exception as exc:
                 logger.warning("loading the prefix of %s failed (%s); recomputing it", rid, exc)
                 failed.add(rid)
                 self.num_failed_loads += 1

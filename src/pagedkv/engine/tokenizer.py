@@ -49,13 +49,55 @@ class Tokenizer:
         self.eos_token_id = (
             None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
         )
+        self._plain: HFTokenizer | None = None  # specials as text; built on first use
+        self._max_token_chars: int | None = None
+        self._special_tokens: tuple[str, ...] | None = None
 
     @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size())
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text``; special tokens written in it become their control ids.
+
+        Runs through ``encode_batch``, which releases the GIL (``encode`` holds it: a 10 MB
+        prompt would stall every other thread, the server's event loop included, for seconds).
+        A lone surrogate (not UTF-8) raises InvalidRequestError.
+        """
+        check_utf8(text)
+        enc = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(enc[0].ids)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special tokens written in it tokenized as plain text
+        (``"<|user|>"`` typed by a user never becomes the control token)."""
+        check_utf8(text)
+        if self._plain is None:
+            self._plain = HFTokenizer.from_str(self._tok.to_str())
+            self._plain.encode_special_tokens = True
+        return list(self._plain.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (``"Ġhello"``, as transformers' ``convert_ids_to_tokens``)."""
+        return [self._tok.id_to_token(int(t)) or "" for t in token_ids]
+
+    @property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """The text of every special (control) token, longest first."""
+        if self._special_tokens is None:
+            added = self._tok.get_added_tokens_decoder().values()
+            texts = {t.content for t in added if t.special}
+            self._special_tokens = tuple(sorted(texts, key=len, reverse=True))
+        return self._special_tokens
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters any single token decodes to (a bound on text per token)."""
+        if self._max_token_chars is None:
+            ids = list(range(self.vocab_size))
+            pieces = self._tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+            self._max_token_chars = max(1, *(len(p) for p in pieces))
+        return self._max_token_chars
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
@@ -103,6 +145,20 @@ _SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
+
+
+def check_utf8(text: str) -> None:
+    """Raise InvalidRequestError when ``text`` is not valid Unicode (a lone surrogate, which
+    JSON's ``\\ud800`` escape can carry)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"text holds a lone surrogate {text[exc.start]!r} at character {exc.start}; "
+            "it is not valid Unicode"
+        ) from None
 
 
 class IncrementalDetokenizer:

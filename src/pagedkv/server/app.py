@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API: completions, chat completions, models, health, metrics.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: invalid JSON or
-fields, unknown model, prompt too long and bad sampling values get 400; a full engine gets 429
-with ``Retry-After``; a missing or wrong API key gets 401; unknown routes 404; a failure inside
-one request fails that request only (500 for it, the server keeps serving).
+fields, prompt too long, bad sampling values and unsupported parameters get 400 (``param`` names
+it); an unknown model 404 ``model_not_found``; a body over ``max_request_bytes`` 413; a full
+engine 429 with ``Retry-After``; a missing or wrong API key 401; unknown routes 404; a failure
+inside one request fails that request only (500 for it, the server keeps serving). Prompts are
+tokenized in a worker thread (``pagedkv.server.prompts``), never on the event loop.
 
 A client that goes away aborts its request and frees its blocks: while it waits for its first
 token or for a whole non-streamed answer, a watcher on the connection cancels the wait; once
@@ -28,14 +30,19 @@ from starlette.exceptions import HTTPException
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
-from pagedkv.errors import InvalidRequestError, OverloadedError, PagedKVError
+from pagedkv.errors import OverloadedError, PagedKVError
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.middleware import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, StatusCounter
+from pagedkv.server.prompts import chat_messages, chat_prompt_ids, text_prompt_ids
 from pagedkv.server.responses import completion_body, error_response, sse_completion
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pagedkv.server.utility_routes import ModelNotFoundError, add_utility_routes, check_model
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+_ROUTES = ("/health", "/metrics", "/version", "/tokenize", "/detokenize", "/v1/models",
+           "/v1/completions", "/v1/chat/completions")  # fmt: skip
 _T = TypeVar("_T")
 
 
@@ -43,7 +50,12 @@ class ClientGoneError(Exception):
     """The client closed its connection before the answer was ready (nobody reads a reply)."""
 
 
-def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    *,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     """The FastAPI application serving ``engine``; starts and stops its step thread."""
 
     @contextlib.asynccontextmanager
@@ -58,6 +70,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
     model_name = engine.model_name
     created = int(time.time())
     expected_auth = None if api_key is None else f"Bearer {api_key}".encode()
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
     @app.middleware("http")
     async def _auth(
@@ -74,6 +87,12 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
                 )
         return await call_next(request)
 
+    app.add_middleware(  # outermost: counts 401s and 413s too
+        StatusCounter,
+        routes=_ROUTES,
+        count=lambda route, status: engine.metrics.http_requests.labels(route, status).inc(),
+    )
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
@@ -88,7 +107,8 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         headers = dict(exc.headers) if exc.headers else None
-        return error_response(exc.status_code, str(exc.detail), err_type, headers=headers)
+        code = "request_too_large" if exc.status_code == 413 else None  # BodySizeLimit
+        return error_response(exc.status_code, str(exc.detail), err_type, code, headers=headers)
 
     @app.exception_handler(OverloadedError)
     async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
@@ -96,10 +116,14 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
             429, str(exc), "rate_limit_error", "overloaded", headers={"Retry-After": "1"}
         )
 
+    @app.exception_handler(ModelNotFoundError)
+    async def _no_model(_: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return error_response(404, str(exc), code="model_not_found", param="model")
+
     @app.exception_handler(PagedKVError)
     async def _bad(_: Request, exc: PagedKVError) -> JSONResponse:
         if isinstance(exc, ValueError | KeyError):
-            return error_response(400, str(exc))
+            return error_response(400, str(exc), param=getattr(exc, "param", None))
         return error_response(500, str(exc), "internal_error")
 
     @app.exception_handler(ClientGoneError)
@@ -111,9 +135,11 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         logger.error("request failed", exc_info=exc)
         return error_response(500, f"internal error: {exc}", "internal_error")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200 if engine.is_healthy() else 503)
+
+    add_utility_routes(app, engine, created)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -146,31 +172,26 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_model(body, model_name)
-        tok = engine.engine.tokenizer
-        if isinstance(body.prompt, str):
-            if tok is None:
-                raise InvalidRequestError("this model has no tokenizer; send token ids")
-            prompt_ids = tok.encode(body.prompt)
+        _check_request(body, model_name)
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            tok, max_len = engine.engine.tokenizer, engine.engine.max_model_len
+            prompt_ids = await asyncio.to_thread(text_prompt_ids, tok, prompt, max_len)
         else:
-            prompt_ids = list(body.prompt)
+            prompt_ids = list(prompt)
         default = engine.engine.generation_defaults.max_tokens  # max_new_tokens, if set
         max_tokens = body.max_tokens or default or _DEFAULT_COMPLETION_TOKENS
         return await serve(request, body, prompt_ids, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_model(body, model_name)
-        tok = engine.engine.tokenizer
-        if tok is None:
-            raise InvalidRequestError("this model has no tokenizer; chat needs one")
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        prompt_ids = tok.encode(text, add_special_tokens=False)
-        room = max(1, engine.engine.max_model_len - len(prompt_ids))
+        _check_request(body, model_name)
+        max_len = engine.engine.max_model_len
+        messages = chat_messages(body)
+        prompt_ids = await asyncio.to_thread(
+            chat_prompt_ids, engine.engine.tokenizer, messages, max_len
+        )
+        room = max(1, max_len - len(prompt_ids))
         room = min(room, engine.engine.generation_defaults.max_tokens or room)
         max_tokens = body.max_completion_tokens or body.max_tokens or room
         return await serve(request, body, prompt_ids, max_tokens, chat=True)
@@ -178,14 +199,9 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def _check_model(body: _SamplingFields, model_name: str) -> None:
-    if body.model != model_name:
-        raise InvalidRequestError(
-            f"model {body.model!r} does not exist; this server serves {model_name!r}"
-        )
-    unsupported = body.unsupported_fields()
-    if unsupported:
-        raise InvalidRequestError(f"unsupported fields: {', '.join(unsupported)}")
+def _check_request(body: _SamplingFields, model_name: str) -> None:
+    check_model(body.model, model_name)
+    body.check_supported()
 
 
 def _sampling(body: _SamplingFields, max_tokens: int, engine: LLMEngine) -> SamplingParams:

@@ -7,6 +7,10 @@ wait for that lock on the event loop: they are queued and the step thread applie
 its next step. Outputs travel to each request's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``.
 
+Health: ``is_healthy()`` is False once the step loop died, and while work is pending but no step
+has finished for ``stall_timeout_s`` (a step stuck in a kernel, a deadlock): ``/health`` then
+answers 503 so an orchestrator can restart the process.
+
 Invariants:
   A1  ``_streams`` holds exactly the requests added and not yet finished or aborted (an abort
       queued in ``_aborts`` is applied before the next step)
@@ -41,6 +45,7 @@ class _Stream:
     queue: asyncio.Queue[GenerationOutput | BaseException]
     loop: asyncio.AbstractEventLoop
     arrival_s: float
+    num_prompt_tokens: int = 0
     last_token_s: float | None = None
     num_tokens: int = 0
 
@@ -48,9 +53,20 @@ class _Stream:
 class AsyncEngine:
     """Runs ``LLMEngine.step`` in a background thread and streams outputs to coroutines."""
 
-    def __init__(self, engine: LLMEngine, *, max_pending: int = 256, model_name: str = "") -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_pending: int = 256,
+        model_name: str = "",
+        stall_timeout_s: float = 60.0,
+    ) -> None:
+        if stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
         self.engine = engine
         self.max_pending = max_pending
+        self.stall_timeout_s = stall_timeout_s
+        self._last_progress_s = time.monotonic()  # the loop's last finished step or idle wait
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self._lock = threading.Lock()
@@ -66,16 +82,26 @@ class AsyncEngine:
         self._thread.start()
 
     def is_healthy(self) -> bool:
-        """False once the step loop died (it keeps running through failed requests)."""
-        return self.healthy and (self._thread.is_alive() or self._thread.ident is None)
+        """False once the step loop died (it keeps running through failed requests), or while
+        requests are pending and no step finished for ``stall_timeout_s``."""
+        alive = self.healthy and (self._thread.is_alive() or self._thread.ident is None)
+        return alive and not self.is_stalled()
+
+    def is_stalled(self) -> bool:
+        """Work is pending and the step loop has not advanced for ``stall_timeout_s``."""
+        idle_s = time.monotonic() - self._last_progress_s
+        return bool(self._streams) and idle_s > self.stall_timeout_s
 
     def shutdown(self) -> None:
-        """Stop the step loop, then flush and close the engine's KV tiers."""
+        """Stop the step loop, fail what is still in flight (the server drained what it could
+        within its shutdown timeout), then flush and close the engine's KV tiers."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         with self._lock:
+            self._apply_aborts()
+            self._fail_all(RuntimeError("the server is shutting down"))
             self.engine.close()
 
     def new_request_id(self, prefix: str) -> str:
@@ -89,7 +115,7 @@ class AsyncEngine:
         Raises the engine's typed errors (bad input) or OverloadedError before yielding.
         """
         loop = asyncio.get_running_loop()
-        stream = _Stream(asyncio.Queue(), loop, time.perf_counter())
+        stream = _Stream(asyncio.Queue(), loop, time.perf_counter(), len(prompt_token_ids))
         # The lock may be held for a whole step: wait for it off the event loop. If this
         # coroutine is cancelled meanwhile (the client went away), the add still completes in
         # its thread, so abort the request once it has.
@@ -141,9 +167,11 @@ class AsyncEngine:
     def _apply_aborts(self) -> None:
         while self._aborts:
             rid = self._aborts.popleft()
-            if self._streams.pop(rid, None) is not None:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
                 with contextlib.suppress(KeyError):  # it finished in the same instant
                     self.engine.abort(rid)
+                self._observe_finished(stream, "abort")
 
     def check_invariants(self) -> None:
         """A1 and the engine's own invariants (takes the lock: call from any thread)."""
@@ -167,6 +195,7 @@ class AsyncEngine:
         if self.engine.tier_io is not None:
             for tier in self.engine.tier_io.tier_stats():
                 self.metrics.observe_tier(tier.name, tier)
+            self.metrics.observe_queue_drops(self.engine.tier_io.offload.stats().dropped_queue_full)
 
     # ------------------------------------------------------------------ step thread
     def _loop(self) -> None:
@@ -195,9 +224,11 @@ class AsyncEngine:
             now = time.perf_counter()
             for out in outputs:
                 self._deliver(out, now)
+            self._last_progress_s = time.monotonic()
         if not busy:
             self._wake.wait(timeout=0.5)
             self._wake.clear()
+            self._last_progress_s = time.monotonic()
 
     def _deliver(self, out: GenerationOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)
@@ -205,22 +236,34 @@ class AsyncEngine:
             return
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
         if num_tokens > stream.num_tokens:
+            vllm = self.metrics.vllm
             if stream.last_token_s is None:
                 self.metrics.ttft.observe(now - stream.arrival_s)
+                vllm.ttft.labels(self.model_name).observe(now - stream.arrival_s)
             else:
                 new = num_tokens - stream.num_tokens
                 gap = (now - stream.last_token_s) / new
+                itl = vllm.itl.labels(self.model_name)
                 for _ in range(new):
                     self.metrics.itl.observe(gap)
+                    itl.observe(gap)
             stream.last_token_s = now
             stream.num_tokens = num_tokens
         if out.finished:
             del self._streams[out.request_id]
+            reasons = [c.finish_reason or "stop" for c in out.outputs]
+            self._observe_finished(stream, "error" if "error" in reasons else reasons[0])
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _observe_finished(self, stream: _Stream, reason: str) -> None:
+        e2e_s = time.perf_counter() - stream.arrival_s
+        self.metrics.observe_finished(stream.num_prompt_tokens, stream.num_tokens, reason, e2e_s)
 
     def _fail_all(self, exc: Exception) -> None:
         for rid, stream in list(self._streams.items()):
             with contextlib.suppress(KeyError):
                 self.engine.abort(rid)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            with contextlib.suppress(RuntimeError):  # its event loop already closed
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            self._observe_finished(stream, "error")
         self._streams.clear()

@@ -22,6 +22,7 @@ from pagedkv.engine.model_args import (
     setup_logging,
 )
 from pagedkv.errors import PagedKVError
+from pagedkv.server.limits_cli import add_server_limit_arguments, check_server_limits
 from pagedkv.tiers.config import add_tier_arguments
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require this Bearer token (or PAGEDKV_API_KEY)")
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
+    add_server_limit_arguments(p)
     p.add_argument("--log-level", default="info")
     add_tier_arguments(p)
     return p
@@ -81,6 +83,7 @@ def main(argv: list[str]) -> int:
     args.log_level = args.log_level.lower()
     if args.log_level not in _LOG_LEVELS:
         parser.error(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {args.log_level!r}")
+    check_server_limits(parser, args)
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.startup import startup_line
     from pagedkv.server.app import build_app
@@ -100,8 +103,17 @@ def main(argv: list[str]) -> int:
     name = args.served_model_name or Path(model).resolve().name
     sys.stderr.write(startup_line(engine, model) + f" | served as {name!r}\n")
     api_key = args.api_key or env_str("PAGEDKV_API_KEY")
-    app = build_app(
-        AsyncEngine(engine, max_pending=args.max_pending, model_name=name), api_key=api_key
+    async_engine = AsyncEngine(
+        engine,
+        max_pending=args.max_pending,
+        model_name=name,
+        stall_timeout_s=args.health_stall_timeout,
     )
-    serve_on(app, sock, log_level=args.log_level)
+    app = build_app(async_engine, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    serve_on(
+        app,
+        sock,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,  # then open streams are cancelled
+    )
     return 0

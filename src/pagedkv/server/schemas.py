@@ -1,15 +1,38 @@
 """Request bodies of the OpenAI-compatible API (pydantic models) and their validation.
 
 Fields the server does not implement (``logprobs``, ``tools``, ...) are accepted and ignored when
-absent or null, and rejected with a 400 when set, so a client never silently gets less than it
-asked for.
+absent, null or set to the value that asks for the default (``response_format={"type": "text"}``,
+``best_of=1``, ``service_tier="auto"``, ``parallel_tool_calls``), and rejected with a 400 naming
+the parameter otherwise, so a client never silently gets less than it asked for.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pagedkv.errors import UnsupportedParameterError
+
+MAX_SEED = 2**63 - 1  # int64, as vLLM
+MAX_N = 128  # SamplingParams' limit; samples past max_num_seqs queue as their own requests
+
+_DEFAULT_VALUES: dict[str, tuple[Any, ...]] = {
+    # values of fields the server does not implement that ask for what it does anyway
+    "response_format": ({"type": "text"},),
+    "best_of": (1,),
+    "service_tier": ("auto", "default"),
+    "parallel_tool_calls": (True,),
+    "echo": (False,),
+    "logprobs": (False,),
+    "store": (False,),
+}
+
+
+def _is_default(name: str, value: Any) -> bool:
+    if value in (None, False, [], {}, 0):  # 0 and 0.0 too: penalties at their default
+        return True
+    return any(value == d and type(value) is type(d) for d in _DEFAULT_VALUES.get(name, ()))
 
 
 class StreamOptions(BaseModel):
@@ -25,9 +48,9 @@ class _SamplingFields(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -45,25 +68,69 @@ class _SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def unsupported_fields(self) -> list[str]:
-        """Extra fields set to something other than null/false/empty (not implemented)."""
+        """Extra fields set to something other than null/false/empty or their default value
+        (not implemented)."""
         extra = self.model_extra or {}
-        return sorted(k for k, v in extra.items() if v not in (None, False, [], {}, 0))
+        return sorted(k for k, v in extra.items() if not _is_default(k, v))
+
+    def check_supported(self) -> None:
+        """Raise UnsupportedParameterError naming the first unsupported field that is set."""
+        unsupported = self.unsupported_fields()
+        if unsupported:
+            raise UnsupportedParameterError(
+                f"unsupported parameter(s): {', '.join(unsupported)} (this server does not "
+                "implement them; leave them unset or at their default)",
+                unsupported[0],
+            )
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    """``prompt`` is a string or token ids; a batch of one (``["text"]`` or ``[[ids]]``, what
+    LangChain and the ``openai`` client send for one prompt) is that prompt. Larger batches are
+    refused (send one request per prompt)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v: str | list[int]) -> str | list[int]:
+    def _one_prompt(cls, v: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], str | list):
+            if len(v) != 1:
+                raise ValueError(
+                    f"a batch of {len(v)} prompts is not supported; send one request per prompt"
+                )
+            v = v[0]
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
-        return v
+        return v  # type: ignore[return-value]  # one prompt: str or list[int]
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt (the validator unwrapped a batch of one)."""
+        return cast("str | list[int]", self.prompt)
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: ``role``, ``content`` (text) and each of
+        ``name``, ``tool_calls``, ``tool_call_id`` that is set. A non-null field the server
+        does not know raises ValueError (never dropped silently)."""
+        unknown = sorted(k for k, v in (self.model_extra or {}).items() if v is not None)
+        if unknown:
+            raise ValueError(f"unsupported message field(s): {', '.join(unknown)}")
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
 
     def text(self) -> str:
         if self.content is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedkv.errors import InvalidRequestError
 from pagedkv.tiers.base import KVTier
@@ -29,7 +29,7 @@ class TierConfig:
     disk_dir: str | None = None
     disk_bytes: int = 0  # required (> 0) with disk_dir
     disk_fsync: str = FsyncPolicy.NONE.value
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may hold a password
     redis_ttl_s: int | None = None
     max_queue_blocks: int = 1024
     write_batch_blocks: int = 16

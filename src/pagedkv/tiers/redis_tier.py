@@ -40,6 +40,7 @@ from pagedkv.errors import (
 )
 from pagedkv.tiers.base import KVTier, TierStats
 from pagedkv.tiers.payload import TierLayout, decode, payload_size, read_header
+from pagedkv.tiers.urls import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,9 @@ def make_client(url: str, socket_timeout_s: float, connect_timeout_s: float) -> 
     client must reach a node now and raises TierUnavailableError if it cannot."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        raise InvalidRequestError(f"a Redis URL looks like redis://host:6379/0, got {url!r}")
+        raise InvalidRequestError(
+            f"a Redis URL looks like redis://host:6379/0, got {redact_url(url)!r}"
+        )
     opts: dict[str, Any] = {
         "socket_timeout": socket_timeout_s,
         "socket_connect_timeout": connect_timeout_s,
@@ -67,9 +70,10 @@ def make_client(url: str, socket_timeout_s: float, connect_timeout_s: float) -> 
         try:  # a cluster client asks a node for the slot map when it is built
             return RedisCluster.from_url(f"{_CLUSTER_SCHEMES[scheme]}://{rest}", **opts)
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
-            raise TierUnavailableError(f"Redis cluster at {url} is unreachable: {exc}") from exc
+            shown = redact_url(url)
+            raise TierUnavailableError(f"Redis cluster at {shown} is unreachable: {exc}") from exc
     if scheme not in ("redis", "rediss", "unix"):
-        raise InvalidRequestError(f"unsupported Redis URL scheme {scheme!r} in {url!r}")
+        raise InvalidRequestError(f"unsupported Redis URL scheme {scheme!r} in {redact_url(url)!r}")
     return redis.Redis.from_url(url, **opts)
 
 
@@ -111,7 +115,7 @@ class RedisTier(KVTier):
                 f"{backoff_max_s}"
             )
         super().__init__(name, layout)
-        self.url = url
+        self.url = redact_url(url)  # for logs and errors: the password never shows
         self.ttl_s = ttl_s
         self.batch_max_keys = batch_max_keys
         self.batch_max_bytes = batch_max_bytes
