@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from e2e.server_fixtures import MODEL_NAME, ServerHandle, running_server, write_endless_model
+from pagedkv.engine.chat_template import ChatTemplate
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.tiny import write_tiny_model
 
@@ -165,9 +166,10 @@ def test_message_fields_reach_the_template(tmp_path: Path) -> None:
     with running_server(model) as srv:
         tok = srv.engine.engine.tokenizer
         assert tok is not None
-        tok.chat_template = (
+        tok.chat_template = ChatTemplate(
             "{% for m in messages %}[{{ m.role }}|{{ m.name or '' }}|{{ m.tool_call_id or '' }}"
-            "|{{ (m.tool_calls or []) | length }}]{{ m.content }}{% endfor %}"
+            "|{{ (m.tool_calls or []) | length }}]{{ m.content }}{% endfor %}",
+            source="the test",
         )
         messages = [
             {"role": "user", "content": "hi", "name": "ann"},

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.tiers.config import TierConfig
+from pagedkv.tiers.urls import redact_url
 
 _GIB = float(1 << 30)
 
@@ -26,7 +27,7 @@ def describe_tiers(tiers: TierConfig | None) -> str:
     if tiers.disk_dir is not None:
         parts.append(f"disk {tiers.disk_dir} {tiers.disk_bytes / _GIB:.2f} GiB")
     if tiers.redis_url is not None:
-        parts.append(f"redis {tiers.redis_url}")
+        parts.append(f"redis {redact_url(tiers.redis_url)}")  # no password in the log
     return ", ".join(parts)
 
 
