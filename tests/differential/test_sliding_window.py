@@ -209,3 +209,23 @@ def test_long_generation_holds_at_most_the_window(model: Any) -> None:
     assert most <= math.ceil(window / 4) + 2
     assert engine.scheduler.manager.pool.num_used_blocks == 0
     engine.close()
+
+
+def test_forked_samples_and_speculative_decoding_past_the_window(model: Any) -> None:
+    """n=2 greedy samples fork after the prompt's prefill (blocks already released before the
+    window are shared as null entries) and prompt-lookup drafts roll back through the window:
+    both samples still decode transformers' tokens. The prompt repeats itself, so the n-gram
+    proposer drafts (and some drafts are rejected)."""
+    _, path, hf, _ = model
+    prompt = (_prompts()[0][:20] * 2)[:40]
+    ref = _hf_greedy(hf, prompt, NEW_TOKENS)
+    cfg = EngineConfig(
+        block_size=4, num_blocks=512, num_speculative_tokens=3, check_invariants=True
+    )
+    engine = LLMEngine(load_model(path), None, cfg)
+    params = SamplingParams(n=2, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    out = _run_one(engine, "fork", prompt, params)
+    assert [list(c.token_ids) for c in out.outputs] == [ref, ref]
+    assert engine.num_draft_tokens > 0
+    assert engine.scheduler.manager.pool.num_used_blocks == 0
+    engine.close()
