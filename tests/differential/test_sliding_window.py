@@ -59,14 +59,21 @@ def _hf_greedy_uncached(hf: Any, prompt: list[int], steps: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
-@pytest.fixture(scope="module", params=["mistral_swa", "qwen2_swa", "qwen3_swa"])
+_BUILT: dict[str, tuple[str, Path, Any, list[list[int]]]] = {}  # kind -> the fixture's value
+
+
+@pytest.fixture(params=["mistral_swa", "qwen2_swa", "qwen3_swa"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(kind, checkpoint folder, transformers model, its greedy tokens per prompt), built once
+    per kind (the tests parametrize it indirectly too, so a module scope would rebuild it)."""
     kind = request.param
-    path = tmp_path_factory.mktemp(kind)
-    hf = build_hf_model(kind, path)
-    refs = [_hf_greedy(hf, p, NEW_TOKENS) for p in _prompts()]
-    assert refs[0] == _hf_greedy_uncached(hf, _prompts()[0], NEW_TOKENS)
-    return kind, path, hf, refs
+    if kind not in _BUILT:
+        path = tmp_path_factory.mktemp(kind)
+        hf = build_hf_model(kind, path)
+        refs = [_hf_greedy(hf, p, NEW_TOKENS) for p in _prompts()]
+        assert refs[0] == _hf_greedy_uncached(hf, _prompts()[0], NEW_TOKENS)
+        _BUILT[kind] = (kind, path, hf, refs)
+    return _BUILT[kind]
 
 
 def _generate(
@@ -98,20 +105,23 @@ def _generate(
     return [got[f"r{i}"] for i in range(len(prompts))], most
 
 
-# (block size, prefix caching, decode kernel, chunked prefill): every combination for
+# (model, block size, prefix caching, decode kernel, chunked prefill): every combination for
 # Mistral; for the Qwen models, a spread covering each value (the engine runs are slow).
 _ALL = [(b, c, k, ch) for b in (1, 5, 16) for c in (True, False) for k in ("torch", "native")
         for ch in (False, True)]  # fmt: skip
 _SOME = [(5, True, "native", True), (16, False, "torch", False), (1, True, "torch", True)]
+_CASES = [("mistral_swa", *c) for c in _ALL] + [
+    (kind, *c) for kind in ("qwen2_swa", "qwen3_swa") for c in _SOME
+]
 
 
-@pytest.mark.parametrize(("block_size", "caching", "kernel", "chunked"), _ALL)
+@pytest.mark.parametrize(
+    ("model", "block_size", "caching", "kernel", "chunked"), _CASES, indirect=["model"]
+)
 def test_greedy_tokens_match_transformers(
     model: Any, block_size: int, caching: bool, kernel: str, chunked: bool
 ) -> None:
     kind, path, _, refs = model
-    if kind != "mistral_swa" and (block_size, caching, kernel, chunked) not in _SOME:
-        pytest.skip("the Qwen models run a spread of the combinations (see _SOME)")
     if kernel == "native" and not native.available():
         pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
     cfg = EngineConfig(
