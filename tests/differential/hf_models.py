@@ -56,6 +56,24 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": {**TINY, "tie_word_embeddings": False, "rope_theta": 1000000.0},
     # Qwen2 untied with full multi-head attention
     "qwen2_mha": {**TINY, "tie_word_embeddings": False, "num_key_value_heads": 4},
+    # Mistral v0.1 style: a sliding window on every layer, shorter than prompt + generation
+    "mistral_swa": {**TINY, "sliding_window": 24, "rope_theta": 10000.0},
+    # Qwen2 with a window on the layers from max_window_layers up (layer 0 attends fully)
+    "qwen2_swa": {
+        **TINY,
+        "num_hidden_layers": 3,
+        "use_sliding_window": True,
+        "sliding_window": 16,
+        "max_window_layers": 1,
+    },
+    # Qwen3 likewise, on every layer (max_window_layers 0)
+    "qwen3_swa": {
+        **TINY,
+        "head_dim": 32,
+        "use_sliding_window": True,
+        "sliding_window": 20,
+        "max_window_layers": 0,
+    },
 }
 
 
@@ -71,6 +89,9 @@ def build_hf_model(kind: str, out_dir: Path, seed: int = 0) -> Any:
         "llama_bias_mqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2_mha": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral_swa": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2_swa": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3_swa": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     config = cls_cfg(**CONFIGS[kind])

@@ -29,6 +29,12 @@ class CacheConfig:
     ``num_blocks`` counts physical blocks (the null block included); set ``initial_blocks``
     lower to make the pool elastic. ``watermark`` is the fraction of capacity kept free at
     admission so running requests can grow without preemption.
+
+    ``sliding_window``: every layer of the model attends to at most this many positions (a
+    query at ``p`` reads keys ``p - sliding_window < k <= p``), so blocks wholly before a
+    request's window are released (``KVCacheManager.release_outside_window``). None for any
+    model with a full-attention layer. Needs ``use_null_block``: released entries of a block
+    table point at the null block.
     """
 
     block_size: int = 16
@@ -44,10 +50,18 @@ class CacheConfig:
     eviction_policy: str = "lru"
     enable_events: bool = False
     max_events: int = 10_000
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise InvalidRequestError(f"block_size must be positive, got {self.block_size}")
+        if self.sliding_window is not None and (
+            self.sliding_window <= 0 or not self.use_null_block
+        ):
+            raise InvalidRequestError(
+                f"sliding_window must be positive and needs use_null_block, got "
+                f"{self.sliding_window} with use_null_block={self.use_null_block}"
+            )
         if not 0.0 <= self.watermark < 1.0:
             raise InvalidRequestError(f"watermark must be in [0, 1), got {self.watermark}")
         try:

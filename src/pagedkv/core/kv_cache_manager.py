@@ -13,6 +13,12 @@ Token positions of one request, and what the manager knows of them::
   become shareable (hashed into the pool's index) only now, once their KV exists.
 * ``rollback(n)`` drops ``n`` scheduled positions (rejected drafts) and frees the blocks that no
   longer hold accepted tokens; it can never cut committed tokens.
+* ``release_outside_window()`` (a model whose every layer has a sliding window of ``W``) frees
+  the blocks wholly before the window of the next query; their table entries become the null
+  block, so the table stays indexed by position::
+
+      num_computed = 13, W = 6, block size 4: the next query (position 13) reads keys 8..
+      | null | null | blk | blk |        blocks 0 and 1 end before 8: released
 
 Admission is O(1): ``_running_claim`` is kept equal to the sum, over requests holding blocks,
 of the blocks each may still claim under the reservation policy, and is updated on every
@@ -29,7 +35,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.block_pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.config import CacheConfig, ReservationPolicy
 from pagedkv.core.hashing import BlockHash, BlockHashChain, HashContext, pack_tokens
 from pagedkv.core.seq_state import Allocation, PrefixMatch, SeqState
@@ -55,6 +61,9 @@ class KVCacheManager:
       M4  ``num_computed <= len(token_ids)``; committed full blocks of a request are hashed with
           the request's chain hashes or left unhashed as duplicates, never with another hash
       M5  the pool's own invariants (I1..I5) hold
+      M6  a request's first ``num_released_blocks`` table entries, and only those, are the null
+          block; they end at or before ``num_computed + 1 - sliding_window`` (no position a
+          later query reads was released); none without a sliding window
     Complexity: ``can_admit`` and every ``num_*`` query O(1); ``allocate_slots``/``rollback``/
     ``free`` O(blocks touched); ``match_prefix`` O(hit blocks).
     """
@@ -329,6 +338,38 @@ class KVCacheManager:
             self._update_claim(seq)
         return freed
 
+    def release_outside_window(self, request_id: str) -> int:
+        """Free the blocks wholly before the sliding window of the request's next query.
+
+        With ``sliding_window = W`` and ``num_computed = c``, every later query sits at a
+        position ``>= c`` and reads keys ``> c - W``, so block ``i`` is never read again once
+        ``(i + 1) * block_size <= c + 1 - W``. Its reference is dropped and its table entry
+        becomes the null block. Returns the number of blocks released (0 without a window).
+        Call it after ``commit``: released blocks are committed, hence hashed already.
+
+        Prefix caching stays exact: a released block keeps its hash (it holds the KV of its
+        chain, whatever the window), goes to the eviction policy as cached-free, and a later
+        request hits it only as part of a run of resident blocks from the prompt's first block
+        (``match_prefix``), which it then releases again once past its own window. A run cut by
+        an evicted block ends the hit there, as with full attention. Raises RequestStateError
+        for a request held for a transfer (its KV must stay whole).
+        """
+        window = self.config.sliding_window
+        if window is None:
+            return 0
+        seq = self._get(request_id)
+        if seq.held:
+            raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
+        upto = min(max(0, seq.num_computed + 1 - window) // self.block_size, len(seq.block_ids))
+        first = seq.num_released_blocks
+        if upto <= first:
+            return 0
+        ids = seq.block_ids[first:upto]
+        self.pool.free(ids[::-1])  # the newest first: the head, which every hit needs, leaves last
+        seq.block_ids[first:upto] = [NULL_BLOCK_ID] * (upto - first)
+        seq.num_released_blocks = upto
+        return upto - first
+
     def fork(self, parent_id: str, child_id: str, *, max_tokens: int | None = None) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` that shares its computed blocks.
 
@@ -346,7 +387,7 @@ class KVCacheManager:
         if max_tokens is not None and max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
         shared = parent.block_ids[: -(-parent.num_computed // self.block_size)]
-        self.pool.touch(shared)
+        self.pool.touch(shared[parent.num_released_blocks :])  # released entries: null block
         max_total = parent.max_total_tokens
         if max_tokens is not None:
             max_total = len(parent.token_ids) + max_tokens
@@ -356,6 +397,7 @@ class KVCacheManager:
         child.num_computed = parent.num_computed
         child.num_cached_blocks = min(parent.num_cached_blocks, len(shared))
         child.num_hit_tokens = parent.num_hit_tokens
+        child.num_released_blocks = parent.num_released_blocks
         child.started = True
         self._seqs[child_id] = child
         self._update_claim(child)
@@ -552,8 +594,11 @@ class KVCacheManager:
 
     def _release_blocks(self, seq: SeqState) -> None:
         if seq.block_ids:
-            self.pool.free(seq.block_ids[::-1])
+            held = seq.block_ids[seq.num_released_blocks :]  # the rest is the null block
+            if held:
+                self.pool.free(held[::-1])
             seq.block_ids = []
+            seq.num_released_blocks = 0
         seq.started = False
         self._running_claim -= seq.claim
         seq.claim = 0
@@ -566,7 +611,8 @@ class KVCacheManager:
         claim_sum = 0
         bs = self.block_size
         for seq in self._seqs.values():
-            for b in seq.block_ids:
+            self._check_released(seq)
+            for b in seq.block_ids[seq.num_released_blocks :]:
                 refs[b] = refs.get(b, 0) + 1
             if seq.claim != self._claim_of(seq):
                 raise InvariantViolation(f"M2: request {seq.request_id!r} claim is stale")
@@ -593,3 +639,20 @@ class KVCacheManager:
                 raise InvariantViolation(
                     f"M1: block {b} has ref count {pool._ref[b]} but requests hold {refs.get(b, 0)}"
                 )
+
+    def _check_released(self, seq: SeqState) -> None:
+        """M6 for one request (see the class docstring)."""
+        k = seq.num_released_blocks
+        window = self.config.sliding_window
+        if k and (window is None or k * self.block_size > seq.num_computed + 1 - window):
+            raise InvariantViolation(
+                f"M6: request {seq.request_id!r} released {k} blocks; window {window}, "
+                f"{seq.num_computed} positions computed"
+            )
+        ids = seq.block_ids
+        if any(b != NULL_BLOCK_ID for b in ids[:k]) or (
+            self.pool.config.use_null_block and NULL_BLOCK_ID in ids[k:]
+        ):
+            raise InvariantViolation(
+                f"M6: request {seq.request_id!r}: null block entries are not exactly its first {k}"
+            )

@@ -46,6 +46,7 @@ class SeqState:
         "num_hit_tokens",
         "num_pending",
         "num_prompt_tokens",
+        "num_released_blocks",
         "request_id",
         "started",
         "token_ids",
@@ -65,6 +66,8 @@ class SeqState:
         self.num_cached_blocks = 0  # leading blocks already registered in the pool's index
         self.num_hit_tokens = 0  # prefix-cache hit at the last admission
         self.claim = 0  # blocks this request may still claim; summed in _running_claim
+        self.num_released_blocks = 0  # leading table entries released (the null block) because
+        # they lie wholly before the sliding window
         self.held = False  # finished, blocks kept for a remote transfer
         self.started = False  # has taken its prefix and holds blocks
         self.match: PrefixMatch | None = None

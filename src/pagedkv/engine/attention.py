@@ -9,6 +9,16 @@ A step's tokens are laid out back to back, one sequence after another::
 Every layer first writes the step's K/V at the slot mapping, then reads each sequence's keys
 back through its block table, so cached prefix blocks and the new chunk are read the same way.
 
+Sliding-window layers (Mistral, Qwen2's upper layers) attend to the last ``window`` positions
+only, transformers' convention: a query at position ``p`` sees keys at ``p - window < k <= p``.
+Their view of the step (``AttentionMetadata.for_window``) reads the block table from the first
+block that holds a key in the window, so blocks the KV manager released (the null block in
+the table) are never read, and masks the positions before the window in that first block::
+
+    window 6, block size 4, query at position 13:   keys 8..13
+    blocks:   | 0  1  2  3 | 4  5  6  7 | 8  9 10 11 |12 13 .. ..|
+              (released)    (released)   ^ first block read  ^ query
+
 Two paths compute the same thing:
 * the reference path: per sequence, gather its K/V and call torch's scaled_dot_product_attention
   with a causal mask (explicit when a cached prefix shifts it; ``is_causal`` for a fresh
@@ -25,8 +35,6 @@ Two paths compute the same thing:
 
 from __future__ import annotations
 
-import functools
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,8 +44,20 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from pagedkv.engine import native
+from pagedkv.engine.decode_plan import plan_decode_groups
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.errors import InvalidRequestError
+
+__all__ = [
+    "AttentionMetadata",
+    "DecodeGroup",
+    "NativeDecode",
+    "SeqAttention",
+    "build_metadata",
+    "context_slots",
+    "paged_attention",
+    "plan_decode_groups",
+]
 
 
 class SeqLike(Protocol):
@@ -60,7 +80,10 @@ class SeqAttention:
     token_offset: int  # index of its first token in the step's flat batch
     num_tokens: int
     start_position: int
-    context_slots: torch.Tensor  # [start + num_tokens] slots of every position it attends to
+    context_slots: torch.Tensor  # [start + num_tokens - context_start] slots of positions
+    # context_start .. start + num_tokens - 1, every position some query of it attends to
+    mask: torch.Tensor | None = None  # [num_tokens, len(context_slots)] True where attended;
+    # None: plainly causal (a fresh prompt that the window does not cut)
 
 
 @dataclass(slots=True)
@@ -68,7 +91,8 @@ class DecodeGroup:
     """Single-token sequences of the step attended together, padded to the longest context."""
 
     token_idx: torch.Tensor  # [D] index of each decode's token in the step's flat batch
-    block_ids: torch.Tensor  # [D, max_blocks] each table, padded with block 0
+    block_ids: torch.Tensor  # [D, max_blocks] each table (from the window's first block),
+    # padded with block 0
     mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] True where attended; None
     # when every row spans the whole width
     token_range: tuple[int, int] | None = None  # (a, b) when token_idx is exactly a..b-1
@@ -100,23 +124,44 @@ class NativeDecode:
 
     token_idx: torch.Tensor  # [D] index of each decode's token in the step's flat batch
     token_range: tuple[int, int] | None  # (a, b) when token_idx is exactly a..b-1
-    tables: torch.Tensor  # [D, max_blocks] int64 block tables (rows padded with 0)
-    lens: torch.Tensor  # [D] int64 context lengths
+    tables: torch.Tensor  # [D, max_blocks] int64 block tables (rows padded with 0), each from
+    # the first block the query attends to
+    lens: torch.Tensor  # [D] int64 positions covered from the first block to the query
+    starts: torch.Tensor | None = None  # [D] int64 positions of the first block before the
+    # window (not attended); None when every row starts at its first block's first position
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Everything attention needs for one step, built once and shared by every layer."""
+    """Everything attention needs for one step, built once and shared by every layer.
+
+    One view per attention kind: this object serves layers whose window is ``window`` (None:
+    full causal attention); ``sliding``, when set, is the view of a second kind (a model mixing
+    full and sliding-window layers), sharing the slot mapping and positions.
+    """
 
     slot_mapping: torch.Tensor  # [num_tokens] where each token's K/V goes
     positions: torch.Tensor  # [num_tokens]
     seqs: list[SeqAttention]  # sequences on the reference path
     decode: list[DecodeGroup] = field(default_factory=list)  # the batched decode path
     native: NativeDecode | None = None  # or, instead, the native kernel's decodes
+    window: int | None = None  # the sliding window of the layers this view serves
+    sliding: AttentionMetadata | None = None  # the sliding-window view of a mixed model
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The view a layer with this window (None: full attention) reads."""
+        if window == self.window:
+            return self
+        if self.sliding is not None and self.sliding.window == window:
+            return self.sliding
+        raise InvalidRequestError(
+            f"the step's attention metadata was built for windows {self.window}"
+            f"{'' if self.sliding is None else f' and {self.sliding.window}'}, not {window}"
+        )
 
 
 def context_slots(
@@ -142,18 +187,27 @@ def build_metadata(
     batched_decode: bool = True,
     cache_row_elems: int = 4096,
     native_decode: bool = False,
+    sliding_window: int | None = None,
+    full_attention: bool = True,
 ) -> AttentionMetadata:
     """Lay out a step (see the module docstring). Single-token sequences take the batched
     decode path when ``batched_decode`` is set and there are at least two of them (one for
     the native kernel): torch's gather + SDPA in length groups (``cache_row_elems``, K elements
     per block and all KV heads, sizes the grouping), or with ``native_decode`` the native
-    kernel (``pagedkv.engine.native``), all of them in one call."""
+    kernel (``pagedkv.engine.native``), all of them in one call.
+
+    ``sliding_window`` adds the view of sliding-window layers; ``full_attention`` (the
+    default) the view of full-attention layers. With both, the full view is returned and the
+    windowed one is its ``sliding``; a model whose every layer is windowed passes
+    ``full_attention=False`` and gets the windowed view alone."""
+    if sliding_window is not None and sliding_window <= 0:
+        raise InvalidRequestError(f"sliding_window must be positive, got {sliding_window}")
+    if sliding_window is None and not full_attention:
+        raise InvalidRequestError("build_metadata needs a full or a sliding-window view")
     slot_parts: list[np.ndarray] = []
     pos_parts: list[np.ndarray] = []
-    ref: list[SeqAttention] = []
-    dec_idx: list[int] = []
-    dec_len: list[int] = []
-    dec_tables: list[np.ndarray] = []
+    ref: list[tuple[int, SeqLike]] = []  # (token offset, sequence) on the reference path
+    dec: list[tuple[int, SeqLike]] = []  # (token offset, sequence) on a batched decode path
     offset = 0
     num_single = sum(1 for s in seqs if s.num_tokens == 1)
     use_batched = batched_decode and num_single >= (1 if native_decode else 2)
@@ -175,117 +229,98 @@ def build_metadata(
                 )
             if int(table[blk]) * block_size + start % block_size != int(s.slot_mapping[0]):
                 raise InvalidRequestError("slot_mapping disagrees with the block table")
-            dec_idx.append(offset)
-            dec_len.append(start + n)
-            dec_tables.append(table[: blk + 1])
+            dec.append((offset, s))
         else:
             if not np.array_equal(
                 context_slots(s.block_table, start + n, block_size, start), s.slot_mapping
             ):
                 raise InvalidRequestError("slot_mapping disagrees with the block table")
-            ctx = torch.from_numpy(context_slots(s.block_table, start + n, block_size))
-            ref.append(SeqAttention(offset, n, start, ctx.to(device)))
+            ref.append((offset, s))
         offset += n
-    meta = AttentionMetadata(
-        torch.from_numpy(np.concatenate(slot_parts).astype(np.int64, copy=False)).to(device),
-        torch.from_numpy(np.concatenate(pos_parts)).to(device),
-        ref,
+    slot_mapping = torch.from_numpy(np.concatenate(slot_parts).astype(np.int64, copy=False)).to(
+        device
     )
-    if dec_idx and native_decode:
+    positions = torch.from_numpy(np.concatenate(pos_parts)).to(device)
+    args = (slot_mapping, positions, ref, dec, block_size, device, native_decode, cache_row_elems)
+    if sliding_window is None:
+        return _build_view(None, *args)
+    windowed = _build_view(sliding_window, *args)
+    if not full_attention:
+        return windowed
+    full = _build_view(None, *args)
+    full.sliding = windowed
+    return full
+
+
+def _build_view(
+    window: int | None,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    ref: list[tuple[int, SeqLike]],
+    dec: list[tuple[int, SeqLike]],
+    block_size: int,
+    device: torch.device,
+    native_decode: bool,
+    cache_row_elems: int,
+) -> AttentionMetadata:
+    """The metadata of layers attending over ``window`` positions (None: all of them)."""
+    meta = AttentionMetadata(slot_mapping, positions, [], window=window)
+    for offset, s in ref:
+        start, n = s.start_position, s.num_tokens
+        lo = 0 if window is None else max(0, start + 1 - window)
+        ctx = torch.from_numpy(context_slots(s.block_table, start + n, block_size, lo))
+        mask = None
+        if start or (window is not None and start + n > window):
+            kpos = np.arange(lo, start + n)[None, :]
+            qpos = np.arange(start, start + n)[:, None]
+            keep = kpos <= qpos
+            if window is not None:
+                keep &= kpos > qpos - window
+            mask = torch.from_numpy(keep).to(device)
+        meta.seqs.append(SeqAttention(offset, n, start, ctx.to(device), mask))
+    if not dec:
+        return meta
+    dec_idx: list[int] = []
+    dec_len: list[int] = []  # positions from the first block read to the query, inclusive
+    dec_first: list[int] = []  # of those, the ones before the window (not attended)
+    dec_tables: list[np.ndarray] = []
+    for offset, s in dec:
+        start = s.start_position
+        lo = 0 if window is None else max(0, start + 1 - window)
+        first_blk = lo // block_size
+        dec_idx.append(offset)
+        dec_len.append(start + 1 - first_blk * block_size)
+        dec_first.append(lo - first_blk * block_size)
+        dec_tables.append(s.block_table[first_blk : start // block_size + 1])
+    token_range = None
+    if dec_idx == list(range(dec_idx[0], dec_idx[0] + len(dec_idx))):
+        token_range = (dec_idx[0], dec_idx[0] + len(dec_idx))
+    if native_decode:
         tables = np.zeros((len(dec_tables), max(len(t) for t in dec_tables)), dtype=np.int64)
         for row, t in enumerate(dec_tables):
             tables[row, : len(t)] = t
-        token_range = None
-        if dec_idx == list(range(dec_idx[0], dec_idx[0] + len(dec_idx))):
-            token_range = (dec_idx[0], dec_idx[0] + len(dec_idx))
         meta.native = NativeDecode(
             torch.tensor(dec_idx, dtype=torch.long, device=device),
             token_range,
             torch.from_numpy(tables).to(device),
             torch.tensor(dec_len, dtype=torch.long, device=device),
+            torch.tensor(dec_first, dtype=torch.long, device=device) if any(dec_first) else None,
         )
-    elif dec_idx:
-        lengths = np.array(dec_len, dtype=np.int64)
-        for members in plan_decode_groups(lengths, block_size, cache_row_elems):
-            meta.decode.append(
-                _decode_group(members, dec_idx, lengths, dec_tables, block_size, device)
-            )
+        return meta
+    lengths = np.array(dec_len, dtype=np.int64)
+    firsts = np.array(dec_first, dtype=np.int64)
+    for members in plan_decode_groups(lengths, block_size, cache_row_elems):
+        meta.decode.append(
+            _decode_group(members, dec_idx, lengths, firsts, dec_tables, block_size, device)
+        )
     return meta
-
-
-# One more decode group (two gathers and an SDPA call per layer) costs about as much as
-# attending over this many more padded K/V elements per buffer. Measured on CPU: ~40 us per
-# extra call against ~5 us per padded block of 4,096 elements (16 x 4 heads x 64).
-_GROUP_COST_ELEMS = 32 * 1024
-_MAX_DECODE_GROUPS = 4
-_EXACT_PLAN_MAX = 128  # above this many decodes, cut equal-count runs instead of the DP
-
-
-def plan_decode_groups(
-    context_lens: np.ndarray, block_size: int, cache_row_elems: int
-) -> list[np.ndarray]:
-    """Split decodes (their context lengths) into at most ``_MAX_DECODE_GROUPS`` groups of
-    similar length. Sorted by length, the decodes are cut into runs minimising the padded
-    blocks (rows x the run's longest) plus a per-group cost: exactly, by dynamic programming
-    over the cut points (vectorised, O(G x D^2) elementwise), for up to ``_EXACT_PLAN_MAX``
-    decodes; above that the best of 1..G equal-count runs. One long context among short ones
-    gets a group of its own instead of padding its neighbours. Returns each group's member
-    indices (every decode exactly once, groups in increasing length).
-
-    The cut points depend only on the sorted block counts, which change when a decode crosses
-    a block boundary or the batch changes, so they are memoised (most steps reuse them)."""
-    blocks = -(-np.asarray(context_lens, dtype=np.int64) // block_size)
-    order = np.argsort(blocks, kind="stable")
-    if len(order) <= 1:
-        return [order]
-    penalty = max(1.0, _GROUP_COST_ELEMS / cache_row_elems)
-    cuts = _plan_cuts(tuple(blocks[order].tolist()), penalty)
-    return [order[a:z] for a, z in itertools.pairwise(cuts)]
-
-
-@functools.lru_cache(maxsize=256)
-def _plan_cuts(sorted_blocks: tuple[int, ...], penalty: float) -> tuple[int, ...]:
-    """Cut points ``0 = c0 < c1 < ... = n`` of the cheapest plan (see plan_decode_groups)."""
-    b = np.array(sorted_blocks, dtype=np.float64)
-    n = len(b)
-    if n > _EXACT_PLAN_MAX:
-        return _equal_count_cuts(b, penalty)
-    i = np.arange(n)
-    # run[a, j]: padded blocks of the run a..j (its longest is the last, b[j]); inf if a > j
-    run = np.where(i[:, None] <= i[None, :], (i[None, :] - i[:, None] + 1) * b[None, :], np.inf)
-    best = run[0] + penalty  # best[j]: decodes 0..j in one group
-    starts: list[np.ndarray] = []  # per extra group: where the last run starts, for each j
-    costs = [best[-1]]
-    for _ in range(1, min(_MAX_DECODE_GROUPS, n)):
-        cand = best[:-1, None] + run[1:, :] + penalty  # last run starts at a = row + 1
-        start = cand.argmin(axis=0) + 1
-        best = np.concatenate(([np.inf], cand.min(axis=0)[1:]))
-        starts.append(start)
-        costs.append(best[-1])
-    groups = int(np.argmin(costs)) + 1
-    cuts = [n]
-    for g in range(groups - 1, 0, -1):  # walk back from the last run
-        cuts.append(int(starts[g - 1][cuts[-1] - 1]))
-    cuts.append(0)
-    return tuple(reversed(cuts))
-
-
-def _equal_count_cuts(b: np.ndarray, penalty: float) -> tuple[int, ...]:
-    n = len(b)
-    best: tuple[int, ...] = (0, n)
-    best_cost = n * b[-1] + penalty
-    for groups in range(2, min(_MAX_DECODE_GROUPS, n) + 1):
-        cuts = tuple((n * g) // groups for g in range(groups + 1))
-        cost = penalty * groups + sum((z - a) * b[z - 1] for a, z in itertools.pairwise(cuts))
-        if cost < best_cost:
-            best_cost, best = cost, cuts
-    return best
 
 
 def _decode_group(
     members: np.ndarray,
     dec_idx: list[int],
     lengths: np.ndarray,
+    firsts: np.ndarray,
     tables: list[np.ndarray],
     block_size: int,
     device: torch.device,
@@ -294,11 +329,12 @@ def _decode_group(
     block_ids = np.zeros((len(members), max_blocks), dtype=np.int64)
     for row, m in enumerate(members):
         block_ids[row, : len(tables[m])] = tables[m]
-    lens = lengths[members]
+    lens, first = lengths[members], firsts[members]
     width = max_blocks * block_size
     mask = None
-    if int(lens.min()) < width:
-        m_np = np.arange(width)[None, :] < lens[:, None]
+    if int(lens.min()) < width or first.any():
+        cols = np.arange(width)[None, :]
+        m_np = (cols < lens[:, None]) & (cols >= first[:, None])
         mask = torch.from_numpy(m_np[:, None, None, :]).to(device)
     rows = [dec_idx[m] for m in members]
     token_range = None
@@ -333,12 +369,24 @@ def paged_attention(
         if nat.token_range is not None:
             a, b = nat.token_range
             out[a:b] = native.decode_attention(
-                q[a:b], cache.k[layer], cache.v[layer], nat.tables, nat.lens, scale
+                q[a:b],
+                cache.k[layer],
+                cache.v[layer],
+                nat.tables,
+                nat.lens,
+                scale,
+                starts=nat.starts,
             )
         else:
             qd = q.index_select(0, nat.token_idx)
             od = native.decode_attention(
-                qd, cache.k[layer], cache.v[layer], nat.tables, nat.lens, scale
+                qd,
+                cache.k[layer],
+                cache.v[layer],
+                nat.tables,
+                nat.lens,
+                scale,
+                starts=nat.starts,
             )
             out.index_copy_(0, nat.token_idx, od)
     for group in meta.decode:
@@ -361,11 +409,7 @@ def _attend_reference(
     scale: float,
 ) -> torch.Tensor:
     keys, values = cache.gather(layer, s.context_slots)  # [kv_heads, ctx, d]
-    ctx = keys.shape[1]
-    mask = None
-    if s.start_position:  # a cached prefix: query i sits at position start + i
-        qpos = torch.arange(s.start_position, s.start_position + s.num_tokens, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [n, ctx]
+    mask = s.mask  # a cached prefix or a window: query i sits at position start + i
     # 4-D inputs (a batch of one): torch's CPU flash kernel takes them, 3-D ones fall back to
     # the unfused math path (measured 1.7 vs 3.0 ms for a 256-token prompt, 8/4 heads).
     out = F.scaled_dot_product_attention(

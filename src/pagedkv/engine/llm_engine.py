@@ -123,6 +123,8 @@ class LLMEngine:
             model_id=config.model_id,
             watermark=config.watermark,
             reservation=config.reservation,  # type: ignore[arg-type]  # validated by CacheConfig
+            # every layer windowed: blocks before the window are released (core/config.py)
+            sliding_window=mcfg.sliding_window if mcfg.all_layers_windowed else None,
         )
         sched_cfg = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -3,6 +3,9 @@
 Supported: the Llama family (Llama 2, 3, 3.x with ``linear`` or ``llama3`` RoPE scaling), Qwen2 and
 Qwen2.5 (bias on q/k/v), Qwen3 (RMSNorm of q and k per head). Both the older config layout
 (``rope_theta`` + ``rope_scaling``) and the transformers 5 layout (``rope_parameters``) are read.
+Sliding-window attention is read as transformers 5.24 reads it (``sliding_window.py``): Mistral's
+``sliding_window`` on every layer; Qwen2/Qwen3's ``use_sliding_window`` + ``sliding_window`` on
+the layers from ``max_window_layers`` up, or as ``layer_types`` lists them.
 Anything else raises :class:`ModelLoadError` naming the field or architecture.
 """
 
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedkv.engine.sliding_window import parse_sliding_window
 from pagedkv.errors import ModelLoadError
 
 # model_type -> (q/k/v bias forced on, q/k norm)
@@ -55,6 +59,11 @@ class ModelConfig:
     ``head_dim`` is taken from the config when given (Qwen3 sets it apart from
     hidden_size / num_attention_heads). ``num_attention_heads`` must be a multiple of
     ``num_key_value_heads`` (grouped-query attention).
+
+    ``sliding_window``: when set, a query at position ``p`` of a windowed layer attends to keys
+    at positions ``p - sliding_window < k <= p`` (transformers' ``masking_utils``), on every
+    layer except those in ``full_attention_layers`` (Qwen2's first ``max_window_layers``).
+    None: full causal attention everywhere, and ``full_attention_layers`` is empty.
     """
 
     model_type: str
@@ -76,6 +85,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    sliding_window: int | None = None
+    full_attention_layers: tuple[int, ...] = ()  # layers exempt from sliding_window, sorted
 
     def __post_init__(self) -> None:
         for name in (
@@ -98,6 +109,34 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ModelLoadError(
+                f"config field sliding_window must be a positive int, got {window!r}"
+            )
+        full = self.full_attention_layers
+        if full and (
+            window is None
+            or list(full) != sorted(set(full))
+            or not 0 <= full[0] <= full[-1] < self.num_hidden_layers
+            or len(full) == self.num_hidden_layers
+        ):
+            raise ModelLoadError(
+                f"full_attention_layers {full!r} must be distinct sorted layer indices below "
+                f"{self.num_hidden_layers}, not all of them, with a sliding_window set"
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, or None where it attends to every position."""
+        if self.sliding_window is None or layer in self.full_attention_layers:
+            return None
+        return self.sliding_window
+
+    @property
+    def all_layers_windowed(self) -> bool:
+        """Every layer attends to at most ``sliding_window`` positions (so KV blocks wholly
+        outside the window can be released)."""
+        return self.sliding_window is not None and not self.full_attention_layers
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -117,10 +156,7 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
-        if raw.get("use_sliding_window"):
-            raise ModelLoadError(
-                "sliding-window attention (use_sliding_window=true) is unsupported"
-            )
+        window, full_layers = parse_sliding_window(raw, str(model_type))
 
         def need(name: str) -> Any:
             if name not in raw or raw[name] is None:
@@ -162,6 +198,8 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            sliding_window=window,
+            full_attention_layers=full_layers,
         )
 
     @classmethod

@@ -106,7 +106,7 @@ def _build() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(target))
         fn = lib.pagedkv_decode_f32
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_float]
+        fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float]
         fn.restype = ctypes.c_int
         return lib
     raise OSError("; ".join(errors))
@@ -168,13 +168,18 @@ def decode_attention(
     lens: torch.Tensor,
     scale: float,
     threads: int | None = None,
+    *,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     ``q``: ``[seqs, heads, head_dim]`` float32; ``k_pool``/``v_pool``: one layer's
     ``[kv_heads, blocks, block_size, head_dim]`` float32, contiguous; ``tables``:
     ``[seqs, >= ceil(max(lens) / block_size)]`` int64 block ids; ``lens``: ``[seqs]`` int64
-    context lengths. Returns ``[seqs, heads, head_dim]``. CPU only. The rows are shared out
+    context lengths. ``starts`` (``[seqs]`` int64, optional): per row, how many leading
+    positions of its first block are not attended (a sliding window that begins inside that
+    block; the table then starts at the window's first block and ``lens`` counts from it).
+    Returns ``[seqs, heads, head_dim]``. CPU only. The rows are shared out
     among ``threads`` threads (default: torch's intra-op thread count) when there is enough
     work, each a run of rows with about the same total context."""
     if not available():
@@ -196,6 +201,7 @@ def decode_attention(
         or not (k_pool.is_contiguous() and v_pool.is_contiguous() and tables.is_contiguous())
         or not supports(heads, num_kv, block_size, head_dim, q.dtype)
         or (seqs and int(lens.max()) > tables.shape[1] * block_size)
+        or (starts is not None and (starts.dtype is not torch.int64 or starts.shape != (seqs,)))
     ):
         raise InvalidRequestError(
             f"native decode kernel: unsupported inputs q{tuple(q.shape)} {q.dtype}, pool "
@@ -204,6 +210,7 @@ def decode_attention(
         )
     q = q.contiguous()
     lens = lens.contiguous()
+    starts = None if starts is None else starts.contiguous()
     out = torch.empty_like(q)
     fn = _lib.pagedkv_decode_f32
     row_q, row_t = heads * head_dim * 4, tables.shape[1] * 8  # bytes per row
@@ -217,6 +224,7 @@ def decode_attention(
                 v_pool.data_ptr(),
                 tables.data_ptr() + a * row_t,
                 lens.data_ptr() + a * 8,
+                None if starts is None else starts.data_ptr() + a * 8,
                 b - a,
                 tables.shape[1],
                 heads,
@@ -237,7 +245,7 @@ def decode_attention(
         codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
     if any(codes):
         raise InvalidRequestError(
-            "native decode kernel rejected its inputs: a block id or a length out of range"
+            "native decode kernel rejected its inputs: a block id, a length or a start out of range"
         )
     return out
 

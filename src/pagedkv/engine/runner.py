@@ -148,6 +148,8 @@ class ModelRunner:
             batched_decode=self.batched_decode,
             cache_row_elems=spec.block_size * spec.num_kv_heads * spec.head_dim,
             native_decode=self.uses_native_decode(),
+            sliding_window=self.model.config.sliding_window,
+            full_attention=not self.model.config.all_layers_windowed,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, meta, self.kv_cache)

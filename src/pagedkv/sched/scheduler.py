@@ -378,6 +378,7 @@ class Scheduler(KVSharingMixin):
             if not sr.samples:
                 mgr.commit(rid, sr.num_tokens)
                 req.num_computed_tokens += sr.num_tokens
+                self._release_outside_window(req)
                 continue
             toks = sampled[rid]
             all_ids = req.all_token_ids
@@ -416,6 +417,7 @@ class Scheduler(KVSharingMixin):
             if rejected and mgr.rollback(rid, rejected):
                 self._refresh_table(req)
             req.num_computed_tokens += num_committed  # == the manager's count (S3)
+            self._release_outside_window(req)
             if req.draft_token_ids:
                 req.draft_token_ids = []
             if reason is not None:
@@ -584,6 +586,16 @@ class Scheduler(KVSharingMixin):
             del running[i]
         else:  # pragma: no cover - S2 guarantees the bisect finds it
             running.remove(req)
+
+    def _release_outside_window(self, req: Request) -> None:
+        """Sliding-window models: free the blocks before the request's window (after commit).
+        A request that will send its KV to another engine keeps it whole."""
+        if (
+            self.cache_config.sliding_window is not None
+            and req.kv_transfer is not KVTransfer.SEND
+            and self.manager.release_outside_window(req.request_id)
+        ):
+            self._refresh_table(req)
 
     def _refresh_table(self, req: Request) -> None:
         ids = self.manager.block_ids(req.request_id)

@@ -11,8 +11,12 @@
  *   k_pool     [num_kv_heads, num_blocks, block_size, head_dim]   (v_pool the same)
  *   tables     [num_seqs, table_stride] block ids; row s holds ceil(lens[s] / block_size) ids
  *   lens       [num_seqs] context lengths (>= 1), the query's own position included
+ *   starts     [num_seqs] or NULL: positions of the first block not attended (a sliding
+ *              window that begins inside it; 0 <= starts[s] < min(lens[s], block_size)).
+ *              The table then begins at the window's first block and lens counts from it.
  *
- * Returns 0, or -1 when a block id is out of range or a length is not positive (nothing
+ * Returns 0, or -1 when a block id is out of range, a length is not positive or a start is
+ * out of range (nothing
  * meaningful is written then; the caller raises). Compiled (not linked) with -ffast-math for
  * vectorised expf: the code never produces infinities or NaNs for finite inputs (the running
  * max starts at -FLT_MAX, not -inf).
@@ -40,7 +44,7 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 int pagedkv_decode_f32(const float *restrict q, float *restrict out,
                        const float *restrict k_pool, const float *restrict v_pool,
                        const int64_t *restrict tables, const int64_t *restrict lens,
-                       int64_t num_seqs, int64_t table_stride, int64_t num_heads,
+                       const int64_t *restrict starts, int64_t num_seqs, int64_t table_stride, int64_t num_heads,
                        int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                        int64_t head_dim, float scale) {
     const int64_t group = num_heads / num_kv_heads;
@@ -52,7 +56,8 @@ int pagedkv_decode_f32(const float *restrict q, float *restrict out,
     const int64_t block_elems = block_size * d;
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t len = lens[s];
-        if (len <= 0) return -1;
+        const int64_t first = starts ? starts[s] : 0;
+        if (len <= 0 || first < 0 || first >= len || first >= block_size) return -1;
         const int64_t nblk = (len + block_size - 1) / block_size;
         const int64_t *table = tables + s * table_stride;
         for (int64_t b = 0; b < nblk; ++b)
@@ -78,11 +83,12 @@ int pagedkv_decode_f32(const float *restrict q, float *restrict out,
                     }
                 }
                 const int64_t n = (b + 1 < nblk) ? block_size : len - b * block_size;
+                const int64_t j0 = b ? 0 : first; /* rows before the window are skipped */
                 for (int64_t i = 0; i < group; ++i) {
                     const float *qi = qh + i * d;
                     float *sc = scores + i * block_size;
                     float block_max = -FLT_MAX;
-                    for (int64_t j = 0; j < n; ++j) {
+                    for (int64_t j = j0; j < n; ++j) {
                         sc[j] = dot(qi, kb + j * d, d) * scale;
                         block_max = sc[j] > block_max ? sc[j] : block_max;
                     }
@@ -93,8 +99,8 @@ int pagedkv_decode_f32(const float *restrict q, float *restrict out,
                         run_sum[i] *= corr;
                         for (int64_t x = 0; x < d; ++x) ai[x] *= corr;
                     }
-                    for (int64_t j = 0; j < n; ++j) sc[j] = expf(sc[j] - new_max);
-                    for (int64_t j = 0; j < n; ++j) {
+                    for (int64_t j = j0; j < n; ++j) sc[j] = expf(sc[j] - new_max);
+                    for (int64_t j = j0; j < n; ++j) {
                         const float p = sc[j];
                         const float *vj = vb + j * d;
                         run_sum[i] += p;

@@ -1,4 +1,5 @@
-"""The Llama family as plain tensor code: Llama 2/3/3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k norm).
+"""The Llama family as plain tensor code: Llama 2/3/3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k norm),
+Mistral; sliding-window layers where the config has them (``ModelConfig.layer_window``).
 
 Weights are a flat ``{hf_name: tensor}`` dict with Hugging Face names, so the loader needs no
 renaming. ``forward`` takes a step's flat token batch, writes K/V through the attention
@@ -190,7 +191,8 @@ class LlamaModel:
                 qk = qkv[:, : nh + nkv]
             qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
-            att = paged_attention(i, q, k, v, cache, meta, self.scale).reshape(n, nh * hd)
+            view = meta.for_window(cfg.layer_window(i))  # sliding-window layers: their view
+            att = paged_attention(i, q, k, v, cache, view, self.scale).reshape(n, nh * hd)
             h = h + self._o[i](att)
             x = _rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
             gate, up = self._gate_up[i](x).chunk(2, dim=-1)
