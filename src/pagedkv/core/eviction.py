@@ -23,6 +23,9 @@ class EvictionPolicy(Protocol):
     def push(self, block_id: int) -> None:
         """``block_id`` just became free (ref count 0) and keeps its hash."""
 
+    def push_many(self, block_ids: list[int]) -> None:
+        """``push`` each block in order (one call for a freed request's blocks)."""
+
     def remove(self, block_id: int) -> None:
         """``block_id`` was referenced again (a prefix hit) and is no longer evictable."""
 
@@ -56,6 +59,9 @@ class LRUPolicy:
 
     def push(self, block_id: int) -> None:
         self._order[block_id] = None
+
+    def push_many(self, block_ids: list[int]) -> None:
+        self._order.update(dict.fromkeys(block_ids))  # one C call; keeps the given order
 
     def remove(self, block_id: int) -> None:
         del self._order[block_id]

@@ -54,7 +54,10 @@ class KVCacheManager:
       M3  every request's blocks cover ``num_computed + num_pending`` positions
       M4  ``num_computed <= len(token_ids)``; committed full blocks of a request are hashed with
           the request's chain hashes or left unhashed as duplicates, never with another hash
-      M5  the pool's own invariants (I1..I5) hold
+      M5  the pool's own invariants (I1..I7) hold
+      M6  ``_inflight[h]`` == the number of started, unheld requests with ``h`` among their
+          known, uncommitted full blocks ``chain.hashes[num_cached_blocks:]`` (blocks being
+          computed now or in a later chunk: a waiting request needing one waits for its commit)
     Complexity: ``can_admit`` and every ``num_*`` query O(1); ``allocate_slots``/``rollback``/
     ``free`` O(blocks touched); ``match_prefix`` O(hit blocks).
     """
@@ -70,8 +73,10 @@ class KVCacheManager:
         # max_tokens never makes a request inadmissible forever.
         self._admissible_blocks = self.pool.capacity_blocks - self._watermark_blocks
         self._default_context = HashContext(model_id=config.model_id, algo=config.hash_algo)
-        self._prefix = PrefixStats()
+        self._prefix = PrefixStats(config.prefix_stats_window)
         self.num_cow_copies = 0
+        # Hashes being computed by requests holding blocks -> how many such requests (M6).
+        self._inflight: dict[BlockHash, int] = {}
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -131,32 +136,80 @@ class KVCacheManager:
             raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
         new = list(token_ids)
         if self.config.enable_prefix_caching:
-            seq.chain.extend(new)
+            completed = seq.chain.extend(new)
+            if completed and seq.started:  # they are this request's to compute: in flight
+                inflight = self._inflight
+                for h in completed:
+                    inflight[h] = inflight.get(h, 0) + 1
+                seq.inflight_hi += len(completed)
         else:
             pack_tokens(new)
         seq.token_ids.extend(new)
+        if seq.match is not None:
+            self._drop_memo(seq)
 
     def match_prefix(self, request_id: str) -> PrefixMatch:
         """The longest cached run of full blocks, never the whole prompt. Read-only.
 
         At least one token is always left to compute, so the model produces logits.
+
+        The answer is memoised. Memo invariant: a match taken at the pool's ``watch_epoch`` E
+        over N tokens equals a fresh match while the epoch is still E and the request still has N
+        tokens. It holds because the match depends only on (a) which of the chain's hashes are
+        indexed, and at which blocks, and (b) which matched blocks have ref count 0; the memo
+        watches its matched blocks (evicted, or crossing ref count 0) and the next hash of its
+        chain (indexed), and any of those bumps the epoch. Nothing else can change the answer,
+        so a blocked waiting head re-matches only when its own chain changed.
         """
         seq = self._get(request_id)
         if seq.started:
             raise RequestStateError(f"request {request_id!r} already holds its prefix")
         match = seq.match
-        if match is not None and seq.match_key == (self.pool.version, len(seq.token_ids)):
-            return match  # nothing changed since: the memo is exact
+        pool = self.pool
+        if (
+            match is not None
+            and seq.match_epoch == pool.watch_epoch
+            and seq.match_num_tokens == len(seq.token_ids)
+        ):
+            return match  # nothing it depends on changed since: the memo is exact
+        if match is not None:
+            self._drop_memo(seq)
+        nxt: tuple[BlockHash, ...] = ()
         if self.config.enable_prefix_caching:
             max_blocks = (len(seq.token_ids) - 1) // self.block_size
-            ids = self.pool.match_prefix(seq.chain.hashes, max_blocks)
-            evictable = list(map(self.pool._ref.__getitem__, ids)).count(0)
+            ids = pool.match_prefix(seq.chain.hashes, max_blocks)
+            evictable = pool.ref_counts(ids).count(0)
+            if len(ids) < max_blocks:
+                nxt = (seq.chain.hashes[len(ids)],)
         else:
             ids, evictable = [], 0
         match = PrefixMatch(tuple(ids), len(ids) * self.block_size, evictable)
+        pool.watch(match.block_ids, nxt)
         seq.match = match
-        seq.match_key = (self.pool.version, len(seq.token_ids))
+        seq.match_next = nxt
+        seq.match_epoch = pool.watch_epoch
+        seq.match_num_tokens = len(seq.token_ids)
         return match
+
+    def waits_for_inflight(self, request_id: str) -> bool:
+        """Whether the next block a waiting request would compute past its cached prefix is
+        being computed now by a request holding blocks (so waiting for its commit turns that
+        block into a hit instead of computing it twice). O(1) once matched."""
+        seq = self._get(request_id)
+        match = self.match_prefix(request_id)
+        i = len(match.block_ids)
+        return (
+            bool(self._inflight)
+            and i < (len(seq.token_ids) - 1) // self.block_size
+            and seq.chain.hashes[i] in self._inflight
+        )
+
+    def _drop_memo(self, seq: SeqState) -> None:
+        match = seq.match
+        if match is not None:
+            self.pool.unwatch(match.block_ids, seq.match_next)
+            seq.match = None
+            seq.match_next = ()
 
     def num_blocks_to_admit(self, request_id: str) -> int:
         """Blocks admitting this waiting request would take now, its future claim included."""
@@ -200,7 +253,7 @@ class KVCacheManager:
             write_pos = seq.num_computed + seq.num_pending
             bs = self.block_size
             if write_pos + num_new_tokens <= len(seq.block_ids) * bs and (
-                not write_pos % bs or self.pool._ref[seq.block_ids[write_pos // bs]] == 1
+                not write_pos % bs or self.pool.is_exclusive(seq.block_ids[write_pos // bs])
             ):
                 seq.num_pending += num_new_tokens
                 return Allocation((), (), seq.num_hit_tokens)
@@ -231,7 +284,7 @@ class KVCacheManager:
             seq.started
             and write_pos % bs
             and write_pos // bs < len(seq.block_ids)
-            and pool._ref[seq.block_ids[write_pos // bs]] > 1
+            and not pool.is_exclusive(seq.block_ids[write_pos // bs])
         ):
             cow_index = write_pos // bs
         total = num_new_blocks + (cow_index >= 0) + num_evictable
@@ -249,8 +302,9 @@ class KVCacheManager:
             seq.num_cached_blocks = len(hit_ids)
             seq.num_hit_tokens = num_computed
             seq.started = True
-            seq.match = None
-            self._prefix.record(len(seq.token_ids), num_computed, bs)
+            self._drop_memo(seq)
+            self._prefix.record(len(seq.token_ids), num_computed, bs, resumed=seq.resumed)
+            self._inflight_start(seq)
         if cow_index >= 0:
             src = seq.block_ids[cow_index]
             (dst,) = pool.allocate(1)
@@ -303,6 +357,7 @@ class KVCacheManager:
             lora_name=chain.context.adapter_id,
         )
         seq.num_cached_blocks = full
+        self._inflight_commit(seq, full)
         return num_new
 
     def rollback(self, request_id: str, num_tokens: int) -> list[int]:
@@ -359,6 +414,7 @@ class KVCacheManager:
         child.started = True
         self._seqs[child_id] = child
         self._update_claim(child)
+        self._inflight_start(child)
 
     def preempt(self, request_id: str) -> None:
         """Free a running request's blocks but keep its tokens and hashes, to resume later.
@@ -373,7 +429,7 @@ class KVCacheManager:
         seq.num_pending = 0
         seq.num_cached_blocks = 0
         seq.started = False
-        seq.match = None
+        seq.resumed = True
 
     def free(self, request_id: str) -> None:
         """Forget a request and drop its references, last block first (tail evicted first)."""
@@ -399,6 +455,7 @@ class KVCacheManager:
                 f"request {request_id!r} has {seq.num_pending} uncommitted positions; commit or "
                 "roll them back before holding its KV for transfer"
             )
+        self._inflight_stop(seq)  # a finished request computes nothing more
         seq.held = True
         self._update_claim(seq)
 
@@ -419,13 +476,13 @@ class KVCacheManager:
         """Forget every cached prefix; raises CacheBusyError (no change) while blocks are in use."""
         self.pool.reset_prefix_cache()
         for seq in self._seqs.values():  # only waiting requests remain (none holds blocks)
-            seq.match = None
+            self._drop_memo(seq)
 
     def clear(self) -> None:
         """Return an idle manager's pool to its initial size (see ``BlockPool.clear``)."""
         self.pool.clear()
         for seq in self._seqs.values():
-            seq.match = None
+            self._drop_memo(seq)
 
     # ------------------------------------------------------------------ tables
     def block_ids(self, request_id: str) -> list[int]:
@@ -507,8 +564,8 @@ class KVCacheManager:
         hist: tuple[tuple[int, int], ...] = ()
         if ref_histogram:
             counts: dict[int, int] = {}
-            for b in range(1 if pool.config.use_null_block else 0, pool.num_materialized_blocks):
-                r = pool._ref[b]
+            first = 1 if pool.config.use_null_block else 0
+            for r in pool.ref_counts(range(first, pool.num_materialized_blocks)):
                 counts[r] = counts.get(r, 0) + 1
             hist = tuple(sorted(counts.items()))
         return KVCacheStats(
@@ -551,12 +608,45 @@ class KVCacheManager:
         seq.claim = new
 
     def _release_blocks(self, seq: SeqState) -> None:
+        self._inflight_stop(seq)
+        self._drop_memo(seq)
         if seq.block_ids:
             self.pool.free(seq.block_ids[::-1])
             seq.block_ids = []
         seq.started = False
         self._running_claim -= seq.claim
         seq.claim = 0
+
+    def _inflight_start(self, seq: SeqState) -> None:
+        """A request took its blocks: its known, uncommitted full blocks are now in flight."""
+        if not self.config.enable_prefix_caching:
+            return
+        lo, hi = seq.num_cached_blocks, len(seq.chain.hashes)
+        seq.inflight_lo, seq.inflight_hi = lo, hi
+        inflight = self._inflight
+        for h in seq.chain.hashes[lo:hi]:
+            inflight[h] = inflight.get(h, 0) + 1
+
+    def _inflight_commit(self, seq: SeqState, num_cached_blocks: int) -> None:
+        """Blocks before ``num_cached_blocks`` are committed: no longer in flight."""
+        lo = seq.inflight_lo
+        if num_cached_blocks > lo:
+            self._inflight_drop(seq.chain.hashes[lo:num_cached_blocks])
+            seq.inflight_lo = num_cached_blocks
+
+    def _inflight_stop(self, seq: SeqState) -> None:
+        if seq.inflight_hi > seq.inflight_lo:
+            self._inflight_drop(seq.chain.hashes[seq.inflight_lo : seq.inflight_hi])
+        seq.inflight_lo = seq.inflight_hi = 0
+
+    def _inflight_drop(self, hashes: Sequence[BlockHash]) -> None:
+        inflight = self._inflight
+        for h in hashes:
+            n = inflight[h] - 1
+            if n:
+                inflight[h] = n
+            else:
+                del inflight[h]
 
     def check_invariants(self) -> None:
         """Recompute every counter from scratch; raise InvariantViolation naming the broken one."""
@@ -580,7 +670,7 @@ class KVCacheManager:
                 raise InvariantViolation(f"M4: request {seq.request_id!r} computed unknown tokens")
             if self.config.enable_prefix_caching:
                 for i in range(seq.num_cached_blocks):
-                    h = pool._hash[seq.block_ids[i]]
+                    h = pool.block_hash(seq.block_ids[i])
                     if h is not None and h != seq.chain.hashes[i]:
                         raise InvariantViolation(
                             f"M4: block {seq.block_ids[i]} of request {seq.request_id!r} is "
@@ -588,8 +678,25 @@ class KVCacheManager:
                         )
         if claim_sum != self._running_claim:
             raise InvariantViolation(f"M2: running claim {self._running_claim} != {claim_sum}")
-        for b in range(pool.num_materialized_blocks):
-            if pool._ref[b] != refs.get(b, 0):
+        counts = pool.ref_counts(range(pool.num_materialized_blocks))
+        for b, r in enumerate(counts):
+            if r != refs.get(b, 0):
                 raise InvariantViolation(
-                    f"M1: block {b} has ref count {pool._ref[b]} but requests hold {refs.get(b, 0)}"
+                    f"M1: block {b} has ref count {r} but requests hold {refs.get(b, 0)}"
                 )
+        self._check_inflight()
+
+    def _check_inflight(self) -> None:
+        want: dict[BlockHash, int] = {}
+        for seq in self._seqs.values():
+            lo, hi = seq.inflight_lo, seq.inflight_hi
+            live = seq.started and not seq.held and self.config.enable_prefix_caching
+            expect = (seq.num_cached_blocks, len(seq.chain.hashes)) if live else (0, 0)
+            if (lo, hi) != expect:
+                raise InvariantViolation(
+                    f"M6: request {seq.request_id!r} in-flight range {(lo, hi)} != {expect}"
+                )
+            for h in seq.chain.hashes[lo:hi]:
+                want[h] = want.get(h, 0) + 1
+        if want != self._inflight:
+            raise InvariantViolation("M6: the in-flight table differs from the requests' ranges")

@@ -12,8 +12,9 @@ class PrefixMatch:
     """The cached prefix of a waiting request (read-only: no references are taken).
 
     ``num_evictable_blocks`` of the hit blocks are cached-free: taking them lowers free capacity.
-    A request's match is memoized and reused until the pool changes (``BlockPool.version``) or
-    the request gains tokens, so it is always exact.
+    A request's match is memoized and reused until something that can change it happens (the
+    pool's ``watch_epoch`` moves: a matched block evicted or crossing ref count 0, or the next
+    hash of its chain indexed) or the request gains tokens, so it is always exact.
     """
 
     block_ids: tuple[int, ...]
@@ -38,8 +39,12 @@ class SeqState:
         "chain",
         "claim",
         "held",
+        "inflight_hi",
+        "inflight_lo",
         "match",
-        "match_key",
+        "match_epoch",
+        "match_next",
+        "match_num_tokens",
         "max_total_tokens",
         "num_cached_blocks",
         "num_computed",
@@ -47,6 +52,7 @@ class SeqState:
         "num_pending",
         "num_prompt_tokens",
         "request_id",
+        "resumed",
         "started",
         "token_ids",
     )
@@ -67,5 +73,13 @@ class SeqState:
         self.claim = 0  # blocks this request may still claim; summed in _running_claim
         self.held = False  # finished, blocks kept for a remote transfer
         self.started = False  # has taken its prefix and holds blocks
+        self.resumed = False  # preempted once: its next admission is a re-admission (stats)
+        # Hashes chain.hashes[inflight_lo:inflight_hi] are being computed by this request (known
+        # tokens, not yet committed); the manager counts them in its in-flight table (M6).
+        self.inflight_lo = 0
+        self.inflight_hi = 0
+        # The memoised prefix match and what it watches in the pool (its blocks, next hash).
         self.match: PrefixMatch | None = None
-        self.match_key: tuple[int, int] | None = None  # (pool version, tokens) when matched
+        self.match_epoch = -1  # the pool's watch_epoch when matched
+        self.match_num_tokens = 0  # len(token_ids) when matched
+        self.match_next: tuple[bytes, ...] = ()  # the watched next hash (none at the limit)
