@@ -298,6 +298,7 @@ class KVCacheManager:
         if not seq.started:
             pool.touch(hit_ids)
             seq.block_ids = list(hit_ids)
+            seq.table = None
             seq.num_computed = num_computed
             seq.num_cached_blocks = len(hit_ids)
             seq.num_hit_tokens = num_computed
@@ -309,12 +310,14 @@ class KVCacheManager:
             src = seq.block_ids[cow_index]
             (dst,) = pool.allocate(1)
             seq.block_ids[cow_index] = dst
+            seq.table = None
             pool.free([src])
             copies = ((src, dst),)
             self.num_cow_copies += 1
         new_ids = pool.allocate(num_new_blocks) if num_new_blocks else []
         if new_ids:
             seq.block_ids.extend(new_ids)
+            seq.table = None
         seq.num_pending += num_new_tokens
         self._update_claim(seq)
         return Allocation(tuple(new_ids), copies, seq.num_hit_tokens)
@@ -380,6 +383,7 @@ class KVCacheManager:
         freed = seq.block_ids[keep:]
         if freed:
             del seq.block_ids[keep:]
+            seq.table = None
             self.pool.free(freed[::-1])
             self._update_claim(seq)
         return freed
@@ -490,8 +494,21 @@ class KVCacheManager:
         return list(self._get(request_id).block_ids)
 
     def block_table(self, request_id: str) -> np.ndarray:
-        """The request's block table as an int32 array."""
+        """The request's block table as an int32 array (a copy the caller may keep)."""
         return np.array(self._get(request_id).block_ids, dtype=np.int32)
+
+    def block_ids_view(self, request_id: str) -> list[int]:
+        """The request's block table itself (no copy): read it now, never mutate or keep it."""
+        return self._get(request_id).block_ids
+
+    def block_table_view(self, request_id: str) -> np.ndarray:
+        """The request's block table as an int32 array, cached until the table changes (a
+        read-only view for one step's batch: the manager replaces it, never mutates it)."""
+        seq = self._get(request_id)
+        table = seq.table
+        if table is None:
+            table = seq.table = np.array(seq.block_ids, dtype=np.int32)
+        return table
 
     def slot_mapping(self, request_id: str, start: int, end: int) -> np.ndarray:
         """Slots of positions ``[start, end)``: ``block_id * block_size + offset`` (int32)."""
@@ -613,6 +630,7 @@ class KVCacheManager:
         if seq.block_ids:
             self.pool.free(seq.block_ids[::-1])
             seq.block_ids = []
+            seq.table = None
         seq.started = False
         self._running_claim -= seq.claim
         seq.claim = 0

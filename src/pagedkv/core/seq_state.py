@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from pagedkv.core.hashing import BlockHashChain
 
 
@@ -54,6 +56,7 @@ class SeqState:
         "request_id",
         "resumed",
         "started",
+        "table",
         "token_ids",
     )
 
@@ -66,6 +69,7 @@ class SeqState:
         self.num_prompt_tokens = len(token_ids)
         self.max_total_tokens = max_total
         self.block_ids: list[int] = []
+        self.table: np.ndarray | None = None  # block_ids as int32, built on demand (a cache)
         self.num_computed = 0  # committed positions: KV computed and final
         self.num_pending = 0  # scheduled positions after num_computed, not yet committed
         self.num_cached_blocks = 0  # leading blocks already registered in the pool's index

@@ -458,8 +458,9 @@ class LLMEngine:
         self.scheduler.check_invariants()
         kv = self.runner.kv_cache
         kv.check_invariants()
+        mgr = self.scheduler.manager
         for req in self.scheduler.running:  # tensors grow before a step uses a new block
-            if req.num_computed_tokens and max(req._block_ids) >= kv.num_blocks:
+            if req.num_computed_tokens and max(mgr.block_ids_view(req.request_id)) >= kv.num_blocks:
                 raise InvariantViolation(f"E2: {req.request_id} holds a block past the KV tensors")
 
 

@@ -125,7 +125,7 @@ class TierIO:
             return set()
         owner: dict[int, str] = {}
         for rid in out.loading_ids:
-            for b in sched.get_request(rid)._block_ids:
+            for b in sched.manager.block_ids_view(rid):
                 owner[b] = rid
         per_request: dict[str, list[tuple[int, bytes]]] = {}
         for block_id, block_hash in out.block_loads:
