@@ -19,7 +19,9 @@ PROMPT = list(range(10, 24))  # 14 tokens: 3 full blocks + 2
 
 def make_driver(num_blocks: int = 64, *, max_model_len: int = 64) -> Driver:
     cfg = SchedulerConfig(
-        max_num_batched_tokens=64, max_num_seqs=8, max_model_len=max_model_len,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=max_model_len,
         check_invariants=True,
     )
     cache = CacheConfig(
@@ -176,7 +178,9 @@ def test_windowed_hit_rate_covers_the_last_admissions_only() -> None:
     prefix = d.sched.manager.stats().prefix
     assert (prefix.query_tokens, prefix.hit_tokens) == (56, 24)  # w2 and w3 hit 12 each
     assert (prefix.recent_queries, prefix.recent_query_tokens, prefix.recent_hit_tokens) == (
-        2, 28, 24,
+        2,
+        28,
+        24,
     )
     assert prefix.recent_hit_rate == pytest.approx(24 / 28)
     assert prefix.hit_rate == pytest.approx(24 / 56)
