@@ -42,11 +42,13 @@ def test_evicting_the_canonical_block_hands_its_hash_to_the_live_copy() -> None:
 
     m.free("b")  # 6 -> stack; 5 (now canonical for h1) -> LRU; 4 (a copy of h0) -> garbage
     assert pool.eviction_order() == [1, 5]
-    assert pool.copies_of(h[0]) == [] and pool.block_hash(4) is None
+    assert pool.copies_of(h[0]) == []
+    assert pool.block_hash(4) is None
     m.free("d")
     m.add_request("e", list(range(300, 309)), max_tokens=0)
     m.allocate_slots("e", 9)  # takes 4 and 6 from the stack, then evicts 1 (h0)
     assert m.block_ids("e") == [4, 6, 1]
     assert pool.drain_events() == [BlockRemoved((h[0],))]  # the last copy of h0 is gone
-    assert pool.is_cached(h[1]) and not pool.is_cached(h[0])
+    assert pool.is_cached(h[1])
+    assert not pool.is_cached(h[0])
     m.check_invariants()

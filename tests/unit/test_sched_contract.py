@@ -133,7 +133,8 @@ def test_reset_prefix_cache_with_reset_running_preempts_then_forgets_everything(
     pool = d.sched.manager.pool
     assert pool.num_cached_blocks > 0
     d.sched.reset_prefix_cache(reset_running=True)
-    assert pool.num_cached_blocks == 0 and pool.num_used_blocks == 0
+    assert pool.num_cached_blocks == 0
+    assert pool.num_used_blocks == 0
     assert [d.sched.get_request(r).status for r in "ab"] == [RequestStatus.PREEMPTED] * 2
     out, _ = d.step()
     assert sorted(out.preempted_ids) == ["a", "b"]  # reported with the next step
