@@ -221,6 +221,12 @@ class LLMEngine:
             if s.finish_reason is None and s.seq_id in self.scheduler.requests:
                 self.scheduler.abort(s.seq_id)
 
+    def reset_prefix_cache(self, reset_running: bool = False) -> None:
+        """Forget the device prefix cache (the KV tiers keep theirs). Raises CacheBusyError,
+        changing nothing, while requests hold KV, unless ``reset_running`` preempts them first
+        (they resume by recomputing, with the same tokens)."""
+        self.scheduler.reset_prefix_cache(reset_running)
+
     def close(self) -> None:
         """Write queued blocks to the KV tiers and close them (nothing to do without tiers)."""
         if self.tier_io is not None:

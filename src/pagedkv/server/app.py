@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
-from pagedkv.errors import InvalidRequestError, OverloadedError, PagedKVError
+from pagedkv.errors import CacheBusyError, InvalidRequestError, OverloadedError, PagedKVError
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.responses import completion_body, error_response, sse_completion
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -118,6 +118,16 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
     async def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "pagedkv"}
         return {"object": "list", "data": [card]}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:
+        """Drop the device prefix cache (vLLM's endpoint; authenticated like every route).
+        409 while requests hold KV, unless ``reset_running_requests`` preempts them first."""
+        try:
+            await asyncio.to_thread(engine.reset_prefix_cache, reset_running_requests)
+        except CacheBusyError as exc:
+            return error_response(409, str(exc), "invalid_request_error", "cache_busy")
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
