@@ -286,6 +286,19 @@ class BlockHashChain:
         self._tokens_hashed += num_full * bs
         return new
 
+    def preview(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The hashes ``extend(token_ids)`` would return, changing nothing. O(new tokens): the
+        chain's hash list is not copied (only its last hash is needed as the parent)."""
+        clone = BlockHashChain.__new__(BlockHashChain)
+        clone.block_size = self.block_size
+        clone._ctx = self._ctx
+        clone._fn = self._fn
+        clone._root = self._root
+        clone._hashes = self._hashes[-1:]
+        clone._pending = list(self._pending)
+        clone._tokens_hashed = self._tokens_hashed
+        return clone.extend(token_ids)
+
     def copy(self) -> BlockHashChain:
         """An independent chain with the same state (for forks)."""
         clone = BlockHashChain.__new__(BlockHashChain)

@@ -538,6 +538,11 @@ class KVCacheManager:
         """The request's full-block hashes so far (the manager's own list: do not mutate)."""
         return self._get(request_id).chain.hashes
 
+    def preview_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Hashes of the blocks that appending ``token_ids`` would complete (read-only), e.g.
+        the blocks accepted drafts fill before ``update`` appends them."""
+        return self._get(request_id).chain.preview(token_ids)
+
     def num_computed_tokens(self, request_id: str) -> int:
         return self._get(request_id).num_computed
 

@@ -104,6 +104,10 @@ class TierIO:
             rejected = sr.num_draft_tokens - accepted.get(rid, sr.num_draft_tokens)
             end = sr.start_position + sr.num_tokens - rejected  # computed after this step
             hashes = sched.manager.block_hashes(rid)
+            num_accepted = sr.num_draft_tokens - rejected
+            if num_accepted:  # blocks filled by accepted drafts: hashed once they are appended
+                drafts = sr.token_ids[1 : 1 + num_accepted]
+                hashes = hashes + sched.manager.preview_block_hashes(rid, drafts)
             first = sr.start_position // bs
             last = min(end // bs, len(hashes), len(sr.block_table))
             out.extend((int(sr.block_table[i]), hashes[i]) for i in range(first, last))
