@@ -43,6 +43,7 @@ from pagedkv.core.events import (
 )
 from pagedkv.core.eviction import EvictionPolicy, make_policy
 from pagedkv.core.hashing import BlockHash
+from pagedkv.core.pool_checks import check_pool
 from pagedkv.errors import (
     CacheBusyError,
     InvalidRequestError,
@@ -523,61 +524,4 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Recompute every counter from scratch; raise InvariantViolation naming the broken one."""
-        n = len(self._ref)
-        if n > self.config.num_blocks:
-            raise InvariantViolation(
-                f"I5: {n} materialized blocks > num_blocks {self.config.num_blocks}"
-            )
-        stack = set(self._free_uncached)
-        if len(stack) != len(self._free_uncached):
-            raise InvariantViolation("I1: a block appears twice in the uncached stack")
-        policy = set(self._policy)
-        if len(policy) != len(self._policy) or stack & policy:
-            raise InvariantViolation("I1: a block is in the free stack and the policy at once")
-        shared = 0
-        for b in range(n):
-            r, h = self._ref[b], self._hash[b]
-            if r < 0:
-                raise InvariantViolation(f"I1: block {b} has ref count {r}")
-            if b < self._reserved:
-                if r != 0 or h is not None or b in stack or b in policy:
-                    raise InvariantViolation("I4: the null block was used, hashed or freed")
-                continue
-            if r > 1:
-                shared += 1
-            in_stack, in_policy = b in stack, b in policy
-            if r > 0 and (in_stack or in_policy):
-                raise InvariantViolation(f"I1: block {b} has ref {r} but is on a free list")
-            if r == 0 and not (in_stack or in_policy):
-                raise InvariantViolation(f"I1: block {b} has ref 0 but is on no free list")
-            if in_stack and h is not None:
-                raise InvariantViolation(f"I1: block {b} is on the uncached stack with a hash")
-            if in_policy and h is None:
-                raise InvariantViolation(f"I1: block {b} is in the eviction policy without a hash")
-            if h is not None and self._index.get(h) != b:
-                raise InvariantViolation(f"I2: block {b} has a hash the index maps elsewhere")
-        for h, b in self._index.items():
-            if not 0 <= b < n or self._hash[b] != h:
-                raise InvariantViolation(f"I2: index maps a hash to block {b}, which holds another")
-        if shared != self._num_shared:
-            raise InvariantViolation(
-                f"I3: num_shared_blocks is {self._num_shared}, counted {shared}"
-            )
-        free = len(stack) + len(policy) + self.config.num_blocks - n
-        used = (self.capacity_blocks - free) / self.capacity_blocks
-        if free != self.num_free_blocks or used != self.usage:
-            raise InvariantViolation(
-                f"I6: num_free_blocks/usage are {self.num_free_blocks}/{self.usage}, counted "
-                f"{free}/{used}"
-            )
-        self._check_copies()
-
-    def _check_copies(self) -> None:
-        listed = [(b, h) for h, bs in self._copies.items() for b in bs]
-        if sorted(listed) != sorted(self._copy_of.items()) or not all(self._copies.values()):
-            raise InvariantViolation("I7: the copy lists and the copy map disagree")
-        for b, h in self._copy_of.items():
-            if self._ref[b] <= 0 or self._hash[b] is not None or self._index.get(h, b) == b:
-                raise InvariantViolation(
-                    f"I7: copy block {b} must be in use, unhashed, its hash indexed elsewhere"
-                )
+        check_pool(self)
