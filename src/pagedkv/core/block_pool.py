@@ -367,23 +367,27 @@ class BlockPool:
         Callers pass a request's blocks last first, so its tail is evicted before its head.
         Validation and the decrement are one pass; a bad id undoes the pass and raises.
         """
+        if not block_ids:
+            return
         ref = self._ref
-        n = len(ref)
-        reserved = self._reserved
+        if min(block_ids) < self._reserved or max(block_ids) >= len(ref):  # C-level range check
+            self._raise_not_in_use(block_ids, len(block_ids))
         zeros: list[int] = []
+        append = zeros.append
         num_unshared = 0
         for i, b in enumerate(block_ids):
-            if not reserved <= b < n or ref[b] <= 0:
+            r = ref[b]
+            if r == 1:
+                ref[b] = 0
+                append(b)
+            elif r > 1:
+                ref[b] = r - 1
+                if r == 2:
+                    num_unshared += 1
+            else:
                 for u in block_ids[:i]:  # undo: nothing changes on failure
                     ref[u] += 1
-                what = "is not in use" if i == 0 or b not in block_ids[:i] else "is freed twice"
-                raise RequestStateError(f"block {b} {what}; it cannot be freed")
-            r = ref[b] - 1
-            ref[b] = r
-            if r == 0:
-                zeros.append(b)
-            elif r == 1:
-                num_unshared += 1
+                self._raise_not_in_use(block_ids, i)
         self._num_shared -= num_unshared
         if not zeros:
             return
@@ -404,6 +408,14 @@ class BlockPool:
                 else:
                     push(b)
         self._set_free(self.num_free_blocks + len(zeros))
+
+    def _raise_not_in_use(self, block_ids: Sequence[int], i: int) -> None:
+        """Raise for the first block of ``block_ids[:i + 1]`` that cannot be freed."""
+        for k, b in enumerate(block_ids[: i + 1]):
+            if not self._reserved <= b < len(self._ref) or self._ref[b] <= 0 or k == i:
+                twice = 0 <= b < len(self._ref) and b in block_ids[:k]
+                what = "is freed twice" if twice else "is not in use"
+                raise RequestStateError(f"block {b} {what}; it cannot be freed")
 
     def _free_slow(self, zeros: list[int]) -> None:
         """Place blocks that reached ref 0 when copies or watches exist."""
