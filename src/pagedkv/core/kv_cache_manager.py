@@ -253,7 +253,9 @@ class KVCacheManager:
             write_pos = seq.num_computed + seq.num_pending
             bs = self.block_size
             if write_pos + num_new_tokens <= len(seq.block_ids) * bs and (
-                not write_pos % bs or self.pool.is_exclusive(seq.block_ids[write_pos // bs])
+                not write_pos % bs
+                or not seq.forked  # only a fork shares a partial block (hits are full blocks)
+                or self.pool.is_exclusive(seq.block_ids[write_pos // bs])
             ):
                 seq.num_pending += num_new_tokens
                 return Allocation((), (), seq.num_hit_tokens)
@@ -416,6 +418,7 @@ class KVCacheManager:
         child.num_cached_blocks = min(parent.num_cached_blocks, len(shared))
         child.num_hit_tokens = parent.num_hit_tokens
         child.started = True
+        child.forked = parent.forked = True
         self._seqs[child_id] = child
         self._update_claim(child)
         self._inflight_start(child)
@@ -500,6 +503,14 @@ class KVCacheManager:
     def block_ids_view(self, request_id: str) -> list[int]:
         """The request's block table itself (no copy): read it now, never mutate or keep it."""
         return self._get(request_id).block_ids
+
+    def block_views(self, request_id: str) -> tuple[list[int], np.ndarray]:
+        """``(block_ids_view, block_table_view)`` in one lookup (the scheduler's hot path)."""
+        seq = self._get(request_id)
+        table = seq.table
+        if table is None:
+            table = seq.table = np.array(seq.block_ids, dtype=np.int32)
+        return seq.block_ids, table
 
     def block_table_view(self, request_id: str) -> np.ndarray:
         """The request's block table as an int32 array, cached until the table changes (a

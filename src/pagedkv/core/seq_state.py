@@ -40,6 +40,7 @@ class SeqState:
         "block_ids",
         "chain",
         "claim",
+        "forked",
         "held",
         "inflight_hi",
         "inflight_lo",
@@ -76,6 +77,7 @@ class SeqState:
         self.num_hit_tokens = 0  # prefix-cache hit at the last admission
         self.claim = 0  # blocks this request may still claim; summed in _running_claim
         self.held = False  # finished, blocks kept for a remote transfer
+        self.forked = False  # a fork parent or child: its partial last block may be shared
         self.started = False  # has taken its prefix and holds blocks
         self.resumed = False  # preempted once: its next admission is a re-admission (stats)
         # Hashes chain.hashes[inflight_lo:inflight_hi] are being computed by this request (known

@@ -205,8 +205,7 @@ class Scheduler(KVSharingMixin):
         from the back of the running list. The common case (the allocation succeeds) is
         inlined: this loop runs once per running request per step."""
         mgr = self.manager
-        allocate, view = mgr.allocate_slots, mgr.block_ids_view
-        table_view = mgr.block_table_view
+        allocate, views = mgr.allocate_slots, mgr.block_views
         bs, lookahead, max_len = self.block_size, self.config.num_lookahead_tokens, self.max_len
         running, scheduled, slots, done = self.running, plan.scheduled, plan.slots, plan.done
         i = 0
@@ -232,7 +231,7 @@ class Scheduler(KVSharingMixin):
             else:
                 if alloc.copies:
                     plan.copies.extend(alloc.copies)
-            table = view(rid)
+            table, array = views(rid)
             if n == 1:
                 slots.append(table[pos // bs] * bs + pos % bs)
                 tokens = [all_ids[-1]]
@@ -240,7 +239,7 @@ class Scheduler(KVSharingMixin):
                 slots.extend(table[p // bs] * bs + p % bs for p in range(pos, pos + n))
                 tokens = [all_ids[-1], *drafts]
             scheduled.append(
-                ScheduledRequest(rid, pos, tokens, n, table_view(rid), _EMPTY, False, True, n - 1)
+                ScheduledRequest(rid, pos, tokens, n, array, _EMPTY, False, True, n - 1)
             )
             done.add(rid)
             plan.budget -= n
@@ -441,7 +440,9 @@ class Scheduler(KVSharingMixin):
                     f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
                     f"tokens, got {None if toks is None else len(toks)}"
                 )
-            if not all(map(is_token_id, toks)):
+            t0 = toks[0]
+            fast_ok = len(toks) == 1 and type(t0) is int and 0 <= t0 < _MAX_TOKEN_ID
+            if not fast_ok and not all(map(is_token_id, toks)):
                 raise InvalidRequestError(
                     f"request {sr.request_id!r} sampled {list(toks)}: token ids must be "
                     "integers in [0, 2**32)"
@@ -652,3 +653,4 @@ class Scheduler(KVSharingMixin):
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_MAX_TOKEN_ID = 2**32

@@ -41,8 +41,18 @@ def check_stop(
     finishing one (accepted drafts past a stop) are dropped.
     """
     num_tokens = len(req.all_token_ids)
-    room = min(req.max_tokens - (num_tokens - req.num_prompt_tokens), max_model_len - num_tokens)
+    room = req.max_tokens - num_tokens + req.num_prompt_tokens  # outputs still allowed
+    cap = max_model_len - num_tokens
+    if cap < room:
+        room = cap
     stop_ids = req.stop_token_ids
+    if len(sampled) == 1:  # the common case (a plain decode), without the loop
+        tok = sampled[0]
+        if type(tok) is not int:
+            tok = int(tok)
+        if tok in stop_ids:
+            return [tok], FinishReason.STOP
+        return [tok], FinishReason.LENGTH if room <= 1 else None
     final: list[int] = []
     for t in sampled:
         tok = int(t)
