@@ -105,7 +105,11 @@ class PrefixMemoMachine(RuleBasedStateMachine):
         m = self.m
         for rid in self.waiting:
             seq = m._seqs[rid]
-            memo_live = seq.match is not None and seq.match_epoch == m.pool.watch_epoch
+            memo_live = seq.match is not None and (
+                seq.match_epoch == m.pool.watch_epoch
+                if seq.match_watched
+                else seq.match_version == m.pool.version
+            )
             got = m.match_prefix(rid)
             assert got == fresh_match(m, rid), rid
             need = m.num_blocks_to_admit(rid)

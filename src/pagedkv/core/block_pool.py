@@ -138,6 +138,7 @@ class BlockPool:
         self._watched_blocks: dict[int, int] = {}  # block id -> number of watches on it
         self._watched_hashes: dict[BlockHash, int] = {}  # hash -> number of watches on it
         self.watch_epoch = 0  # bumped when something watched changes (see the module docstring)
+        self.version = 0  # bumped by every mutation: a match taken at this version is exact
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse their memory
         self.num_duplicate_commits = 0  # blocks committed while their content was indexed
         self.capacity_blocks = config.num_blocks - self._reserved
@@ -185,6 +186,7 @@ class BlockPool:
         return len(self._copy_of)
 
     def _set_free(self, num_free: int) -> None:
+        self.version += 1
         self.num_free_blocks = num_free
         self.usage = (self.capacity_blocks - num_free) / self.capacity_blocks
 
@@ -482,6 +484,7 @@ class BlockPool:
                 stored, block_hashes, parent_hash, token_ids, block_size, lora_name
             ):
                 self.events.push(event)
+        self.version += 1
         return len(stored)
 
     def reset_prefix_cache(self) -> None:
@@ -501,6 +504,7 @@ class BlockPool:
             self._free_uncached.append(b)
         self._index.clear()
         self.watch_epoch += 1
+        self.version += 1
         self.events.push(AllBlocksCleared())
 
     def clear(self) -> None:

@@ -153,13 +153,15 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the model produces logits.
 
-        The answer is memoised. Memo invariant: a match taken at the pool's ``watch_epoch`` E
-        over N tokens equals a fresh match while the epoch is still E and the request still has N
-        tokens. It holds because the match depends only on (a) which of the chain's hashes are
-        indexed, and at which blocks, and (b) which matched blocks have ref count 0; the memo
-        watches its matched blocks (evicted, or crossing ref count 0) and the next hash of its
-        chain (indexed), and any of those bumps the epoch. Nothing else can change the answer,
-        so a blocked waiting head re-matches only when its own chain changed.
+        The answer is memoised. Memo invariant: a *watched* match taken at the pool's
+        ``watch_epoch`` E over N tokens equals a fresh match while the epoch is still E and the
+        request still has N tokens (an unwatched first match: while the pool's ``version``,
+        bumped by every mutation, is unchanged, so admitting at once costs no watches). It holds
+        because the match depends only on (a) which of the chain's hashes are indexed, and at which
+        blocks, and (b) which matched blocks have ref count 0; the memo watches its matched blocks
+        (evicted, or crossing ref count 0) and the next hash of its chain (indexed), and any of
+        those bumps the epoch. Nothing else can change the answer, so a blocked waiting head
+        re-matches only when its own chain changed.
         """
         seq = self._get(request_id)
         if seq.started:
@@ -168,10 +170,17 @@ class KVCacheManager:
         pool = self.pool
         if (
             match is not None
-            and seq.match_epoch == pool.watch_epoch
             and seq.match_num_tokens == len(seq.token_ids)
+            and (
+                seq.match_epoch == pool.watch_epoch
+                if seq.match_watched
+                else seq.match_version == pool.version
+            )
         ):
             return match  # nothing it depends on changed since: the memo is exact
+        # A first match is checked against the pool's version (any mutation); a request matched
+        # again has waited across operations (a blocked head), so it now watches its chain.
+        watch = match is not None
         if match is not None:
             self._drop_memo(seq)
         nxt: tuple[BlockHash, ...] = ()
@@ -184,10 +193,13 @@ class KVCacheManager:
         else:
             ids, evictable = [], 0
         match = PrefixMatch(tuple(ids), len(ids) * self.block_size, evictable)
-        pool.watch(match.block_ids, nxt)
+        if watch:
+            pool.watch(match.block_ids, nxt)
+            seq.match_next = nxt
         seq.match = match
-        seq.match_next = nxt
+        seq.match_watched = watch
         seq.match_epoch = pool.watch_epoch
+        seq.match_version = pool.version
         seq.match_num_tokens = len(seq.token_ids)
         return match
 
@@ -207,9 +219,11 @@ class KVCacheManager:
     def _drop_memo(self, seq: SeqState) -> None:
         match = seq.match
         if match is not None:
-            self.pool.unwatch(match.block_ids, seq.match_next)
+            if seq.match_watched:
+                self.pool.unwatch(match.block_ids, seq.match_next)
             seq.match = None
             seq.match_next = ()
+            seq.match_watched = False
 
     def num_blocks_to_admit(self, request_id: str) -> int:
         """Blocks admitting this waiting request would take now, its future claim included."""

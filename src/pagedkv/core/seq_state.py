@@ -48,6 +48,8 @@ class SeqState:
         "match_epoch",
         "match_next",
         "match_num_tokens",
+        "match_version",
+        "match_watched",
         "max_total_tokens",
         "num_cached_blocks",
         "num_computed",
@@ -87,5 +89,7 @@ class SeqState:
         # The memoised prefix match and what it watches in the pool (its blocks, next hash).
         self.match: PrefixMatch | None = None
         self.match_epoch = -1  # the pool's watch_epoch when matched
+        self.match_version = -1  # the pool's version when matched
+        self.match_watched = False  # the memo watches its blocks and next hash
         self.match_num_tokens = 0  # len(token_ids) when matched
         self.match_next: tuple[bytes, ...] = ()  # the watched next hash (none at the limit)
