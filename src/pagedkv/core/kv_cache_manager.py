@@ -32,6 +32,7 @@ import numpy as np
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import CacheConfig, ReservationPolicy
 from pagedkv.core.hashing import BlockHash, BlockHashChain, HashContext, pack_tokens
+from pagedkv.core.inflight import InflightTable
 from pagedkv.core.seq_state import Allocation, PrefixMatch, SeqState
 from pagedkv.core.stats import KVCacheStats, PrefixStats
 from pagedkv.errors import (
@@ -76,7 +77,7 @@ class KVCacheManager:
         self._prefix = PrefixStats(config.prefix_stats_window)
         self.num_cow_copies = 0
         # Hashes being computed by requests holding blocks -> how many such requests (M6).
-        self._inflight: dict[BlockHash, int] = {}
+        self._inflight = InflightTable()
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -138,10 +139,7 @@ class KVCacheManager:
         if self.config.enable_prefix_caching:
             completed = seq.chain.extend(new)
             if completed and seq.started:  # they are this request's to compute: in flight
-                inflight = self._inflight
-                for h in completed:
-                    inflight[h] = inflight.get(h, 0) + 1
-                seq.inflight_hi += len(completed)
+                self._inflight.extend(seq, completed)
         else:
             pack_tokens(new)
         seq.token_ids.extend(new)
@@ -213,7 +211,7 @@ class KVCacheManager:
         return (
             bool(self._inflight)
             and i < (len(seq.token_ids) - 1) // self.block_size
-            and seq.chain.hashes[i] in self._inflight
+            and self._inflight.contains(seq.chain.hashes[i])
         )
 
     def _drop_memo(self, seq: SeqState) -> None:
@@ -376,7 +374,7 @@ class KVCacheManager:
             lora_name=chain.context.adapter_id,
         )
         seq.num_cached_blocks = full
-        self._inflight_commit(seq, full)
+        self._inflight.commit(seq, full)
         return num_new
 
     def rollback(self, request_id: str, num_tokens: int) -> list[int]:
@@ -476,7 +474,7 @@ class KVCacheManager:
                 f"request {request_id!r} has {seq.num_pending} uncommitted positions; commit or "
                 "roll them back before holding its KV for transfer"
             )
-        self._inflight_stop(seq)  # a finished request computes nothing more
+        self._inflight.stop(seq)  # a finished request computes nothing more
         seq.held = True
         self._update_claim(seq)
 
@@ -655,7 +653,7 @@ class KVCacheManager:
         seq.claim = new
 
     def _release_blocks(self, seq: SeqState) -> None:
-        self._inflight_stop(seq)
+        self._inflight.stop(seq)
         self._drop_memo(seq)
         if seq.block_ids:
             self.pool.free(seq.block_ids[::-1])
@@ -666,35 +664,8 @@ class KVCacheManager:
         seq.claim = 0
 
     def _inflight_start(self, seq: SeqState) -> None:
-        """A request took its blocks: its known, uncommitted full blocks are now in flight."""
-        if not self.config.enable_prefix_caching:
-            return
-        lo, hi = seq.num_cached_blocks, len(seq.chain.hashes)
-        seq.inflight_lo, seq.inflight_hi = lo, hi
-        inflight = self._inflight
-        for h in seq.chain.hashes[lo:hi]:
-            inflight[h] = inflight.get(h, 0) + 1
-
-    def _inflight_commit(self, seq: SeqState, num_cached_blocks: int) -> None:
-        """Blocks before ``num_cached_blocks`` are committed: no longer in flight."""
-        lo = seq.inflight_lo
-        if num_cached_blocks > lo:
-            self._inflight_drop(seq.chain.hashes[lo:num_cached_blocks])
-            seq.inflight_lo = num_cached_blocks
-
-    def _inflight_stop(self, seq: SeqState) -> None:
-        if seq.inflight_hi > seq.inflight_lo:
-            self._inflight_drop(seq.chain.hashes[seq.inflight_lo : seq.inflight_hi])
-        seq.inflight_lo = seq.inflight_hi = 0
-
-    def _inflight_drop(self, hashes: Sequence[BlockHash]) -> None:
-        inflight = self._inflight
-        for h in hashes:
-            n = inflight[h] - 1
-            if n:
-                inflight[h] = n
-            else:
-                del inflight[h]
+        if self.config.enable_prefix_caching:
+            self._inflight.start(seq)
 
     def check_invariants(self) -> None:
         """Recompute every counter from scratch; raise InvariantViolation naming the broken one."""
@@ -732,19 +703,4 @@ class KVCacheManager:
                 raise InvariantViolation(
                     f"M1: block {b} has ref count {r} but requests hold {refs.get(b, 0)}"
                 )
-        self._check_inflight()
-
-    def _check_inflight(self) -> None:
-        want: dict[BlockHash, int] = {}
-        for seq in self._seqs.values():
-            lo, hi = seq.inflight_lo, seq.inflight_hi
-            live = seq.started and not seq.held and self.config.enable_prefix_caching
-            expect = (seq.num_cached_blocks, len(seq.chain.hashes)) if live else (0, 0)
-            if (lo, hi) != expect:
-                raise InvariantViolation(
-                    f"M6: request {seq.request_id!r} in-flight range {(lo, hi)} != {expect}"
-                )
-            for h in seq.chain.hashes[lo:hi]:
-                want[h] = want.get(h, 0) + 1
-        if want != self._inflight:
-            raise InvariantViolation("M6: the in-flight table differs from the requests' ranges")
+        self._inflight.check(self._seqs.values(), self.config.enable_prefix_caching)
