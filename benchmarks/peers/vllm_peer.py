@@ -71,6 +71,7 @@ class VLLMPeer:
             "hash": self.hash_cases,
             "free": self.free_cases,
             "counts": self.count_cases,
+            "evict": self.evict_cases,
         }
         return builders[fixture](quick) if fixture in builders else []
 
@@ -200,6 +201,51 @@ class VLLMPeer:
                     warmup=2,
                     params={"prompt_tokens": num_tokens},
                     note="KVCacheManager.free",
+                    check=check,
+                )
+            )
+        return cases
+
+    def evict_cases(self, quick: bool) -> list[Case]:
+        """``BlockPool.get_new_blocks(64)`` when every free block is cached (each is evicted);
+        re-cached through ``cache_full_blocks`` and freed untimed between calls."""
+        waiting = self.mods["request"].RequestStatus.WAITING
+        batch = 64
+        cases: list[Case] = []
+        for num_blocks in (1024,) if quick else (1024, 16_384, 131_072):
+            pool = self.mods["pool"].BlockPool(num_blocks, True, BLOCK_SIZE)
+            counter = [0]
+
+            def cache_and_free(blocks: list[Any], pool: Any = pool, c: list[int] = counter) -> None:
+                req = _Request(f"e{c[0]}", [0] * (len(blocks) * BLOCK_SIZE), waiting)
+                req.block_hashes.extend(
+                    (c[0] + i).to_bytes(32, "little") for i in range(len(blocks))
+                )
+                c[0] += len(blocks)
+                pool.cache_full_blocks(req, blocks, 0, len(blocks), BLOCK_SIZE, 0)
+                pool.free_blocks(reversed(blocks))
+
+            cache_and_free(pool.get_new_blocks(pool.get_num_free_blocks()))
+            held: list[list[Any]] = []
+
+            def check(pool: Any = pool, n: int = num_blocks) -> None:
+                cached = len(pool.cached_block_hash_to_block._cache)
+                if cached != n - 1:  # every block but the null block holds a hash
+                    raise RuntimeError(f"vLLM evict fixture: {cached} cached blocks of {n - 1}")
+
+            cases.append(
+                Case(
+                    "evict",
+                    f"pool={num_blocks:,} batch={batch}",
+                    "vllm",
+                    "block",
+                    lambda pool=pool, held=held: held.append(pool.get_new_blocks(batch)),
+                    ops=batch,
+                    teardown=lambda held=held, f=cache_and_free: f(held.pop()),
+                    rounds=9 if quick else 41,
+                    warmup=3,
+                    params={"pool_blocks": num_blocks, "batch": batch},
+                    note="BlockPool.get_new_blocks",
                     check=check,
                 )
             )
