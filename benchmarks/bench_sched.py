@@ -1,7 +1,8 @@
 """Benchmarks of pagedkv.sched: the cost of one scheduler step, and admission against a long queue.
 
 Run ``python benchmarks/bench_sched.py`` (about a minute on 2 cores); ``--quick`` takes a few
-seconds; ``--json PATH`` writes every row. Fixtures (see benchmarks/RESULTS.md for numbers):
+seconds; ``--json PATH`` writes every row; ``--peer-infinilm PATH`` runs the decode fixture on
+InfiniLM's ``Scheduler`` too, interleaved, and prints ratios (peer time / pagedkv time). Fixtures (see benchmarks/RESULTS.md for numbers):
 
 decode   N running requests (N = 64, 256, 1,024; 128-token random prompts, max_tokens=1,024, no
          stop tokens, block size 16, a pool with room for every reservation) are prefilled
@@ -46,6 +47,7 @@ from _harness import (
     Case,
     Result,
     Timing,
+    add_ratios,
     base_parser,
     flatness,
     print_table,
@@ -363,6 +365,9 @@ def _footer(results: list[Result]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument(
+        "--peer-infinilm", metavar="PATH", help="an InfiniLM checkout (decode fixture)"
+    )
     args = parser.parse_args(argv)
     set_clock(args.clock)
     only = selected_fixtures(parser, args, FIXTURES)
@@ -372,10 +377,23 @@ def main(argv: list[str] | None = None) -> int:
         "blocked": blocked_cases,
         "burst": burst_cases,
     }
+    peers = []
+    if args.peer_infinilm is not None:
+        from peers import load_peer
+
+        try:
+            peers.append(load_peer("infinilm", args.peer_infinilm))
+        except (ImportError, OSError) as exc:
+            print(f"peer infinilm at {args.peer_infinilm}: cannot load ({exc})")
+            return 2
     results: list[Result] = []
     for fixture in FIXTURES:
         if fixture in only:
-            results += run_cases(builders[fixture](args.quick))
+            cases = builders[fixture](args.quick)
+            for peer in peers:
+                cases += peer.cases(fixture, args.quick)
+            results += run_cases(cases)
+    add_ratios(results)
     for r in results:
         if r.case in ADMISSION_US:
             r.note = f"admission {ADMISSION_US[r.case]:.1f} µs/step"
