@@ -2,7 +2,8 @@
 
 Run ``python benchmarks/bench_sched.py`` (about a minute on 2 cores); ``--quick`` takes a few
 seconds; ``--json PATH`` writes every row; ``--peer-infinilm PATH`` runs the decode fixture on
-InfiniLM's ``Scheduler`` too, interleaved, and prints ratios (peer time / pagedkv time). Fixtures (see benchmarks/RESULTS.md for numbers):
+InfiniLM's ``Scheduler`` too, interleaved, and prints ratios (peer time / pagedkv time).
+Fixtures (see benchmarks/RESULTS.md for numbers):
 
 decode   N running requests (N = 64, 256, 1,024; 128-token random prompts, max_tokens=1,024, no
          stop tokens, block size 16, a pool with room for every reservation) are prefilled
