@@ -22,6 +22,10 @@ prefix     ``match_prefix`` + ``allocate_slots`` of a prompt whose every full bl
            (a finished request computed it); ``add_request`` (hashing) before the timer, ``free``
            after it.
 hash       ``BlockHashChain.extend`` over a 32K-token prompt given as a Python list, per block.
+free       ``KVCacheManager.free`` of a request whose whole 4K/32K-token prompt is cached (it hit
+           every full block; every block goes back to the LRU), per prompt; admission untimed.
+counts     ``pool.num_free_blocks`` and ``pool.usage`` (plain attribute reads), per read, on a
+           131,072-block pool half in use.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ TARGET_ALLOC_US = 0.4
 TARGET_HASH_US = 0.6
 ADMIT_FLAT = 1.25
 
-FIXTURES = ("admission", "alloc", "evict", "prefix", "hash")
+FIXTURES = ("admission", "alloc", "evict", "prefix", "hash", "free", "counts")
 ADMISSION_PAGES = (512, 8192, 32_768, 131_072)  # the first two in --quick
 ADMISSION_RUNNING = (32, 1024)  # the first in --quick
 ALLOC_POOL_SIZES = (1024, 131_072, 16_384, 1_048_576)  # the first two in --quick
@@ -325,6 +329,71 @@ def hash_cases(quick: bool) -> list[Case]:
     return cases
 
 
+# ---------------------------------------------------------------------------- free, counts
+def free_cases(quick: bool) -> list[Case]:
+    cases: list[Case] = []
+    for num_tokens in PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS:
+        prompt = prefix_prompt(num_tokens)
+        m = KVCacheManager(
+            CacheConfig(block_size=BLOCK_SIZE, num_blocks=2 * num_tokens // BLOCK_SIZE + 64)
+        )
+        m.add_request("warm", prompt)
+        m.allocate_slots("warm", num_tokens)
+        m.commit("warm", num_tokens)
+        m.free("warm")
+        state: dict[str, Any] = {"n": 0}
+
+        def setup(m: KVCacheManager = m, st: dict[str, Any] = state, p: list[int] = prompt) -> None:
+            st["n"] += 1
+            rid = st["rid"] = f"f{st['n']}"
+            m.add_request(rid, p)
+            hit = m.match_prefix(rid).num_cached_tokens
+            m.allocate_slots(rid, len(p) - hit)
+            m.commit(rid, len(p) - hit)
+
+        def check(m: KVCacheManager = m, n: int = num_tokens) -> None:
+            m.check_invariants()
+            if m.pool.num_cached_free_blocks != n // BLOCK_SIZE:
+                raise RuntimeError("free fixture: the prompt's blocks are not all cached-free")
+
+        cases.append(
+            Case(
+                "free",
+                f"cached prompt={num_tokens:,} tokens",
+                "pagedkv",
+                "prompt",
+                lambda m=m, st=state: m.free(st["rid"]),
+                setup=setup,
+                rounds=5 if quick else 21,
+                warmup=2,
+                params={"prompt_tokens": num_tokens},
+                check=check,
+            )
+        )
+    return cases
+
+
+def count_cases(quick: bool) -> list[Case]:
+    pool = BlockPool(PoolConfig(num_blocks=131_072))
+    pool.allocate(65_536)
+    return [
+        Case(
+            "counts",
+            f"pool.{name}, pool=131,072",
+            "pagedkv",
+            "read",
+            fn,
+            calls_per_round=10_000,
+            rounds=5 if quick else 11,
+            params={"query": name},
+        )
+        for name, fn in (
+            ("num_free_blocks", lambda p=pool: p.num_free_blocks),
+            ("usage", lambda p=pool: p.usage),
+        )
+    ]
+
+
 # ---------------------------------------------------------------------------- main
 def _footer(results: list[Result]) -> list[str]:
     """Flatness lines: max/min of pagedkv's medians across sizes (the O(1) claims)."""
@@ -384,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         "evict": evict_cases,
         "prefix": prefix_cases,
         "hash": hash_cases,
+        "free": free_cases,
+        "counts": count_cases,
     }
     peers = []
     for name, path in (("vllm", args.peer_vllm), ("infinilm", args.peer_infinilm)):

@@ -1,7 +1,9 @@
 """Benchmarks of pagedkv.sched: the cost of one scheduler step, and admission against a long queue.
 
 Run ``python benchmarks/bench_sched.py`` (about a minute on 2 cores); ``--quick`` takes a few
-seconds; ``--json PATH`` writes every row. Fixtures (see benchmarks/RESULTS.md for numbers):
+seconds; ``--json PATH`` writes every row; ``--peer-infinilm PATH`` runs the decode fixture on
+InfiniLM's ``Scheduler`` too, interleaved, and prints ratios (peer time / pagedkv time).
+Fixtures (see benchmarks/RESULTS.md for numbers):
 
 decode   N running requests (N = 64, 256, 1,024; 128-token random prompts, max_tokens=1,024, no
          stop tokens, block size 16, a pool with room for every reservation) are prefilled
@@ -16,6 +18,17 @@ waiting  64 running decodes plus a waiting queue of Q requests (Q = 1, 100, 10,0
          pool, so the head fails the O(1) ``can_admit`` check every step). One step =
          ``schedule()`` + ``update()``; target: flat in Q (max/min of the medians <= 1.25).
          The note gives the median wall time of the admission phase alone (``StepStats``).
+
+blocked  The unfavourable admission path: 64 decoding requests whose reservations fill the pool
+         and, at the head of the queue, a request whose whole 32K-token prompt is cached-free
+         (a finished request computed it) but that cannot be admitted (its evictable hit blocks
+         count against free capacity). One step = ``schedule()`` + ``update()``; the note gives
+         the admission phase alone: with the exact memo it stays O(1) per step instead of
+         re-matching 2,047 blocks.
+burst    8 requests sharing a 1,024-token prefix, each with its own 64-token tail, arrive
+         together (budget 8,192 tokens, block size 16): steps until every one has its first
+         token, timed per step; the note gives the prompt tokens computed (1,536 when the
+         shared prefix is computed once; 8,704 when each request computes it).
 
 Invariant checking is off (as in production); the tests run it after every step.
 """
@@ -35,6 +48,7 @@ from _harness import (
     Case,
     Result,
     Timing,
+    add_ratios,
     base_parser,
     flatness,
     print_table,
@@ -53,7 +67,10 @@ MAX_TOKENS = 1024
 TARGET_PER_REQUEST_US = 5.0
 WAITING_FLAT = 1.25
 
-FIXTURES = ("decode", "waiting")
+FIXTURES = ("decode", "waiting", "blocked", "burst")
+BLOCKED_HEAD_TOKENS = 32_768
+BURST_REQUESTS, BURST_PREFIX, BURST_TAIL = 8, 1024, 64
+PREFILL_TOKENS: dict[str, int] = {}  # burst case -> prompt tokens computed
 DECODE_SIZES = (64, 256, 1024)  # the first two in --quick
 WAITING_LENGTHS = (1, 100, 10_000)  # 1 and 1,000 in --quick
 WAITING_RUNNING = 64
@@ -65,7 +82,12 @@ def _prompt(rng: random.Random) -> list[int]:
 
 
 def build_decoding(
-    num_running: int, *, max_num_seqs: int, num_blocks: int, seed: int = 0
+    num_running: int,
+    *,
+    max_num_seqs: int,
+    num_blocks: int,
+    seed: int = 0,
+    max_model_len: int = PROMPT_TOKENS + MAX_TOKENS + 1,
 ) -> Scheduler:
     """A scheduler whose ``num_running`` requests have all finished prefill and decode."""
     rng = random.Random(seed)
@@ -73,7 +95,7 @@ def build_decoding(
         SchedulerConfig(
             max_num_batched_tokens=max(8192, num_running),
             max_num_seqs=max_num_seqs,
-            max_model_len=PROMPT_TOKENS + MAX_TOKENS + 1,
+            max_model_len=max_model_len,
             check_invariants=False,
         ),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, watermark=0.0),
@@ -194,6 +216,111 @@ def waiting_cases(quick: bool) -> list[Case]:
     return cases
 
 
+def build_blocked(seed: int = 3) -> Scheduler:
+    """64 decodes filling the pool with reservations and a fully cached 32K-token head."""
+    n = WAITING_RUNNING
+    head_blocks = BLOCKED_HEAD_TOKENS // BLOCK_SIZE
+    sched = build_decoding(
+        n,
+        max_num_seqs=8192,
+        num_blocks=_blocks_for(n) + head_blocks,
+        max_model_len=BLOCKED_HEAD_TOKENS + 64,
+    )
+    mgr = sched.manager
+    rng = random.Random(seed)
+    head = [rng.randrange(VOCAB) for _ in range(BLOCKED_HEAD_TOKENS)]
+    mgr.add_request("warm", head)  # computed once, outside the scheduler, then freed
+    mgr.allocate_slots("warm", len(head))
+    mgr.commit("warm", len(head))
+    mgr.free("warm")
+    sched.add_request(Request("head", head, max_tokens=16))
+    return sched
+
+
+def blocked_cases(quick: bool) -> list[Case]:
+    sched = build_blocked()
+    step, check = _step_fn(sched)
+    name = f"cached {BLOCKED_HEAD_TOKENS:,}-token head, 64 decodes"
+
+    def check_blocked(check: Callable[[], None] = check, sched: Scheduler = sched) -> None:
+        admission_s: list[float] = []
+        for _ in range(21):
+            check()
+            last = sched.stats().last_step
+            if last.num_admitted:
+                raise RuntimeError("the blocked head was admitted")
+            admission_s.append(last.admission_s)
+        if sched.manager.match_prefix("head").num_cached_tokens < BLOCKED_HEAD_TOKENS - 16:
+            raise RuntimeError("the head's prompt is not cached")
+        ADMISSION_US[name] = statistics.median(admission_s) * 1e6
+
+    return [
+        Case(
+            "blocked",
+            name,
+            "pagedkv",
+            "step",
+            step,
+            calls_per_round=32,
+            rounds=3 if quick else 7,
+            warmup=32,
+            params={"head_tokens": BLOCKED_HEAD_TOKENS, "running": WAITING_RUNNING},
+            check=check_blocked,
+        )
+    ]
+
+
+def _burst_scheduler() -> Scheduler:
+    rng = random.Random(5)
+    prefix = [rng.randrange(VOCAB) for _ in range(BURST_PREFIX)]
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=64, max_model_len=4096),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=1024, watermark=0.0),
+    )
+    for i in range(BURST_REQUESTS):
+        tail = [rng.randrange(VOCAB) for _ in range(BURST_TAIL)]
+        sched.add_request(Request(f"b{i}", prefix + tail, max_tokens=4))
+    return sched
+
+
+def burst_cases(quick: bool) -> list[Case]:
+    state: dict[str, Any] = {}
+    name = f"{BURST_REQUESTS} x ({BURST_PREFIX:,} shared + {BURST_TAIL}) tokens"
+
+    def setup(st: dict[str, Any] = state) -> None:
+        st["sched"] = _burst_scheduler()
+
+    def op(st: dict[str, Any] = state) -> None:
+        sched: Scheduler = st["sched"]
+        computed = steps = 0
+        while any(r.num_output_tokens == 0 for r in sched.requests.values()):
+            out = sched.schedule()
+            computed += sum(sr.num_tokens for sr in out.scheduled if sr.is_prefill)
+            sched.update(out, {sr.request_id: [1] for sr in out.scheduled if sr.samples})
+            steps += 1
+        st["computed"], st["steps"] = computed, steps
+
+    def check(st: dict[str, Any] = state) -> None:
+        PREFILL_TOKENS[name] = st["computed"]
+        if st["computed"] != BURST_PREFIX + BURST_REQUESTS * BURST_TAIL:
+            raise RuntimeError(f"the burst computed {st['computed']} prompt tokens")
+
+    return [
+        Case(
+            "burst",
+            name,
+            "pagedkv",
+            "burst",
+            op,
+            setup=setup,
+            rounds=3 if quick else 11,
+            warmup=1,
+            params={"requests": BURST_REQUESTS, "prefix": BURST_PREFIX, "tail": BURST_TAIL},
+            check=check,
+        )
+    ]
+
+
 def per_request_rows(results: list[Result]) -> list[Result]:
     """The decode rows again, divided by the number of running requests."""
     rows: list[Result] = []
@@ -239,20 +366,40 @@ def _footer(results: list[Result]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument(
+        "--peer-infinilm", metavar="PATH", help="an InfiniLM checkout (decode fixture)"
+    )
     args = parser.parse_args(argv)
     set_clock(args.clock)
     only = selected_fixtures(parser, args, FIXTURES)
     builders: dict[str, Callable[[bool], list[Case]]] = {
         "decode": decode_cases,
         "waiting": waiting_cases,
+        "blocked": blocked_cases,
+        "burst": burst_cases,
     }
+    peers = []
+    if args.peer_infinilm is not None:
+        from peers import load_peer
+
+        try:
+            peers.append(load_peer("infinilm", args.peer_infinilm))
+        except (ImportError, OSError) as exc:
+            print(f"peer infinilm at {args.peer_infinilm}: cannot load ({exc})")
+            return 2
     results: list[Result] = []
     for fixture in FIXTURES:
         if fixture in only:
-            results += run_cases(builders[fixture](args.quick))
+            cases = builders[fixture](args.quick)
+            for peer in peers:
+                cases += peer.cases(fixture, args.quick)
+            results += run_cases(cases)
+    add_ratios(results)
     for r in results:
         if r.case in ADMISSION_US:
             r.note = f"admission {ADMISSION_US[r.case]:.1f} µs/step"
+        if r.case in PREFILL_TOKENS:
+            r.note = f"{PREFILL_TOKENS[r.case]:,} prompt tokens computed"
     results = [*per_request_rows(results), *results]
     footer = _footer(results)
     print_table("pagedkv.sched benchmarks (time per operation)", results, footer)

@@ -52,6 +52,7 @@ class InfiniLMPeer:
             "admission": self.admission_cases,
             "prefix": self.prefix_cases,
             "hash": self.hash_cases,
+            "decode": self.decode_cases,
         }
         return builders[fixture](quick) if fixture in builders else []
 
@@ -110,6 +111,51 @@ class InfiniLMPeer:
         cand = self._request("candidate", cand_toks, CANDIDATE_MAX_TOKENS)
         _, num_local = cm.get_computed_blocks(cand.block_hashes, len(cand_toks) - 1)
         return sched, cand, num_local
+
+    def decode_cases(self, quick: bool) -> list[Case]:
+        """bench_sched's decode fixture on InfiniLM's ``Scheduler`` (see ``_infinilm_step``)."""
+        from bench_sched import DECODE_SIZES, MAX_TOKENS, PROMPT_TOKENS, VOCAB, _blocks_for
+
+        finished = self.mods["request"].FinishReason.LENGTH
+        cases: list[Case] = []
+        for n in DECODE_SIZES[:2] if quick else DECODE_SIZES:
+            rng = random.Random(0)
+            sched = self.mods["scheduler"].Scheduler(
+                max_batch_size=n,
+                num_blocks=_blocks_for(n) + n,
+                block_size=BLOCK_SIZE,
+                max_num_batched_tokens=max(8192, n * PROMPT_TOKENS),
+            )
+            for i in range(n):
+                prompt = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+                sched.add_request(self._request(f"run{i}", prompt, MAX_TOKENS))
+            for _ in range(64):  # prefill batches until every request decodes
+                if sched.waiting_queue.sync_q.qsize() == 0:
+                    break
+                _infinilm_step(sched, finished)
+
+            def check(sched: Any = sched, n: int = n) -> None:
+                out = _infinilm_step(sched, finished)
+                if out is None or out.is_prefill or len(out.scheduled_requests) != n:
+                    raise RuntimeError("InfiniLM decode fixture: not a steady decode step")
+
+            steps = max(4, 2048 // n)
+            cases.append(
+                Case(
+                    "decode",
+                    f"running={n:,}",
+                    "infinilm",
+                    "step",
+                    lambda sched=sched: _infinilm_step(sched, finished),
+                    calls_per_round=steps,
+                    rounds=3 if quick else 7,
+                    warmup=steps,
+                    params={"running": n, "prompt_tokens": PROMPT_TOKENS, "steps_per_round": steps},
+                    note="Scheduler.schedule + update",
+                    check=check,
+                )
+            )
+        return cases
 
     def admission_cases(self, quick: bool) -> list[Case]:
         from bench_core import ADMISSION_PAGES, ADMISSION_RUNNING, CHECKS_PER_GROUP
@@ -222,6 +268,22 @@ class InfiniLMPeer:
                 note="initialize_block_hashes",
             )
         ]
+
+
+def _infinilm_step(sched: Any, finished: Any) -> Any:
+    """One InfiniLM step without a model: ``schedule()``, then what its engine's
+    ``_update_requests`` does per request minus detokenization (commit the computed boundary,
+    append one sampled token, the max_tokens check), then ``complete_requests`` (re-queue)."""
+    out = sched.schedule()
+    reqs = out.scheduled_requests
+    commit = sched.commit_computed_tokens
+    for req in reqs:
+        commit(req, req.get_total_length())
+        req.append_generated_token_id(7)
+        if req.get_num_generated_tokens() >= req.sampling_params.max_tokens:
+            req.mark_finished(finished)
+    sched.complete_requests(reqs)
+    return out
 
 
 def load(path: str) -> InfiniLMPeer:

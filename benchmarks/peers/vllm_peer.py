@@ -65,7 +65,14 @@ class VLLMPeer:
         self.mods = mods
 
     def cases(self, fixture: str, quick: bool) -> list[Case]:
-        builders = {"prefix": self.prefix_cases, "alloc": self.alloc_cases, "hash": self.hash_cases}
+        builders = {
+            "prefix": self.prefix_cases,
+            "alloc": self.alloc_cases,
+            "hash": self.hash_cases,
+            "free": self.free_cases,
+            "counts": self.count_cases,
+            "evict": self.evict_cases,
+        }
         return builders[fixture](quick) if fixture in builders else []
 
     def _manager(self, num_blocks: int, max_model_len: int) -> Any:
@@ -144,6 +151,126 @@ class VLLMPeer:
                 )
             )
         return cases
+
+    def free_cases(self, quick: bool) -> list[Case]:
+        """``KVCacheManager.free`` of a request that hit its whole cached prompt."""
+        from bench_core import PREFIX_LENGTHS, prefix_prompt
+
+        utils, hashing = self.mods["utils"], self.mods["hashing"]
+        waiting = self.mods["request"].RequestStatus.WAITING
+        hash_fn = hashing.sha256
+        utils.init_none_hash(hash_fn)
+        hasher = utils.get_request_block_hasher(BLOCK_SIZE, hash_fn)
+        cases: list[Case] = []
+        for num_tokens in PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS:
+            prompt = prefix_prompt(num_tokens)
+            mgr = self._manager(2 * num_tokens // BLOCK_SIZE + 64, 2 * num_tokens)
+            st: dict[str, Any] = {"n": 0}
+
+            def admit(
+                rid: str, mgr: Any = mgr, prompt: list[int] = prompt, st: dict[str, Any] = st
+            ) -> _Request:
+                req = _Request(rid, prompt, waiting)
+                req.block_hashes.extend(hasher(req))
+                blocks, hit, _ = mgr.get_computed_blocks(req)
+                if mgr.allocate_slots(req, len(prompt) - hit, hit, blocks) is None:
+                    raise RuntimeError("vLLM could not allocate the free fixture's request")
+                req.num_computed_tokens = len(prompt)
+                st["hit"] = hit
+                return req
+
+            mgr.free(admit("warm"))
+
+            def setup(st: dict[str, Any] = st, admit: Any = admit) -> None:
+                st["n"] += 1
+                st["req"] = admit(f"f{st['n']}")
+
+            def check(st: dict[str, Any] = st, n: int = num_tokens) -> None:
+                if st["hit"] != (n - 1) // BLOCK_SIZE * BLOCK_SIZE:
+                    raise RuntimeError(f"vLLM free fixture hit {st['hit']} tokens, not all")
+
+            cases.append(
+                Case(
+                    "free",
+                    f"cached prompt={num_tokens:,} tokens",
+                    "vllm",
+                    "prompt",
+                    lambda st=st, mgr=mgr: mgr.free(st["req"]),
+                    setup=setup,
+                    rounds=5 if quick else 21,
+                    warmup=2,
+                    params={"prompt_tokens": num_tokens},
+                    note="KVCacheManager.free",
+                    check=check,
+                )
+            )
+        return cases
+
+    def evict_cases(self, quick: bool) -> list[Case]:
+        """``BlockPool.get_new_blocks(64)`` when every free block is cached (each is evicted);
+        re-cached through ``cache_full_blocks`` and freed untimed between calls."""
+        waiting = self.mods["request"].RequestStatus.WAITING
+        batch = 64
+        cases: list[Case] = []
+        for num_blocks in (1024,) if quick else (1024, 16_384, 131_072):
+            pool = self.mods["pool"].BlockPool(num_blocks, True, BLOCK_SIZE)
+            counter = [0]
+
+            def cache_and_free(blocks: list[Any], pool: Any = pool, c: list[int] = counter) -> None:
+                req = _Request(f"e{c[0]}", [0] * (len(blocks) * BLOCK_SIZE), waiting)
+                req.block_hashes.extend(
+                    (c[0] + i).to_bytes(32, "little") for i in range(len(blocks))
+                )
+                c[0] += len(blocks)
+                pool.cache_full_blocks(req, blocks, 0, len(blocks), BLOCK_SIZE, 0)
+                pool.free_blocks(reversed(blocks))
+
+            cache_and_free(pool.get_new_blocks(pool.get_num_free_blocks()))
+            held: list[list[Any]] = []
+
+            def check(pool: Any = pool, n: int = num_blocks) -> None:
+                cached = len(pool.cached_block_hash_to_block._cache)
+                if cached != n - 1:  # every block but the null block holds a hash
+                    raise RuntimeError(f"vLLM evict fixture: {cached} cached blocks of {n - 1}")
+
+            cases.append(
+                Case(
+                    "evict",
+                    f"pool={num_blocks:,} batch={batch}",
+                    "vllm",
+                    "block",
+                    lambda pool=pool, held=held: held.append(pool.get_new_blocks(batch)),
+                    ops=batch,
+                    teardown=lambda held=held, f=cache_and_free: f(held.pop()),
+                    rounds=9 if quick else 41,
+                    warmup=3,
+                    params={"pool_blocks": num_blocks, "batch": batch},
+                    note="BlockPool.get_new_blocks",
+                    check=check,
+                )
+            )
+        return cases
+
+    def count_cases(self, quick: bool) -> list[Case]:
+        pool = self.mods["pool"].BlockPool(131_072, True, BLOCK_SIZE)
+        pool.get_new_blocks(65_536)
+        return [
+            Case(
+                "counts",
+                f"pool.{ours}, pool=131,072",
+                "vllm",
+                "read",
+                fn,
+                calls_per_round=10_000,
+                rounds=5 if quick else 11,
+                params={"query": ours},
+                note=theirs,
+            )
+            for ours, theirs, fn in (
+                ("num_free_blocks", "get_num_free_blocks()", pool.get_num_free_blocks),
+                ("usage", "get_usage()", pool.get_usage),
+            )
+        ]
 
     def alloc_cases(self, quick: bool) -> list[Case]:
         from bench_core import ALLOC_BATCHES, ALLOC_POOL_SIZES

@@ -57,6 +57,11 @@ class RequestStateError(PagedKVError, RuntimeError):
     """A known request in a state that does not allow the operation (e.g. allocate while held)."""
 
 
+class SchedulerStateError(PagedKVError, RuntimeError):
+    """``schedule()``/``update()`` called out of order (a step scheduled twice, or the update of
+    a step that is not the outstanding one); nothing was changed."""
+
+
 class RollbackError(PagedKVError, ValueError):
     """A speculative rollback that would remove committed tokens; nothing was changed."""
 

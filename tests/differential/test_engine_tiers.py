@@ -71,3 +71,45 @@ def test_corrupt_tier_payloads_are_recomputed_never_used(
         assert engine.tier_io.num_loaded == 0
     finally:
         offload.close()
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [0, 4])
+def test_blocks_filled_by_accepted_drafts_reach_the_tier(
+    checkpoint: tuple[Path, list[list[int]]], num_speculative_tokens: int
+) -> None:
+    """Every full block a request computed is stored, whether a decode or an accepted draft
+    filled it (before the fix, 13 of 20 blocks were stored with 4 drafts per step)."""
+    from differential.test_engine_invariance import OracleProposer
+
+    path, refs = checkpoint
+    engine, host, offload = _engine_with_host_tier(path)
+    if num_speculative_tokens:
+        engine = LLMEngine(
+            load_model(path),
+            None,
+            EngineConfig(
+                block_size=4,
+                num_blocks=256,
+                check_invariants=True,
+                model_id="tiny",
+                num_speculative_tokens=num_speculative_tokens,
+            ),
+            offload=offload,
+        )
+        engine.proposer = OracleProposer(PROMPTS, refs)
+    try:
+        assert [g[0] for g in run_engine(engine, PROMPTS, stagger=False)] == refs
+        assert offload.flush(10.0)
+        if num_speculative_tokens:
+            assert engine.num_accepted_draft_tokens > 0
+        # every full block of prompt + output (minus the last token, never computed) is stored
+        mgr = engine.scheduler.manager
+        full: set[bytes] = set()
+        for i, (p, r) in enumerate(zip(PROMPTS, refs, strict=True)):
+            mgr.add_request(f"probe{i}", (p + r)[:-1])  # hashed as the engine hashes
+            full.update(mgr.block_hashes(f"probe{i}"))
+            mgr.free(f"probe{i}")
+        assert len(full) > 20
+        assert sum(host.contains(h) for h in full) == len(full)
+    finally:
+        offload.close()

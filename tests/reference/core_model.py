@@ -75,6 +75,10 @@ class RefManager:
         self.index: dict[Key, int] = {}
         self.stack: list[int] = []  # uncached free blocks, next handed out at the end
         self.lru: list[int] = []  # cached free blocks, next victim first
+        # In-use blocks holding content indexed at another block, oldest first per key: when
+        # the indexed block is evicted, the oldest copy takes the key over (no hash is lost).
+        self.copies: dict[Key, list[int]] = {}
+        self.copy_key: dict[int, Key] = {}
         self.reqs: dict[str, RefRequest] = {}
         self._grow_to(self.initial)
 
@@ -118,6 +122,13 @@ class RefManager:
             del self.index[k]
             self.key[b] = None
             out.append(b)
+            if self.copies.get(k):
+                d = self.copies[k].pop(0)
+                if not self.copies[k]:
+                    del self.copies[k]
+                del self.copy_key[d]
+                self.index[k] = d
+                self.key[d] = k
         for b in out:
             self.ref[b] = 1
         return out
@@ -126,6 +137,11 @@ class RefManager:
         for b in blocks:
             self.ref[b] -= 1
             if self.ref[b] == 0:
+                if b in self.copy_key:
+                    k = self.copy_key.pop(b)
+                    self.copies[k].remove(b)
+                    if not self.copies[k]:
+                        del self.copies[k]
                 (self.stack if self.key[b] is None else self.lru).append(b)
 
     def _touch(self, blocks: list[int]) -> None:
@@ -247,7 +263,11 @@ class RefManager:
             if self.key[b] is not None:
                 assert self.key[b] == k
                 continue
+            if b in self.copy_key:
+                continue
             if k in self.index:
+                self.copy_key[b] = k
+                self.copies.setdefault(k, []).append(b)
                 continue
             self.index[k] = b
             self.key[b] = k

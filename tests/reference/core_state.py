@@ -33,6 +33,7 @@ def manager_state(manager: KVCacheManager) -> dict[str, Any]:
         "ref": [pool.ref_count(b) for b in range(n)],
         "hash": [pool.block_hash(b) for b in range(n)],
         "index": dict(pool._index),
+        "copies": dict(pool._copy_of),
         "free_uncached": list(pool._free_uncached),
         "eviction_order": pool.eviction_order(),
         "running_claim": manager.running_claim_blocks,

@@ -342,6 +342,7 @@ class Driver:
         self.num_cached: dict[str, int] = {}
         self.preempted: list[str] = []  # every preemption, in order
         self.history: list[SchedulerOutput] = []
+        self.prompt_lengths: dict[str, int] = {}
 
     def add(self, request_id: str, prompt: Sequence[int], **kwargs: Any) -> Request:
         req = Request(request_id, prompt, **kwargs)
@@ -353,6 +354,7 @@ class Driver:
             self.sched.config.max_model_len,
         )
         self.outputs[request_id] = []
+        self.prompt_lengths[request_id] = req.num_prompt_tokens
         return req
 
     def step(

@@ -72,11 +72,11 @@ def test_match_prefix_is_read_only_and_stops_at_first_miss() -> None:
     a = pool.allocate(3)
     pool.cache_blocks(a, [b"h0", b"h1", b"h2"], parent_hash=None)
     pool.free(a)
-    before = (pool.eviction_order(), pool.num_free_blocks, pool.version)
+    before = (pool.eviction_order(), pool.num_free_blocks, pool.watch_epoch)
     assert pool.match_prefix([b"h0", b"h1", b"nope", b"h2"]) == [1, 2]
     assert pool.match_prefix([b"h0", b"h1", b"h2"], max_blocks=2) == [1, 2]
     assert pool.match_prefix([b"h0"] * 200) == [1] * 200  # chunked lookup keeps going
-    assert (pool.eviction_order(), pool.num_free_blocks, pool.version) == before
+    assert (pool.eviction_order(), pool.num_free_blocks, pool.watch_epoch) == before
 
 
 def test_shared_counter_follows_touch_and_free() -> None:

@@ -33,3 +33,8 @@ def test_bench_sched_quick_prints_table_and_writes_json(tmp_path: Path) -> None:
     assert {r["params"]["mode"] for r in waiting} == {"seqs", "pool"}
     assert all(r["note"].startswith("admission") for r in waiting)
     assert len(doc["flatness"]) == 2
+    blocked = [r for r in rows if r["bench"] == "blocked"]
+    assert len(blocked) == 1
+    assert blocked[0]["note"].startswith("admission")
+    burst = [r for r in rows if r["bench"] == "burst"]
+    assert [r["note"] for r in burst] == ["1,536 prompt tokens computed"]  # the prefix once

@@ -14,9 +14,16 @@ Allocation takes, in order: the uncached stack, then growth of an elastic pool (
 a cached-free block keeps its hash, and stays a prefix hit, until its memory is needed).
 
 Duplicate content: if a block is committed under a hash the index already maps to another
-block (two requests computed the same prefix at once), the first block stays the canonical one;
-the second is left unhashed, is freed as an ordinary block and emits no event. A
-``BlockRemoved`` event therefore always means no copy of that content is left on the device.
+block (two requests computed the same content), the first block stays the canonical one and the
+second is recorded as a *copy* of that hash. When the canonical block is evicted while a copy is
+still in use, the oldest copy takes over the hash (the index now names it), so the content stays
+a prefix hit and no event is emitted. A copy freed while its hash is still served elsewhere is
+ordinary garbage (the uncached stack). A ``BlockRemoved`` event therefore always means no
+computed copy of that content is left on the device.
+
+Watches (for memoised prefix matches): a caller may ``watch`` blocks and hashes; any change that
+can alter a prefix match over them (a watched block evicted, or its ref count crossing 0, or a
+watched hash indexed) bumps ``watch_epoch``. A match taken at the current epoch is still exact.
 
 The pool is single-threaded by design: one owner (the scheduler loop) calls it.
 """
@@ -25,10 +32,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, KVEvent
+from pagedkv.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    EventQueue,
+    KVEvent,
+    stored_events,
+)
 from pagedkv.core.eviction import EvictionPolicy, make_policy
 from pagedkv.core.hashing import BlockHash
+from pagedkv.core.pool_checks import check_pool
 from pagedkv.errors import (
     CacheBusyError,
     InvalidRequestError,
@@ -38,8 +53,9 @@ from pagedkv.errors import (
 )
 
 NULL_BLOCK_ID = 0
-_MATCH_CHUNK = 64  # hashes looked up per step of match_prefix
 """With ``use_null_block``, block 0 is never allocated: runners point padding at it."""
+_MATCH_CHUNK = 64  # hashes looked up per step of match_prefix
+_K = TypeVar("_K")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +96,16 @@ class PoolConfig:
         return self.num_blocks if self.initial_blocks is None else self.initial_blocks
 
 
+def _drop_counts(table: dict[_K, int], keys: Iterable[_K]) -> None:
+    """Decrement a count per key; a count reaching 0 leaves the table."""
+    for k in keys:
+        n = table[k] - 1
+        if n:
+            table[k] = n
+        else:
+            del table[k]
+
+
 class BlockPool:
     """Fixed-size KV blocks with reference counts, a free list and a prefix-hash index.
 
@@ -90,7 +116,11 @@ class BlockPool:
       I3  ``num_shared_blocks == count(ref > 1)``
       I4  the null block is never free, never hashed, never counted as capacity
       I5  ``num_materialized_blocks <= num_blocks``; growth headroom counts as free capacity
-    Complexity: allocate/free/touch O(1) per block; every ``num_*`` query and ``usage`` O(1).
+      I6  ``num_free_blocks == len(stack) + len(policy) + headroom`` and
+          ``usage == (capacity - num_free_blocks) / capacity`` (plain attributes kept current)
+      I7  a copy (duplicate) block is in use, unhashed, and its hash is indexed at another block
+    Complexity: allocate/free/touch O(1) per block; every ``num_*`` query and ``usage`` O(1)
+    (``num_free_blocks`` and ``usage`` are plain attribute reads).
     """
 
     def __init__(self, config: PoolConfig) -> None:
@@ -103,11 +133,20 @@ class BlockPool:
         self._index: dict[BlockHash, int] = {}
         self._free_uncached: list[int] = []  # a stack; the next block to hand out is at the end
         self._num_shared = 0  # == count(ref > 1)
+        self._copy_of: dict[int, BlockHash] = {}  # copy block -> the hash it duplicates (I7)
+        self._copies: dict[BlockHash, list[int]] = {}  # hash -> its copies, oldest first
+        self._watched_blocks: dict[int, int] = {}  # block id -> number of watches on it
+        self._watched_hashes: dict[BlockHash, int] = {}  # hash -> number of watches on it
+        self.watch_epoch = 0  # bumped when something watched changes (see the module docstring)
+        self.version = 0  # bumped by every mutation: a match taken at this version is exact
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse their memory
-        self.num_duplicate_commits = 0  # blocks left unhashed because their content was cached
-        # Bumped by every mutation (ref counts, hashes, free lists): a prefix match taken at the
-        # current version is still exact, so the manager need not redo it before allocating.
-        self.version = 0
+        self.num_duplicate_commits = 0  # blocks committed while their content was indexed
+        self.capacity_blocks = config.num_blocks - self._reserved
+        """Usable blocks at full size: ``num_blocks`` less the null block."""
+        self.num_free_blocks = self.capacity_blocks
+        """Blocks an allocation could take now: ref 0 (cached or not) plus growth headroom."""
+        self.usage = 0.0
+        """Fraction of capacity in use: ``num_used_blocks / capacity_blocks`` (0.0 to 1.0)."""
         self._materialize(config.initial_num_blocks)
 
     # ------------------------------------------------------------------ capacity (all O(1))
@@ -117,21 +156,9 @@ class BlockPool:
         return self.config.num_blocks
 
     @property
-    def capacity_blocks(self) -> int:
-        """Usable blocks at full size: ``num_blocks`` less the null block."""
-        return self.config.num_blocks - self._reserved
-
-    @property
     def num_materialized_blocks(self) -> int:
         """Physical blocks that exist now (an elastic pool grows this up to ``num_blocks``)."""
         return len(self._ref)
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks an allocation could take now: ref count 0 (cached or not) plus growth headroom."""
-        return (
-            len(self._free_uncached) + len(self._policy) + (self.config.num_blocks - len(self._ref))
-        )
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -146,7 +173,7 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         """Blocks with ref count > 0."""
-        return len(self._ref) - self._reserved - len(self._free_uncached) - len(self._policy)
+        return self.capacity_blocks - self.num_free_blocks
 
     @property
     def num_shared_blocks(self) -> int:
@@ -154,14 +181,27 @@ class BlockPool:
         return self._num_shared
 
     @property
-    def usage(self) -> float:
-        """Fraction of capacity in use: ``num_used_blocks / capacity_blocks`` (0.0 to 1.0)."""
-        return self.num_used_blocks / self.capacity_blocks
+    def num_copy_blocks(self) -> int:
+        """In-use blocks that duplicate content indexed at another block (I7)."""
+        return len(self._copy_of)
+
+    def _set_free(self, num_free: int) -> None:
+        self.version += 1
+        self.num_free_blocks = num_free
+        self.usage = (self.capacity_blocks - num_free) / self.capacity_blocks
 
     # ------------------------------------------------------------------ queries
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref[block_id]
+
+    def ref_counts(self, block_ids: Sequence[int]) -> list[int]:
+        """Reference counts of valid block ids (unchecked ids: callers pass their own blocks)."""
+        return list(map(self._ref.__getitem__, block_ids))
+
+    def is_exclusive(self, block_id: int) -> bool:
+        """Whether exactly one reference is held on a block (a write needs no copy)."""
+        return self._ref[block_id] == 1
 
     def block_hash(self, block_id: int) -> BlockHash | None:
         self._check_id(block_id)
@@ -191,6 +231,25 @@ class BlockPool:
         """Cached-free blocks, next victim first (O(n); for tests and debugging)."""
         return list(self._policy)
 
+    def copies_of(self, block_hash: BlockHash) -> list[int]:
+        """In-use copies of an indexed hash, next to take it over first (for tests)."""
+        return list(self._copies.get(block_hash, ()))
+
+    # ------------------------------------------------------------------ watches
+    def watch(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
+        """Bump ``watch_epoch`` whenever one of these blocks is evicted or crosses ref count 0,
+        or one of these hashes becomes indexed, until ``unwatch`` with the same arguments."""
+        wb, wh = self._watched_blocks, self._watched_hashes
+        for b in block_ids:
+            wb[b] = wb.get(b, 0) + 1
+        for h in block_hashes:
+            wh[h] = wh.get(h, 0) + 1
+
+    def unwatch(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
+        """Drop watches taken by ``watch`` (same arguments)."""
+        _drop_counts(self._watched_blocks, block_ids)
+        _drop_counts(self._watched_hashes, block_hashes)
+
     # ------------------------------------------------------------------ mutation
     def allocate(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` free blocks (ref count 1, no hash). All or nothing.
@@ -202,24 +261,28 @@ class BlockPool:
                 return []
             raise InvalidRequestError(f"cannot allocate {num_blocks} blocks")
         stack = self._free_uncached
-        if num_blocks <= len(stack):  # the common case: uncached free blocks suffice
-            out = stack[-num_blocks:]
-            del stack[-num_blocks:]
-            out.reverse()
-            ref = self._ref
-            for b in out:
-                ref[b] = 1
-            self.version += 1
-            return out
+        if num_blocks > len(stack):
+            return self._allocate_slow(num_blocks)
+        out = stack[-num_blocks:]  # the common case: uncached free blocks suffice
+        del stack[-num_blocks:]
+        out.reverse()
+        ref = self._ref
+        for b in out:
+            ref[b] = 1
+        self._set_free(self.num_free_blocks - num_blocks)
+        return out
+
+    def _allocate_slow(self, num_blocks: int) -> list[int]:
+        """``allocate`` past the uncached stack: grow the pool, then evict."""
         if num_blocks > self.num_free_blocks:
             raise OutOfBlocksError(
                 f"need {num_blocks} blocks, {self.num_free_blocks} free of {self.capacity_blocks}"
             )
-        if len(stack) < num_blocks:
-            headroom = self.config.num_blocks - len(self._ref)
-            if headroom:
-                want = max(num_blocks - len(stack), self.config.growth_blocks)
-                self._materialize(len(self._ref) + min(headroom, want))
+        stack = self._free_uncached
+        headroom = self.config.num_blocks - len(self._ref)
+        if headroom:
+            want = max(num_blocks - len(stack), self.config.growth_blocks)
+            self._materialize(len(self._ref) + min(headroom, want))
         ref = self._ref
         n_stack = min(num_blocks, len(stack))
         out = stack[len(stack) - n_stack :]
@@ -229,11 +292,13 @@ class BlockPool:
             ref[b] = 1
         if n_stack < num_blocks:
             out.extend(self._evict(num_blocks - n_stack))
-        self.version += 1
+        self._set_free(self.num_free_blocks - num_blocks)
         return out
 
     def _evict(self, n: int) -> list[int]:
+        """Take ``n`` victims from the policy; each drops its hash unless a copy takes it over."""
         policy, hashes, index, ref = self._policy, self._hash, self._index, self._ref
+        copies, watched = self._copies, self._watched_blocks
         victims: list[int] = []
         removed: list[BlockHash] = []
         for _ in range(n):
@@ -241,15 +306,29 @@ class BlockPool:
             h = hashes[b]
             if h is None:  # pragma: no cover - guarded by I1
                 raise InvariantViolation(f"I1: block {b} in the eviction policy has no hash")
-            del index[h]
             hashes[b] = None
             ref[b] = 1
-            removed.append(h)
             victims.append(b)
+            if watched and b in watched:
+                self.watch_epoch += 1
+            if h in copies:  # a computed copy is alive: it serves the hash from now on
+                self._promote_copy(h)
+                continue
+            del index[h]
+            removed.append(h)
         self.num_evictions += n
-        if self.events.enabled:
+        if removed and self.events.enabled:
             self.events.push(BlockRemoved(tuple(removed)))
         return victims
+
+    def _promote_copy(self, block_hash: BlockHash) -> None:
+        copies = self._copies[block_hash]
+        d = copies.pop(0)
+        if not copies:
+            del self._copies[block_hash]
+        del self._copy_of[d]
+        self._index[block_hash] = d
+        self._hash[d] = block_hash
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (a prefix hit or a fork). O(1) per block.
@@ -266,49 +345,96 @@ class BlockPool:
             if ref[b] == 0 and hashes[b] is None:
                 raise RequestStateError(f"block {b} is free and uncached; it cannot be shared")
         remove = self._policy.remove
+        watched = self._watched_blocks
         num_newly_shared = 0
+        num_taken = 0
         for b in ids:
             r = ref[b]
             if r == 0:
                 remove(b)
+                num_taken += 1
+                if watched and b in watched:
+                    self.watch_epoch += 1
             elif r == 1:
                 num_newly_shared += 1
             ref[b] = r + 1
         self._num_shared += num_newly_shared
-        self.version += 1
+        if num_taken:
+            self._set_free(self.num_free_blocks - num_taken)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block, in the given order. All or nothing.
 
         A block reaching 0 goes to the eviction policy if hashed, else to the uncached stack.
         Callers pass a request's blocks last first, so its tail is evicted before its head.
+        Validation and the decrement are one pass; a bad id undoes the pass and raises.
         """
+        if not block_ids:
+            return
         ref = self._ref
-        n = len(ref)
-        reserved = self._reserved
-        for b in block_ids:
-            if not reserved <= b < n or ref[b] <= 0:
-                raise RequestStateError(f"block {b} is not in use; it cannot be freed")
-        if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
-            counts: dict[int, int] = {}
-            for b in block_ids:
-                counts[b] = counts.get(b, 0) + 1
-                if counts[b] > ref[b]:
-                    raise RequestStateError(f"block {b} freed more times than it is referenced")
-        hashes, push, stack_push = self._hash, self._policy.push, self._free_uncached.append
+        if min(block_ids) < self._reserved or max(block_ids) >= len(ref):  # C-level range check
+            self._raise_not_in_use(block_ids, len(block_ids))
+        zeros: list[int] = []
+        append = zeros.append
         num_unshared = 0
-        for b in block_ids:
-            r = ref[b] - 1
-            ref[b] = r
-            if r == 0:
+        for i, b in enumerate(block_ids):
+            r = ref[b]
+            if r == 1:
+                ref[b] = 0
+                append(b)
+            elif r > 1:
+                ref[b] = r - 1
+                if r == 2:
+                    num_unshared += 1
+            else:
+                for u in block_ids[:i]:  # undo: nothing changes on failure
+                    ref[u] += 1
+                self._raise_not_in_use(block_ids, i)
+        self._num_shared -= num_unshared
+        if not zeros:
+            return
+        hashes = self._hash
+        if self._copy_of or self._watched_blocks:
+            self._free_slow(zeros)
+        elif (
+            len(zeros) == len(block_ids)
+            and hashes[zeros[0]] is not None
+            and (None not in map(hashes.__getitem__, zeros))
+        ):
+            self._policy.push_many(zeros)  # the common case: a cached prompt, all hashed
+        else:
+            push, stack_push = self._policy.push, self._free_uncached.append
+            for b in zeros:
                 if hashes[b] is None:
                     stack_push(b)
                 else:
                     push(b)
-            elif r == 1:
-                num_unshared += 1
-        self._num_shared -= num_unshared
-        self.version += 1
+        self._set_free(self.num_free_blocks + len(zeros))
+
+    def _raise_not_in_use(self, block_ids: Sequence[int], i: int) -> None:
+        """Raise for the first block of ``block_ids[:i + 1]`` that cannot be freed."""
+        for k, b in enumerate(block_ids[: i + 1]):
+            if not self._reserved <= b < len(self._ref) or self._ref[b] <= 0 or k == i:
+                twice = 0 <= b < len(self._ref) and b in block_ids[:k]
+                what = "is freed twice" if twice else "is not in use"
+                raise RequestStateError(f"block {b} {what}; it cannot be freed")
+
+    def _free_slow(self, zeros: list[int]) -> None:
+        """Place blocks that reached ref 0 when copies or watches exist."""
+        hashes, copy_of, watched = self._hash, self._copy_of, self._watched_blocks
+        for b in zeros:
+            if watched and b in watched:
+                self.watch_epoch += 1
+            if hashes[b] is not None:
+                self._policy.push(b)
+                continue
+            h = copy_of.pop(b, None)
+            if h is not None:  # a copy whose hash is served elsewhere: plain garbage now
+                copies = self._copies[h]
+                copies.remove(b)
+                if not copies:
+                    del self._copies[h]
+            self._free_uncached.append(b)
 
     def cache_blocks(
         self,
@@ -322,70 +448,50 @@ class BlockPool:
     ) -> int:
         """Register consecutive full blocks of one chain under their hashes; return how many.
 
-        Blocks must be in use and unhashed. A hash already indexed (duplicate content) leaves
-        its block unhashed (see the module docstring). When events are on, emits one
-        ``BlockStored`` per run of consecutive blocks newly indexed (usually one run), so a
-        consumer never hears of a hash twice while it stays cached.
+        Blocks must be in use and unhashed (or already hold, or copy, this hash). A hash already
+        indexed at another block makes this block a copy (see the module docstring). When events
+        are on, emits one ``BlockStored`` per run of consecutive blocks newly indexed (usually
+        one run), so a consumer never hears of a hash twice while it stays cached.
         """
         if len(block_ids) != len(block_hashes):
             raise InvalidRequestError(
                 f"{len(block_ids)} blocks but {len(block_hashes)} hashes to cache"
             )
-        ref, hashes, index = self._ref, self._hash, self._index
+        ref, hashes, index, copy_of = self._ref, self._hash, self._index, self._copy_of
         for b, h in zip(block_ids, block_hashes, strict=True):
             self._check_id(b)
-            if ref[b] <= 0 or hashes[b] not in (None, h):
+            if ref[b] <= 0 or hashes[b] not in (None, h) or copy_of.get(b, h) != h:
                 raise RequestStateError(
                     f"block {b} must be in use and unhashed (or hold this hash) to be cached"
                 )
-        num_new = 0
+        watched = self._watched_hashes
         stored: list[int] = []  # positions in block_ids newly indexed (for events)
         for i, (b, h) in enumerate(zip(block_ids, block_hashes, strict=True)):
-            if hashes[b] is not None:  # already cached under this hash (a shared, forked block)
+            if hashes[b] is not None or b in copy_of:  # already cached (a shared, forked block)
                 continue
             if h in index:
                 self.num_duplicate_commits += 1
+                copy_of[b] = h
+                self._copies.setdefault(h, []).append(b)
                 continue
             index[h] = b
             hashes[b] = h
-            num_new += 1
             stored.append(i)
+            if watched and h in watched:
+                self.watch_epoch += 1
+        if stored and self.events.enabled:
+            for event in stored_events(
+                stored, block_hashes, parent_hash, token_ids, block_size, lora_name
+            ):
+                self.events.push(event)
         self.version += 1
-        if num_new and self.events.enabled:
-            self._push_stored(stored, block_hashes, parent_hash, token_ids, block_size, lora_name)
-        return num_new
-
-    def _push_stored(
-        self,
-        stored: list[int],
-        block_hashes: Sequence[BlockHash],
-        parent_hash: BlockHash | None,
-        token_ids: Sequence[int],
-        block_size: int,
-        lora_name: str | None,
-    ) -> None:
-        """One ``BlockStored`` per run of consecutive newly indexed positions."""
-        run_start = 0
-        for k in range(1, len(stored) + 1):
-            if k < len(stored) and stored[k] == stored[k - 1] + 1:
-                continue
-            first, end = stored[run_start], stored[k - 1] + 1
-            self.events.push(
-                BlockStored(
-                    block_hashes=tuple(block_hashes[first:end]),
-                    parent_block_hash=parent_hash if first == 0 else block_hashes[first - 1],
-                    token_ids=tuple(token_ids[first * block_size : end * block_size]),
-                    block_size=block_size,
-                    lora_name=lora_name,
-                )
-            )
-            run_start = k
+        return len(stored)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; raise CacheBusyError, changing nothing, if a block is in use.
 
         In-use blocks may be serving prefix hits, so dropping their hashes under a running request
-        is refused rather than half-applied.
+        is refused rather than half-applied. (No block in use means no copies either: I7.)
         """
         used = self.num_used_blocks
         if used:
@@ -397,6 +503,7 @@ class BlockPool:
             self._hash[b] = None
             self._free_uncached.append(b)
         self._index.clear()
+        self.watch_epoch += 1
         self.version += 1
         self.events.push(AllBlocksCleared())
 
@@ -410,6 +517,7 @@ class BlockPool:
         self._hash = []
         self._free_uncached = []
         self._materialize(self.config.initial_num_blocks)
+        self._set_free(self.capacity_blocks)
 
     def drain_events(self) -> list[KVEvent]:
         return self.events.drain()
@@ -432,43 +540,4 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Recompute every counter from scratch; raise InvariantViolation naming the broken one."""
-        n = len(self._ref)
-        if n > self.config.num_blocks:
-            raise InvariantViolation(
-                f"I5: {n} materialized blocks > num_blocks {self.config.num_blocks}"
-            )
-        stack = set(self._free_uncached)
-        if len(stack) != len(self._free_uncached):
-            raise InvariantViolation("I1: a block appears twice in the uncached stack")
-        policy = set(self._policy)
-        if len(policy) != len(self._policy) or stack & policy:
-            raise InvariantViolation("I1: a block is in the free stack and the policy at once")
-        shared = 0
-        for b in range(n):
-            r, h = self._ref[b], self._hash[b]
-            if r < 0:
-                raise InvariantViolation(f"I1: block {b} has ref count {r}")
-            if b < self._reserved:
-                if r != 0 or h is not None or b in stack or b in policy:
-                    raise InvariantViolation("I4: the null block was used, hashed or freed")
-                continue
-            if r > 1:
-                shared += 1
-            in_stack, in_policy = b in stack, b in policy
-            if r > 0 and (in_stack or in_policy):
-                raise InvariantViolation(f"I1: block {b} has ref {r} but is on a free list")
-            if r == 0 and not (in_stack or in_policy):
-                raise InvariantViolation(f"I1: block {b} has ref 0 but is on no free list")
-            if in_stack and h is not None:
-                raise InvariantViolation(f"I1: block {b} is on the uncached stack with a hash")
-            if in_policy and h is None:
-                raise InvariantViolation(f"I1: block {b} is in the eviction policy without a hash")
-            if h is not None and self._index.get(h) != b:
-                raise InvariantViolation(f"I2: block {b} has a hash the index maps elsewhere")
-        for h, b in self._index.items():
-            if not 0 <= b < n or self._hash[b] != h:
-                raise InvariantViolation(f"I2: index maps a hash to block {b}, which holds another")
-        if shared != self._num_shared:
-            raise InvariantViolation(
-                f"I3: num_shared_blocks is {self._num_shared}, counted {shared}"
-            )
+        check_pool(self)

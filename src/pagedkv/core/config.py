@@ -28,7 +28,8 @@ class CacheConfig:
 
     ``num_blocks`` counts physical blocks (the null block included); set ``initial_blocks``
     lower to make the pool elastic. ``watermark`` is the fraction of capacity kept free at
-    admission so running requests can grow without preemption.
+    admission so running requests can grow without preemption. ``prefix_stats_window`` is how
+    many recent fresh admissions the windowed prefix hit rate covers (vLLM's 1,000).
 
     ``sliding_window``: every layer of the model attends to at most this many positions (a
     query at ``p`` reads keys ``p - sliding_window < k <= p``), so blocks wholly before a
@@ -51,8 +52,13 @@ class CacheConfig:
     enable_events: bool = False
     max_events: int = 10_000
     sliding_window: int | None = None
+    prefix_stats_window: int = 1000
 
     def __post_init__(self) -> None:
+        if self.prefix_stats_window <= 0:
+            raise InvalidRequestError(
+                f"prefix_stats_window must be positive, got {self.prefix_stats_window}"
+            )
         if self.block_size <= 0:
             raise InvalidRequestError(f"block_size must be positive, got {self.block_size}")
         if self.sliding_window is not None and (

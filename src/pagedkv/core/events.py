@@ -9,6 +9,7 @@ dropped and counted, and a consumer that sees ``num_dropped`` grow must resynchr
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.core.hashing import BlockHash
@@ -79,3 +80,32 @@ class EventQueue:
 
     def __len__(self) -> int:
         return len(self._events)
+
+
+def stored_events(
+    stored: Sequence[int],
+    block_hashes: Sequence[BlockHash],
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    lora_name: str | None,
+) -> list[BlockStored]:
+    """One ``BlockStored`` per run of consecutive positions in ``stored`` (ascending indices
+    into ``block_hashes``; ``token_ids`` holds ``block_size`` tokens per hash)."""
+    out: list[BlockStored] = []
+    run_start = 0
+    for k in range(1, len(stored) + 1):
+        if k < len(stored) and stored[k] == stored[k - 1] + 1:
+            continue
+        first, end = stored[run_start], stored[k - 1] + 1
+        out.append(
+            BlockStored(
+                block_hashes=tuple(block_hashes[first:end]),
+                parent_block_hash=parent_hash if first == 0 else block_hashes[first - 1],
+                token_ids=tuple(token_ids[first * block_size : end * block_size]),
+                block_size=block_size,
+                lora_name=lora_name,
+            )
+        )
+        run_start = k
+    return out

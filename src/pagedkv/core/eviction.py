@@ -11,7 +11,7 @@ hold; :class:`LRUPolicy` does, with an ``OrderedDict`` (a C doubly linked list o
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 
@@ -22,6 +22,9 @@ class EvictionPolicy(Protocol):
 
     def push(self, block_id: int) -> None:
         """``block_id`` just became free (ref count 0) and keeps its hash."""
+
+    def push_many(self, block_ids: Sequence[int]) -> None:
+        """``push`` each block in order (one call for a freed request's blocks)."""
 
     def remove(self, block_id: int) -> None:
         """``block_id`` was referenced again (a prefix hit) and is no longer evictable."""
@@ -56,6 +59,11 @@ class LRUPolicy:
 
     def push(self, block_id: int) -> None:
         self._order[block_id] = None
+
+    def push_many(self, block_ids: Sequence[int]) -> None:
+        order = self._order  # a plain loop: OrderedDict.update is ~3x slower than this
+        for b in block_ids:
+            order[b] = None
 
     def remove(self, block_id: int) -> None:
         del self._order[block_id]

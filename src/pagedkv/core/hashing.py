@@ -251,22 +251,26 @@ class BlockHashChain:
             if type(t) is int and 0 <= t < _MAX_TOKEN_ID:
                 self._pending.append(t)
                 return []
-        tokens = self._pending + list(token_ids) if self._pending else list(token_ids)
-        num_full = len(tokens) // bs
+        # No copy of a long token list: the input is packed once (which also validates every
+        # id), the pending tail is packed apart and prepended as bytes, and blocks are hashed
+        # from slices of the packed bytes. Only the new tail (< block_size ids) is kept as ints.
+        pending = self._pending
+        num_full = (len(pending) + len(token_ids)) // bs
         if num_full == 0:
             if token_ids:
                 pack_tokens(token_ids)  # validate even when no block completes yet
-            self._pending = tokens
+            self._pending = [*pending, *token_ids]
             return []
-        packed = pack_tokens(tokens[: num_full * bs])
+        packed = pack_tokens(token_ids)
+        if pending:
+            packed = pack_tokens(pending) + packed
         width = bs * 4
         fn = self._fn
         ctx = self._ctx
-        with_keys = ctx.has_block_keys
         parent = self._hashes[-1] if self._hashes else self._root
         start = self._tokens_hashed
         new: list[BlockHash] = []
-        if with_keys:
+        if ctx.has_block_keys:
             for i in range(num_full):
                 block_start = start + i * bs
                 chunk = packed[i * width : (i + 1) * width]
@@ -278,13 +282,24 @@ class BlockHashChain:
             for offset in range(0, num_full * width, width):
                 parent = fn(parent + packed[offset : offset + width])
                 append(parent)
-        rest = tokens[num_full * bs :]
-        if rest:
-            pack_tokens(rest)
+        rest = list(token_ids[num_full * bs - len(pending) :])
         self._pending = rest
         self._hashes.extend(new)
         self._tokens_hashed += num_full * bs
         return new
+
+    def preview(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The hashes ``extend(token_ids)`` would return, changing nothing. O(new tokens): the
+        chain's hash list is not copied (only its last hash is needed as the parent)."""
+        clone = BlockHashChain.__new__(BlockHashChain)
+        clone.block_size = self.block_size
+        clone._ctx = self._ctx
+        clone._fn = self._fn
+        clone._root = self._root
+        clone._hashes = self._hashes[-1:]
+        clone._pending = list(self._pending)
+        clone._tokens_hashed = self._tokens_hashed
+        return clone.extend(token_ids)
 
     def copy(self) -> BlockHashChain:
         """An independent chain with the same state (for forks)."""

@@ -38,6 +38,7 @@ import numpy as np
 from pagedkv.core.block_pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.config import CacheConfig, ReservationPolicy
 from pagedkv.core.hashing import BlockHash, BlockHashChain, HashContext, pack_tokens
+from pagedkv.core.inflight import InflightTable
 from pagedkv.core.seq_state import Allocation, PrefixMatch, SeqState
 from pagedkv.core.stats import KVCacheStats, PrefixStats
 from pagedkv.errors import (
@@ -60,10 +61,14 @@ class KVCacheManager:
       M3  every request's blocks cover ``num_computed + num_pending`` positions
       M4  ``num_computed <= len(token_ids)``; committed full blocks of a request are hashed with
           the request's chain hashes or left unhashed as duplicates, never with another hash
-      M5  the pool's own invariants (I1..I5) hold
+      M5  the pool's own invariants (I1..I7) hold
       M6  a request's first ``num_released_blocks`` table entries, and only those, are the null
           block; they end at or before ``num_computed + 1 - sliding_window`` (no position a
           later query reads was released); none without a sliding window
+      M5  the pool's own invariants (I1..I7) hold
+      M7  ``_inflight[h]`` == the number of started, unheld requests with ``h`` among their
+          known, uncommitted full blocks ``chain.hashes[num_cached_blocks:]`` (blocks being
+          computed now or in a later chunk: a waiting request needing one waits for its commit)
     Complexity: ``can_admit`` and every ``num_*`` query O(1); ``allocate_slots``/``rollback``/
     ``free`` O(blocks touched); ``match_prefix`` O(hit blocks).
     """
@@ -79,8 +84,10 @@ class KVCacheManager:
         # max_tokens never makes a request inadmissible forever.
         self._admissible_blocks = self.pool.capacity_blocks - self._watermark_blocks
         self._default_context = HashContext(model_id=config.model_id, algo=config.hash_algo)
-        self._prefix = PrefixStats()
+        self._prefix = PrefixStats(config.prefix_stats_window)
         self.num_cow_copies = 0
+        # Hashes being computed by requests holding blocks -> how many such requests (M7).
+        self._inflight = InflightTable()
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -140,32 +147,91 @@ class KVCacheManager:
             raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
         new = list(token_ids)
         if self.config.enable_prefix_caching:
-            seq.chain.extend(new)
+            completed = seq.chain.extend(new)
+            if completed and seq.started:  # they are this request's to compute: in flight
+                self._inflight.extend(seq, completed)
         else:
             pack_tokens(new)
         seq.token_ids.extend(new)
+        if seq.match is not None:
+            self._drop_memo(seq)
 
     def match_prefix(self, request_id: str) -> PrefixMatch:
         """The longest cached run of full blocks, never the whole prompt. Read-only.
 
         At least one token is always left to compute, so the model produces logits.
+
+        The answer is memoised. Memo invariant: a *watched* match taken at the pool's
+        ``watch_epoch`` E over N tokens equals a fresh match while the epoch is still E and the
+        request still has N tokens (an unwatched first match: while the pool's ``version``,
+        bumped by every mutation, is unchanged, so admitting at once costs no watches). It holds
+        because the match depends only on (a) which of the chain's hashes are indexed, and at which
+        blocks, and (b) which matched blocks have ref count 0; the memo watches its matched blocks
+        (evicted, or crossing ref count 0) and the next hash of its chain (indexed), and any of
+        those bumps the epoch. Nothing else can change the answer, so a blocked waiting head
+        re-matches only when its own chain changed.
         """
         seq = self._get(request_id)
         if seq.started:
             raise RequestStateError(f"request {request_id!r} already holds its prefix")
         match = seq.match
-        if match is not None and seq.match_key == (self.pool.version, len(seq.token_ids)):
-            return match  # nothing changed since: the memo is exact
+        pool = self.pool
+        if (
+            match is not None
+            and seq.match_num_tokens == len(seq.token_ids)
+            and (
+                seq.match_epoch == pool.watch_epoch
+                if seq.match_watched
+                else seq.match_version == pool.version
+            )
+        ):
+            return match  # nothing it depends on changed since: the memo is exact
+        # A first match is checked against the pool's version (any mutation); a request matched
+        # again has waited across operations (a blocked head), so it now watches its chain.
+        watch = match is not None
+        if match is not None:
+            self._drop_memo(seq)
+        nxt: tuple[BlockHash, ...] = ()
         if self.config.enable_prefix_caching:
             max_blocks = (len(seq.token_ids) - 1) // self.block_size
-            ids = self.pool.match_prefix(seq.chain.hashes, max_blocks)
-            evictable = list(map(self.pool._ref.__getitem__, ids)).count(0)
+            ids = pool.match_prefix(seq.chain.hashes, max_blocks)
+            evictable = pool.ref_counts(ids).count(0)
+            if len(ids) < max_blocks:
+                nxt = (seq.chain.hashes[len(ids)],)
         else:
             ids, evictable = [], 0
         match = PrefixMatch(tuple(ids), len(ids) * self.block_size, evictable)
+        if watch:
+            pool.watch(match.block_ids, nxt)
+            seq.match_next = nxt
         seq.match = match
-        seq.match_key = (self.pool.version, len(seq.token_ids))
+        seq.match_watched = watch
+        seq.match_epoch = pool.watch_epoch
+        seq.match_version = pool.version
+        seq.match_num_tokens = len(seq.token_ids)
         return match
+
+    def waits_for_inflight(self, request_id: str) -> bool:
+        """Whether the next block a waiting request would compute past its cached prefix is
+        being computed now by a request holding blocks (so waiting for its commit turns that
+        block into a hit instead of computing it twice). O(1) once matched."""
+        seq = self._get(request_id)
+        match = self.match_prefix(request_id)
+        i = len(match.block_ids)
+        return (
+            bool(self._inflight)
+            and i < (len(seq.token_ids) - 1) // self.block_size
+            and self._inflight.contains(seq.chain.hashes[i])
+        )
+
+    def _drop_memo(self, seq: SeqState) -> None:
+        match = seq.match
+        if match is not None:
+            if seq.match_watched:
+                self.pool.unwatch(match.block_ids, seq.match_next)
+            seq.match = None
+            seq.match_next = ()
+            seq.match_watched = False
 
     def num_blocks_to_admit(self, request_id: str) -> int:
         """Blocks admitting this waiting request would take now, its future claim included."""
@@ -209,7 +275,9 @@ class KVCacheManager:
             write_pos = seq.num_computed + seq.num_pending
             bs = self.block_size
             if write_pos + num_new_tokens <= len(seq.block_ids) * bs and (
-                not write_pos % bs or self.pool._ref[seq.block_ids[write_pos // bs]] == 1
+                not write_pos % bs
+                or not seq.forked  # only a fork shares a partial block (hits are full blocks)
+                or self.pool.is_exclusive(seq.block_ids[write_pos // bs])
             ):
                 seq.num_pending += num_new_tokens
                 return Allocation((), (), seq.num_hit_tokens)
@@ -240,7 +308,7 @@ class KVCacheManager:
             seq.started
             and write_pos % bs
             and write_pos // bs < len(seq.block_ids)
-            and pool._ref[seq.block_ids[write_pos // bs]] > 1
+            and not pool.is_exclusive(seq.block_ids[write_pos // bs])
         ):
             cow_index = write_pos // bs
         total = num_new_blocks + (cow_index >= 0) + num_evictable
@@ -254,22 +322,26 @@ class KVCacheManager:
         if not seq.started:
             pool.touch(hit_ids)
             seq.block_ids = list(hit_ids)
+            seq.table = None
             seq.num_computed = num_computed
             seq.num_cached_blocks = len(hit_ids)
             seq.num_hit_tokens = num_computed
             seq.started = True
-            seq.match = None
-            self._prefix.record(len(seq.token_ids), num_computed, bs)
+            self._drop_memo(seq)
+            self._prefix.record(len(seq.token_ids), num_computed, bs, resumed=seq.resumed)
+            self._inflight_start(seq)
         if cow_index >= 0:
             src = seq.block_ids[cow_index]
             (dst,) = pool.allocate(1)
             seq.block_ids[cow_index] = dst
+            seq.table = None
             pool.free([src])
             copies = ((src, dst),)
             self.num_cow_copies += 1
         new_ids = pool.allocate(num_new_blocks) if num_new_blocks else []
         if new_ids:
             seq.block_ids.extend(new_ids)
+            seq.table = None
         seq.num_pending += num_new_tokens
         self._update_claim(seq)
         return Allocation(tuple(new_ids), copies, seq.num_hit_tokens)
@@ -312,6 +384,7 @@ class KVCacheManager:
             lora_name=chain.context.adapter_id,
         )
         seq.num_cached_blocks = full
+        self._inflight.commit(seq, full)
         return num_new
 
     def rollback(self, request_id: str, num_tokens: int) -> list[int]:
@@ -334,6 +407,7 @@ class KVCacheManager:
         freed = seq.block_ids[keep:]
         if freed:
             del seq.block_ids[keep:]
+            seq.table = None
             self.pool.free(freed[::-1])
             self._update_claim(seq)
         return freed
@@ -367,6 +441,7 @@ class KVCacheManager:
         ids = seq.block_ids[first:upto]
         self.pool.free(ids[::-1])  # the newest first: the head, which every hit needs, leaves last
         seq.block_ids[first:upto] = [NULL_BLOCK_ID] * (upto - first)
+        seq.table = None  # the cached array view of block_ids is stale now
         seq.num_released_blocks = upto
         return upto - first
 
@@ -399,8 +474,10 @@ class KVCacheManager:
         child.num_hit_tokens = parent.num_hit_tokens
         child.num_released_blocks = parent.num_released_blocks
         child.started = True
+        child.forked = parent.forked = True
         self._seqs[child_id] = child
         self._update_claim(child)
+        self._inflight_start(child)
 
     def preempt(self, request_id: str) -> None:
         """Free a running request's blocks but keep its tokens and hashes, to resume later.
@@ -415,7 +492,7 @@ class KVCacheManager:
         seq.num_pending = 0
         seq.num_cached_blocks = 0
         seq.started = False
-        seq.match = None
+        seq.resumed = True
 
     def free(self, request_id: str) -> None:
         """Forget a request and drop its references, last block first (tail evicted first)."""
@@ -441,6 +518,7 @@ class KVCacheManager:
                 f"request {request_id!r} has {seq.num_pending} uncommitted positions; commit or "
                 "roll them back before holding its KV for transfer"
             )
+        self._inflight.stop(seq)  # a finished request computes nothing more
         seq.held = True
         self._update_claim(seq)
 
@@ -461,13 +539,13 @@ class KVCacheManager:
         """Forget every cached prefix; raises CacheBusyError (no change) while blocks are in use."""
         self.pool.reset_prefix_cache()
         for seq in self._seqs.values():  # only waiting requests remain (none holds blocks)
-            seq.match = None
+            self._drop_memo(seq)
 
     def clear(self) -> None:
         """Return an idle manager's pool to its initial size (see ``BlockPool.clear``)."""
         self.pool.clear()
         for seq in self._seqs.values():
-            seq.match = None
+            self._drop_memo(seq)
 
     # ------------------------------------------------------------------ tables
     def block_ids(self, request_id: str) -> list[int]:
@@ -475,8 +553,29 @@ class KVCacheManager:
         return list(self._get(request_id).block_ids)
 
     def block_table(self, request_id: str) -> np.ndarray:
-        """The request's block table as an int32 array."""
+        """The request's block table as an int32 array (a copy the caller may keep)."""
         return np.array(self._get(request_id).block_ids, dtype=np.int32)
+
+    def block_ids_view(self, request_id: str) -> list[int]:
+        """The request's block table itself (no copy): read it now, never mutate or keep it."""
+        return self._get(request_id).block_ids
+
+    def block_views(self, request_id: str) -> tuple[list[int], np.ndarray]:
+        """``(block_ids_view, block_table_view)`` in one lookup (the scheduler's hot path)."""
+        seq = self._get(request_id)
+        table = seq.table
+        if table is None:
+            table = seq.table = np.array(seq.block_ids, dtype=np.int32)
+        return seq.block_ids, table
+
+    def block_table_view(self, request_id: str) -> np.ndarray:
+        """The request's block table as an int32 array, cached until the table changes (a
+        read-only view for one step's batch: the manager replaces it, never mutates it)."""
+        seq = self._get(request_id)
+        table = seq.table
+        if table is None:
+            table = seq.table = np.array(seq.block_ids, dtype=np.int32)
+        return table
 
     def slot_mapping(self, request_id: str, start: int, end: int) -> np.ndarray:
         """Slots of positions ``[start, end)``: ``block_id * block_size + offset`` (int32)."""
@@ -505,6 +604,11 @@ class KVCacheManager:
     def block_hashes(self, request_id: str) -> list[BlockHash]:
         """The request's full-block hashes so far (the manager's own list: do not mutate)."""
         return self._get(request_id).chain.hashes
+
+    def preview_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Hashes of the blocks that appending ``token_ids`` would complete (read-only), e.g.
+        the blocks accepted drafts fill before ``update`` appends them."""
+        return self._get(request_id).chain.preview(token_ids)
 
     def num_computed_tokens(self, request_id: str) -> int:
         return self._get(request_id).num_computed
@@ -549,8 +653,8 @@ class KVCacheManager:
         hist: tuple[tuple[int, int], ...] = ()
         if ref_histogram:
             counts: dict[int, int] = {}
-            for b in range(1 if pool.config.use_null_block else 0, pool.num_materialized_blocks):
-                r = pool._ref[b]
+            first = 1 if pool.config.use_null_block else 0
+            for r in pool.ref_counts(range(first, pool.num_materialized_blocks)):
                 counts[r] = counts.get(r, 0) + 1
             hist = tuple(sorted(counts.items()))
         return KVCacheStats(
@@ -593,15 +697,22 @@ class KVCacheManager:
         seq.claim = new
 
     def _release_blocks(self, seq: SeqState) -> None:
+        self._inflight.stop(seq)
+        self._drop_memo(seq)
         if seq.block_ids:
             held = seq.block_ids[seq.num_released_blocks :]  # the rest is the null block
             if held:
                 self.pool.free(held[::-1])
             seq.block_ids = []
             seq.num_released_blocks = 0
+            seq.table = None
         seq.started = False
         self._running_claim -= seq.claim
         seq.claim = 0
+
+    def _inflight_start(self, seq: SeqState) -> None:
+        if self.config.enable_prefix_caching:
+            self._inflight.start(seq)
 
     def check_invariants(self) -> None:
         """Recompute every counter from scratch; raise InvariantViolation naming the broken one."""
@@ -626,7 +737,7 @@ class KVCacheManager:
                 raise InvariantViolation(f"M4: request {seq.request_id!r} computed unknown tokens")
             if self.config.enable_prefix_caching:
                 for i in range(seq.num_cached_blocks):
-                    h = pool._hash[seq.block_ids[i]]
+                    h = pool.block_hash(seq.block_ids[i])
                     if h is not None and h != seq.chain.hashes[i]:
                         raise InvariantViolation(
                             f"M4: block {seq.block_ids[i]} of request {seq.request_id!r} is "
@@ -634,11 +745,13 @@ class KVCacheManager:
                         )
         if claim_sum != self._running_claim:
             raise InvariantViolation(f"M2: running claim {self._running_claim} != {claim_sum}")
-        for b in range(pool.num_materialized_blocks):
-            if pool._ref[b] != refs.get(b, 0):
+        counts = pool.ref_counts(range(pool.num_materialized_blocks))
+        for b, r in enumerate(counts):
+            if r != refs.get(b, 0):
                 raise InvariantViolation(
-                    f"M1: block {b} has ref count {pool._ref[b]} but requests hold {refs.get(b, 0)}"
+                    f"M1: block {b} has ref count {r} but requests hold {refs.get(b, 0)}"
                 )
+        self._inflight.check(self._seqs.values(), self.config.enable_prefix_caching)
 
     def _check_released(self, seq: SeqState) -> None:
         """M6 for one request (see the class docstring)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from pagedkv.core.hashing import BlockHashChain
 
 
@@ -12,8 +14,9 @@ class PrefixMatch:
     """The cached prefix of a waiting request (read-only: no references are taken).
 
     ``num_evictable_blocks`` of the hit blocks are cached-free: taking them lowers free capacity.
-    A request's match is memoized and reused until the pool changes (``BlockPool.version``) or
-    the request gains tokens, so it is always exact.
+    A request's match is memoized and reused until something that can change it happens (the
+    pool's ``watch_epoch`` moves: a matched block evicted or crossing ref count 0, or the next
+    hash of its chain indexed) or the request gains tokens, so it is always exact.
     """
 
     block_ids: tuple[int, ...]
@@ -37,9 +40,16 @@ class SeqState:
         "block_ids",
         "chain",
         "claim",
+        "forked",
         "held",
+        "inflight_hi",
+        "inflight_lo",
         "match",
-        "match_key",
+        "match_epoch",
+        "match_next",
+        "match_num_tokens",
+        "match_version",
+        "match_watched",
         "max_total_tokens",
         "num_cached_blocks",
         "num_computed",
@@ -48,7 +58,9 @@ class SeqState:
         "num_prompt_tokens",
         "num_released_blocks",
         "request_id",
+        "resumed",
         "started",
+        "table",
         "token_ids",
     )
 
@@ -61,6 +73,7 @@ class SeqState:
         self.num_prompt_tokens = len(token_ids)
         self.max_total_tokens = max_total
         self.block_ids: list[int] = []
+        self.table: np.ndarray | None = None  # block_ids as int32, built on demand (a cache)
         self.num_computed = 0  # committed positions: KV computed and final
         self.num_pending = 0  # scheduled positions after num_computed, not yet committed
         self.num_cached_blocks = 0  # leading blocks already registered in the pool's index
@@ -69,6 +82,17 @@ class SeqState:
         self.num_released_blocks = 0  # leading table entries released (the null block) because
         # they lie wholly before the sliding window
         self.held = False  # finished, blocks kept for a remote transfer
+        self.forked = False  # a fork parent or child: its partial last block may be shared
         self.started = False  # has taken its prefix and holds blocks
+        self.resumed = False  # preempted once: its next admission is a re-admission (stats)
+        # Hashes chain.hashes[inflight_lo:inflight_hi] are being computed by this request (known
+        # tokens, not yet committed); the manager counts them in its in-flight table (M6).
+        self.inflight_lo = 0
+        self.inflight_hi = 0
+        # The memoised prefix match and what it watches in the pool (its blocks, next hash).
         self.match: PrefixMatch | None = None
-        self.match_key: tuple[int, int] | None = None  # (pool version, tokens) when matched
+        self.match_epoch = -1  # the pool's watch_epoch when matched
+        self.match_version = -1  # the pool's version when matched
+        self.match_watched = False  # the memo watches its blocks and next hash
+        self.match_num_tokens = 0  # len(token_ids) when matched
+        self.match_next: tuple[bytes, ...] = ()  # the watched next hash (none at the limit)

@@ -72,6 +72,10 @@ class LLM:
         if self._finalizer is not None:
             self._finalizer()  # runs tio.close() once, then detaches
 
+    def reset_prefix_cache(self, reset_running: bool = False) -> None:
+        """Forget the device prefix cache (``LLMEngine.reset_prefix_cache``)."""
+        self.engine.reset_prefix_cache(reset_running)
+
     def __enter__(self) -> LLM:
         return self
 

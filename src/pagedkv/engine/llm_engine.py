@@ -288,6 +288,12 @@ class LLMEngine:
             if s.finish_reason is None and s.seq_id in self.scheduler.requests:
                 self.scheduler.abort(s.seq_id)
 
+    def reset_prefix_cache(self, reset_running: bool = False) -> None:
+        """Forget the device prefix cache (the KV tiers keep theirs). Raises CacheBusyError,
+        changing nothing, while requests hold KV, unless ``reset_running`` preempts them first
+        (they resume by recomputing, with the same tokens)."""
+        self.scheduler.reset_prefix_cache(reset_running)
+
     def close(self) -> None:
         """Write queued blocks to the KV tiers and close them (nothing to do without tiers)."""
         if self.tier_io is not None:
@@ -542,8 +548,9 @@ class LLMEngine:
         self.scheduler.check_invariants()
         kv = self.runner.kv_cache
         kv.check_invariants()
+        mgr = self.scheduler.manager
         for req in self.scheduler.running:  # tensors grow before a step uses a new block
-            if req.num_computed_tokens and max(req._block_ids) >= kv.num_blocks:
+            if req.num_computed_tokens and max(mgr.block_ids_view(req.request_id)) >= kv.num_blocks:
                 raise InvariantViolation(f"E2: {req.request_id} holds a block past the KV tensors")
 
 

@@ -105,6 +105,10 @@ class TierIO:
             rejected = sr.num_draft_tokens - accepted.get(rid, sr.num_draft_tokens)
             end = sr.start_position + sr.num_tokens - rejected  # computed after this step
             hashes = sched.manager.block_hashes(rid)
+            num_accepted = sr.num_draft_tokens - rejected
+            if num_accepted:  # blocks filled by accepted drafts: hashed once they are appended
+                drafts = sr.token_ids[1 : 1 + num_accepted]
+                hashes = hashes + sched.manager.preview_block_hashes(rid, drafts)
             first = sr.start_position // bs
             last = min(end // bs, len(hashes), len(sr.block_table))
             out.extend((int(sr.block_table[i]), hashes[i]) for i in range(first, last))
@@ -126,7 +130,7 @@ class TierIO:
             return set()
         owner: dict[int, str] = {}
         for rid in out.loading_ids:
-            for b in sched.get_request(rid)._block_ids:
+            for b in sched.manager.block_ids_view(rid):
                 owner[b] = rid
         per_request: dict[str, list[tuple[int, bytes]]] = {}
         for block_id, block_hash in out.block_loads:

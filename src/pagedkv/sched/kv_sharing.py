@@ -63,9 +63,6 @@ class KVSharingMixin:
     def _get(self, request_id: str) -> Request:
         raise NotImplementedError
 
-    def _refresh_table(self, req: Request) -> None:
-        raise NotImplementedError
-
     def finish_remote_kv(self, request_id: str, *, success: bool) -> None:
         """The KV of a RECEIVE request arrived (or the transfer failed: then it recomputes)."""
         req = self.remote_waiting.pop(request_id, None)
@@ -130,7 +127,6 @@ class KVSharingMixin:
         child.status = RequestStatus.RUNNING
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
-        self._refresh_table(child)
         self.requests[child_id] = child
         bisect.insort(self.running, child, key=Request.sort_key)
         return child
@@ -145,7 +141,6 @@ class KVSharingMixin:
         except OutOfBlocksError:
             return False
         self.waiting.pop()
-        self._refresh_table(req)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote_waiting[rid] = req
         req.num_computed_tokens = self.manager.num_computed_tokens(rid)
@@ -172,8 +167,7 @@ class KVSharingMixin:
         except OutOfBlocksError:
             return False
         self.waiting.pop()
-        self._refresh_table(req)
-        ids = req._block_ids[first : first + num_blocks]
+        ids = self.manager.block_ids_view(rid)[first : first + num_blocks]
         loads.extend(zip(ids, hashes[:num_blocks], strict=True))
         req.status = RequestStatus.LOADING
         req.num_computed_tokens = num_cached
@@ -192,7 +186,6 @@ class KVSharingMixin:
         else:
             logger.warning("loading the prefix of %s from a tier failed; recomputing", rid)
             mgr.rollback(rid, pending)
-            self._refresh_table(req)
         req.num_computed_tokens = mgr.num_computed_tokens(rid)
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=Request.sort_key)

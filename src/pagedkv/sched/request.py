@@ -6,8 +6,6 @@ import enum
 import itertools
 from collections.abc import Sequence
 
-import numpy as np
-
 from pagedkv.core.hashing import HashContext
 from pagedkv.errors import InvalidRequestError
 
@@ -56,8 +54,6 @@ class Request:
     """
 
     __slots__ = (
-        "_block_ids",
-        "_table",
         "all_token_ids",
         "arrival_time",
         "cache_salt",
@@ -114,8 +110,6 @@ class Request:
         self.num_preemptions = 0
         self.draft_token_ids: list[int] = []
         self.seq_no = next(_arrival_counter)
-        self._block_ids: list[int] = []  # mirror of the manager's table, refreshed on change
-        self._table = np.zeros(0, dtype=np.int32)
 
     @property
     def num_tokens(self) -> int:

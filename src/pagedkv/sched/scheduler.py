@@ -35,11 +35,13 @@ import numpy as np
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.errors import (
+    CacheBusyError,
     InvalidRequestError,
     OutOfBlocksError,
     OverloadedError,
     PromptTooLongError,
     RequestStateError,
+    SchedulerStateError,
     UnknownRequestError,
 )
 from pagedkv.sched.checks import check_scheduler
@@ -49,6 +51,7 @@ from pagedkv.sched.output import RequestOutput, ScheduledRequest, SchedulerOutpu
 from pagedkv.sched.queue import make_queue
 from pagedkv.sched.request import FinishReason, KVTransfer, Request, RequestStatus
 from pagedkv.sched.stats import SchedulerStats, StepStats
+from pagedkv.sched.step_plan import StepPlan, check_stop, is_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +93,9 @@ class Scheduler(KVSharingMixin):
         self.num_loaded_blocks = 0
         self.sending: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # finished or aborted since the last schedule()
+        self._outstanding: SchedulerOutput | None = None  # scheduled, not yet updated
+        self._preempted_outside_step: list[str] = []  # by reset_prefix_cache (reported next)
+        self.max_len = config.max_model_len
         self._step = 0
         self._last_step = StepStats()
         self.num_preemptions = 0
@@ -176,53 +182,56 @@ class Scheduler(KVSharingMixin):
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's work. See the module docstring for the order."""
-        self._step += 1
-        cfg = self.config
-        mgr = self.manager
-        bs = self.block_size
-        budget = cfg.max_num_batched_tokens
-        lookahead = cfg.num_lookahead_tokens
-        scheduled: list[ScheduledRequest] = []
-        slots: list[int] = []
-        copies: list[tuple[int, int]] = []
-        preempted: list[str] = []
-        loads: list[tuple[int, bytes]] = []
-        done: set[str] = set()  # scheduled (or deliberately skipped) this step
-        running = self.running
+        """Choose this step's work. See the module docstring for the order.
 
-        # 1. decodes, in serving order; victims come from the back of the list.
-        # The common case (the allocation succeeds) is inlined: this loop runs once per running
-        # request per step. ``_allocate_or_preempt`` retries it with preemption.
-        allocate = mgr.allocate_slots
-        max_len = cfg.max_model_len
+        Raises SchedulerStateError, changing nothing, while the last step's output still waits
+        for its ``update`` (scheduling again would compute its positions twice).
+        """
+        self._check_no_outstanding_step()
+        self._step += 1
+        plan = StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_decodes(plan)
+        self._schedule_prefill_chunks(plan)
+        t0 = time.perf_counter()
+        self._admit_waiting(plan)
+        out = self._build_output(plan, time.perf_counter() - t0)
+        self._outstanding = out
+        if self.config.check_invariants:
+            self.check_invariants()
+        return out
+
+    def _schedule_decodes(self, plan: StepPlan) -> None:
+        """Phase 1: one token (+ drafts) per decoding request, in serving order; victims come
+        from the back of the running list. The common case (the allocation succeeds) is
+        inlined: this loop runs once per running request per step."""
+        mgr = self.manager
+        allocate, views = mgr.allocate_slots, mgr.block_views
+        bs, lookahead, max_len = self.block_size, self.config.num_lookahead_tokens, self.max_len
+        running, scheduled, slots, done = self.running, plan.scheduled, plan.slots, plan.done
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and plan.budget > 0:
             req = running[i]
             all_ids = req.all_token_ids
             pos = req.num_computed_tokens
             if pos != len(all_ids) - 1:
                 i += 1
                 continue
+            rid = req.request_id
             drafts = req.draft_token_ids
             if drafts:
-                room = min(
-                    budget - 1,
-                    req.max_tokens - (len(all_ids) - req.num_prompt_tokens) - 1,
-                    max_len - len(all_ids) - 1,
-                )
+                num_out = len(all_ids) - req.num_prompt_tokens
+                room = min(plan.budget, req.max_tokens - num_out, max_len - len(all_ids)) - 1
                 drafts = drafts[: max(0, room)]
             n = 1 + len(drafts)
             try:
-                alloc = allocate(req.request_id, n, lookahead)
+                alloc = allocate(rid, n, lookahead)
             except OutOfBlocksError:
-                if not self._allocate_or_preempt(req, n, lookahead, copies, preempted, done):
+                if not self._allocate_or_preempt(req, n, lookahead, plan):
                     break  # req itself was preempted; everything after it is gone too
             else:
-                if alloc.new_block_ids or alloc.copies:
-                    copies.extend(alloc.copies)
-                    self._refresh_table(req)
-            table = req._block_ids
+                if alloc.copies:
+                    plan.copies.extend(alloc.copies)
+            table, array = views(rid)
             if n == 1:
                 slots.append(table[pos // bs] * bs + pos % bs)
                 tokens = [all_ids[-1]]
@@ -230,114 +239,143 @@ class Scheduler(KVSharingMixin):
                 slots.extend(table[p // bs] * bs + p % bs for p in range(pos, pos + n))
                 tokens = [all_ids[-1], *drafts]
             scheduled.append(
-                ScheduledRequest(
-                    req.request_id, pos, tokens, n, req._table, _EMPTY, False, True, n - 1
-                )
+                ScheduledRequest(rid, pos, tokens, n, array, _EMPTY, False, True, n - 1)
             )
-            done.add(req.request_id)
-            budget -= n
+            done.add(rid)
+            plan.budget -= n
             i += 1
 
-        # 2. prefill chunks of running requests.
+    def _schedule_prefill_chunks(self, plan: StepPlan) -> None:
+        """Phase 2: the next chunk of every running request still prefilling, budget allowing."""
+        running = self.running
+        lookahead = self.config.num_lookahead_tokens
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and plan.budget > 0:
             req = running[i]
-            if req.request_id in done or req.num_computed_tokens >= req.num_tokens - 1:
+            if req.request_id in plan.done or req.num_computed_tokens >= req.num_tokens - 1:
                 i += 1
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            n = min(remaining, budget)
+            n = min(remaining, plan.budget)
             la = lookahead if n == remaining else 0
-            if not self._allocate_or_preempt(req, n, la, copies, preempted, done, protect=done):
+            if not self._allocate_or_preempt(req, n, la, plan, protect=plan.done):
                 if req.status is RequestStatus.RUNNING:  # skipped, not preempted: look further
                     i += 1
                 continue
-            scheduled.append(self._prefill_entry(req, n, n == remaining, slots))
-            done.add(req.request_id)
-            budget -= n
+            plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan.slots))
+            plan.done.add(req.request_id)
+            plan.budget -= n
             i += 1
 
-        # 3. admissions: stop at the first head that does not fit (no scan past it).
-        t0 = time.perf_counter()
-        num_admitted = 0
+    def _admit_waiting(self, plan: StepPlan) -> None:
+        """Phase 3: admit waiting heads while they fit, the budget lasts and no request was
+        preempted this step (no admit/preempt thrash). Stops at the first head that does not
+        fit, or whose next block another request is computing now (it waits one commit and
+        hits that block instead of computing it twice): never scans past the head."""
+        cfg = self.config
         while (
-            not preempted
-            and budget > 0
-            and len(running) + len(self.loading) + len(self.remote_waiting) < cfg.max_num_seqs
+            not plan.preempted
+            and plan.budget > 0
+            and len(self.running) + len(self.loading) + len(self.remote_waiting) < cfg.max_num_seqs
         ):
             head = self.waiting.try_peek()
-            if head is None:
-                break
-            req = head
-            rid = req.request_id
-            match = mgr.match_prefix(rid)
-            if not mgr.can_admit(rid) and mgr.pool.num_used_blocks:
-                # In an idle pool the watermark protects no one: a victim that grew past
-                # capacity less the watermark while running may resume if it fits at all.
-                break
-            cached = match.num_cached_tokens
-            remaining = req.num_tokens - cached
-            if req.kv_transfer is KVTransfer.RECEIVE:
-                if remaining > 1:
-                    if not self._admit_remote(req, remaining - 1):
-                        break
-                    continue
-                req.kv_transfer = KVTransfer.NONE  # all but the last token is cached already
-            if self.tier_index is not None and self._try_admit_load(
-                req, match.num_cached_tokens, loads
-            ):
-                continue
-            if not cfg.enable_chunked_prefill and remaining > budget:
-                break
-            n = min(remaining, budget)
-            try:
-                alloc = mgr.allocate_slots(rid, n, lookahead if n == remaining else 0)
-            except OutOfBlocksError:
-                break
-            self.waiting.pop()
-            req.status = RequestStatus.RUNNING
-            req.num_cached_tokens = cached
-            req.num_computed_tokens = cached
-            copies.extend(alloc.copies)
-            self._refresh_table(req)
-            bisect.insort(running, req, key=Request.sort_key)
-            scheduled.append(self._prefill_entry(req, n, n == remaining, slots))
-            budget -= n
-            num_admitted += 1
-        admission_s = time.perf_counter() - t0
+            if head is None or not self._admit_head(head, plan):
+                return
 
-        # One int32 array for the whole step; each request gets a view of its part.
-        flat = np.array(slots, dtype=np.int32)
+    def _admit_head(self, req: Request, plan: StepPlan) -> bool:
+        """Admit the waiting head if it may go now; False (nothing changed) stops admissions."""
+        mgr = self.manager
+        rid = req.request_id
+        match = mgr.match_prefix(rid)  # O(1) while nothing its answer depends on changed
+        if mgr.waits_for_inflight(rid):
+            return False
+        if not mgr.can_admit(rid) and mgr.pool.num_used_blocks:
+            # In an idle pool the watermark protects no one: a victim that grew past
+            # capacity less the watermark while running may resume if it fits at all.
+            return False
+        cached = match.num_cached_tokens
+        remaining = req.num_tokens - cached
+        if req.kv_transfer is KVTransfer.RECEIVE:
+            if remaining > 1:
+                return self._admit_remote(req, remaining - 1)
+            req.kv_transfer = KVTransfer.NONE  # all but the last token is cached already
+        if self.tier_index is not None and self._try_admit_load(req, cached, plan.loads):
+            return True
+        if not self.config.enable_chunked_prefill and remaining > plan.budget:
+            return False
+        n = min(remaining, plan.budget)
+        lookahead = self.config.num_lookahead_tokens if n == remaining else 0
+        try:
+            alloc = mgr.allocate_slots(rid, n, lookahead)
+        except OutOfBlocksError:
+            return False
+        self.waiting.pop()
+        req.status = RequestStatus.RUNNING
+        req.num_cached_tokens = cached
+        req.num_computed_tokens = cached
+        plan.copies.extend(alloc.copies)
+        bisect.insort(self.running, req, key=Request.sort_key)
+        plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan.slots))
+        plan.budget -= n
+        plan.num_admitted += 1
+        return True
+
+    def _build_output(self, plan: StepPlan, admission_s: float) -> SchedulerOutput:
+        """Phase 4: one int32 slot array for the whole step (each request gets a view of its
+        part), the step's stats, and the output."""
+        flat = np.array(plan.slots, dtype=np.int32)
         offset = 0
-        num_tokens = 0
-        for sr in scheduled:
+        for sr in plan.scheduled:
             sr.slot_mapping = flat[offset : offset + sr.num_tokens]
             offset += sr.num_tokens
-            num_tokens += sr.num_tokens
         finished = self._finished_ids
         self._finished_ids = []
-        self.num_scheduled_tokens_total += num_tokens
+        preempted = plan.preempted
+        if self._preempted_outside_step:
+            preempted = self._preempted_outside_step + preempted
+            self._preempted_outside_step = []
+        self.num_scheduled_tokens_total += offset
         self._last_step = StepStats(
             step=self._step,
-            num_scheduled_requests=len(scheduled),
-            num_scheduled_tokens=num_tokens,
-            num_admitted=num_admitted,
-            num_preempted=len(preempted),
+            num_scheduled_requests=len(plan.scheduled),
+            num_scheduled_tokens=offset,
+            num_admitted=plan.num_admitted,
+            num_preempted=len(plan.preempted),
             admission_s=admission_s,
         )
-        out = SchedulerOutput(
+        return SchedulerOutput(
             self._step,
-            scheduled,
-            num_tokens,
-            copies,
+            plan.scheduled,
+            offset,
+            plan.copies,
             preempted,
             finished,
-            loads,
+            plan.loads,
             list(self.loading),
         )
-        if cfg.check_invariants:
-            self.check_invariants()
-        return out
+
+    def _check_no_outstanding_step(self) -> None:
+        """Raise SchedulerStateError if the last output still has positions to apply.
+
+        An output whose requests all finished or were aborted since (the engine fails a step
+        that way) is simply dropped.
+        """
+        out = self._outstanding
+        if out is None:
+            return
+        mgr = self.manager
+        for sr in out.scheduled:
+            req = self.requests.get(sr.request_id)
+            if (
+                req is not None
+                and req.status is RequestStatus.RUNNING
+                and mgr.num_pending_tokens(sr.request_id)
+            ):
+                raise SchedulerStateError(
+                    f"step {out.step} was scheduled and not updated yet (request "
+                    f"{sr.request_id!r} has uncommitted positions); call update() first"
+                )
+        self._outstanding = None
 
     def update(
         self,
@@ -351,88 +389,26 @@ class Scheduler(KVSharingMixin):
 
         Requests in ``output.loading_ids`` become running with their loaded prefix committed,
         except those in ``failed_loads``: they drop the loaded blocks and recompute.
+        All or nothing: everything is validated first; SchedulerStateError (not the outstanding
+        step) or InvalidRequestError (bad sampled tokens, unknown failed loads) change nothing.
         """
+        self._validate_update(output, sampled, failed_loads)
+        self._outstanding = None
         mgr = self.manager
         requests = self.requests
         running_status = RequestStatus.RUNNING
         results: list[RequestOutput] = []
-        max_len = self.config.max_model_len
-        for sr in output.scheduled:  # validate everything first: all or nothing
-            if not sr.samples:
-                continue
-            toks = sampled.get(sr.request_id)
-            if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
-                req = requests.get(sr.request_id)
-                if req is None or req.status is not running_status:
-                    continue  # aborted or finished since schedule(): nothing to apply
-                raise InvalidRequestError(
-                    f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
-                    f"tokens, got {None if toks is None else len(toks)}"
-                )
         for sr in output.scheduled:
             rid = sr.request_id
-            maybe = requests.get(rid)
-            if maybe is None or maybe.status is not running_status:
+            req = requests.get(rid)
+            if req is None or req.status is not running_status:
                 continue  # aborted or finished since schedule()
-            req = maybe
             if not sr.samples:
                 mgr.commit(rid, sr.num_tokens)
                 req.num_computed_tokens += sr.num_tokens
                 self._release_outside_window(req)
                 continue
-            toks = sampled[rid]
-            all_ids = req.all_token_ids
-            stop_ids = req.stop_token_ids
-            reason: FinishReason | None = None
-            if len(toks) == 1:  # the common case: a plain decode or a last prefill chunk
-                t = toks[0]
-                final = [int(t)]
-                if t in stop_ids:
-                    reason = FinishReason.STOP
-                elif (
-                    len(all_ids) - req.num_prompt_tokens + 1 >= req.max_tokens
-                    or len(all_ids) + 1 >= max_len
-                ):
-                    reason = FinishReason.LENGTH
-            else:
-                final = []
-                num_out = len(all_ids) - req.num_prompt_tokens
-                for t in toks:
-                    final.append(int(t))
-                    if t in stop_ids:
-                        reason = FinishReason.STOP
-                        break
-                    if (
-                        num_out + len(final) >= req.max_tokens
-                        or len(all_ids) + len(final) >= max_len
-                    ):
-                        reason = FinishReason.LENGTH
-                        break
-            mgr.append_tokens(rid, final)
-            all_ids.extend(final)
-            accepted = len(final) - 1
-            num_committed = sr.num_tokens - sr.num_draft_tokens + accepted
-            mgr.commit(rid, num_committed)
-            rejected = sr.num_draft_tokens - accepted
-            if rejected and mgr.rollback(rid, rejected):
-                self._refresh_table(req)
-            req.num_computed_tokens += num_committed  # == the manager's count (S3)
-            self._release_outside_window(req)
-            if req.draft_token_ids:
-                req.draft_token_ids = []
-            if reason is not None:
-                self._remove_running(req)
-                self._finish(req, reason)
-            results.append(
-                RequestOutput(
-                    rid,
-                    tuple(final),
-                    reason is not None,
-                    reason,
-                    req.num_prompt_tokens,
-                    req.num_cached_tokens,
-                )
-            )
+            results.append(self._apply_sampled(req, sr, sampled[rid]))
         for rid in output.loading_ids:
             req_l = self.loading.pop(rid, None)
             if req_l is not None:
@@ -440,6 +416,98 @@ class Scheduler(KVSharingMixin):
         if self.config.check_invariants:
             self.check_invariants()
         return results
+
+    def _validate_update(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, Sequence[int]],
+        failed_loads: Collection[str],
+    ) -> None:
+        if output is not self._outstanding:
+            raise SchedulerStateError(
+                f"update() got step {output.step}, but the outstanding step is "
+                f"{None if self._outstanding is None else self._outstanding.step}"
+            )
+        requests = self.requests
+        for sr in output.scheduled:
+            if not sr.samples:
+                continue
+            req = requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or finished since schedule(): nothing to apply
+            toks = sampled.get(sr.request_id)
+            if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
+                raise InvalidRequestError(
+                    f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
+                    f"tokens, got {None if toks is None else len(toks)}"
+                )
+            t0 = toks[0]
+            fast_ok = len(toks) == 1 and type(t0) is int and 0 <= t0 < _MAX_TOKEN_ID
+            if not fast_ok and not all(map(is_token_id, toks)):
+                raise InvalidRequestError(
+                    f"request {sr.request_id!r} sampled {list(toks)}: token ids must be "
+                    "integers in [0, 2**32)"
+                )
+        unknown = set(failed_loads).difference(output.loading_ids)
+        if unknown:
+            raise InvalidRequestError(
+                f"failed_loads names {sorted(unknown)}, which step {output.step} did not load"
+            )
+
+    def _apply_sampled(
+        self, req: Request, sr: ScheduledRequest, toks: Sequence[int]
+    ) -> RequestOutput:
+        """Append a sampling request's accepted tokens, commit them, roll back rejected drafts,
+        and finish it on a stop (``check_stop``). Validated already: cannot fail."""
+        rid = req.request_id
+        mgr = self.manager
+        final, reason = check_stop(req, toks, self.max_len)
+        mgr.append_tokens(rid, final)
+        req.all_token_ids.extend(final)
+        accepted = len(final) - 1
+        num_committed = sr.num_tokens - sr.num_draft_tokens + accepted
+        mgr.commit(rid, num_committed)
+        rejected = sr.num_draft_tokens - accepted
+        if rejected:
+            mgr.rollback(rid, rejected)
+        req.num_computed_tokens += num_committed  # == the manager's count (S3)
+        self._release_outside_window(req)
+        if req.draft_token_ids:
+            req.draft_token_ids = []
+        if reason is not None:
+            self._remove_running(req)
+            self._finish(req, reason)
+        return RequestOutput(
+            rid,
+            tuple(final),
+            reason is not None,
+            reason,
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+        )
+
+    def reset_prefix_cache(self, reset_running: bool = False) -> None:
+        """Forget every cached prefix on the device (vLLM's ``reset_prefix_cache``).
+
+        Refuses with CacheBusyError, changing nothing, while requests hold KV, unless
+        ``reset_running``: then running requests are preempted first (they resume by
+        recomputing). Requests loading from a tier, waiting for remote KV or held for a KV send
+        cannot be preempted and always refuse; SchedulerStateError between ``schedule`` and
+        ``update``.
+        """
+        self._check_no_outstanding_step()
+        fixed = len(self.loading) + len(self.remote_waiting) + len(self.sending)
+        if fixed or (self.running and not reset_running):
+            raise CacheBusyError(
+                f"cannot reset the prefix cache: {len(self.running)} running, "
+                f"{len(self.loading)} loading, {len(self.remote_waiting)} waiting for remote KV "
+                f"and {len(self.sending)} sending requests hold KV"
+                + ("" if fixed else "; pass reset_running=True to preempt the running ones")
+            )
+        for req in reversed(self.running):
+            self._preempt(req, self._preempted_outside_step)
+        self.manager.reset_prefix_cache()
+        logger.info("prefix cache reset (%d running requests preempted)", self.num_preemptions)
 
     # ------------------------------------------------------------------ queries
     def has_unfinished_requests(self) -> bool:
@@ -492,25 +560,23 @@ class Scheduler(KVSharingMixin):
     ) -> ScheduledRequest:
         start = req.num_computed_tokens
         bs = self.block_size
+        rid = req.request_id
+        table = self.manager.block_table_view(rid)
         if n <= 16:
-            table = req._block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            ids = self.manager.block_ids_view(rid)
+            slots.extend(ids[p // bs] * bs + p % bs for p in range(start, start + n))
         else:
             pos = np.arange(start, start + n)
-            slots.extend((req._table[pos // bs].astype(np.int64) * bs + pos % bs).tolist())
+            slots.extend((table[pos // bs].astype(np.int64) * bs + pos % bs).tolist())
         tokens = req.all_token_ids[start : start + n]
-        return ScheduledRequest(
-            req.request_id, start, tokens, n, req._table, _EMPTY, True, last_chunk
-        )
+        return ScheduledRequest(rid, start, tokens, n, table, _EMPTY, True, last_chunk)
 
     def _allocate_or_preempt(
         self,
         req: Request,
         n: int,
         lookahead: int,
-        copies: list[tuple[int, int]],
-        preempted: list[str],
-        done: set[str],
+        plan: StepPlan,
         protect: set[str] | None = None,
     ) -> bool:
         """Allocate ``n`` slots for a running request, preempting victims from the back of the
@@ -532,13 +598,11 @@ class Scheduler(KVSharingMixin):
                     self._remove_running(req)
                     self._finish(req, FinishReason.LENGTH)
                     return False
-                self._preempt(victim, preempted)
+                self._preempt(victim, plan.preempted)
                 if victim is req:
                     return False
                 continue
-            if alloc.new_block_ids or alloc.copies:
-                copies.extend(alloc.copies)
-                self._refresh_table(req)
+            plan.copies.extend(alloc.copies)
             return True
 
     def _pick_victim(self, req: Request, protect: set[str] | None) -> Request | None:
@@ -555,8 +619,6 @@ class Scheduler(KVSharingMixin):
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.draft_token_ids = []
-        req._block_ids = []
-        req._table = _EMPTY
         self.waiting.push_front(req)
         preempted.append(req.request_id)
         self.num_preemptions += 1
@@ -590,17 +652,8 @@ class Scheduler(KVSharingMixin):
     def _release_outside_window(self, req: Request) -> None:
         """Sliding-window models: free the blocks before the request's window (after commit).
         A request that will send its KV to another engine keeps it whole."""
-        if (
-            self.cache_config.sliding_window is not None
-            and req.kv_transfer is not KVTransfer.SEND
-            and self.manager.release_outside_window(req.request_id)
-        ):
-            self._refresh_table(req)
-
-    def _refresh_table(self, req: Request) -> None:
-        ids = self.manager.block_ids(req.request_id)
-        req._block_ids = ids
-        req._table = np.array(ids, dtype=np.int32)
+        if self.cache_config.sliding_window is not None and req.kv_transfer is not KVTransfer.SEND:
+            self.manager.release_outside_window(req.request_id)
 
     def check_invariants(self) -> None:
         """Verify S1..S5 from scratch; raise InvariantViolation naming the broken one."""
@@ -608,3 +661,4 @@ class Scheduler(KVSharingMixin):
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_MAX_TOKEN_ID = 2**32

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
-from pagedkv.errors import OverloadedError, PagedKVError
+from pagedkv.errors import CacheBusyError, OverloadedError, PagedKVError
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.middleware import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, StatusCounter
 from pagedkv.server.prompts import chat_messages, chat_prompt_ids, text_prompt_ids
@@ -145,6 +145,16 @@ def build_app(
     async def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "pagedkv"}
         return {"object": "list", "data": [card]}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:
+        """Drop the device prefix cache (vLLM's endpoint; authenticated like every route).
+        409 while requests hold KV, unless ``reset_running_requests`` preempts them first."""
+        try:
+            await asyncio.to_thread(engine.reset_prefix_cache, reset_running_requests)
+        except CacheBusyError as exc:
+            return error_response(409, str(exc), "invalid_request_error", "cache_busy")
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -184,6 +184,12 @@ class AsyncEngine:
                 )
             self.engine.check_invariants()
 
+    def reset_prefix_cache(self, reset_running: bool = False) -> None:
+        """``LLMEngine.reset_prefix_cache`` between two steps (takes the lock)."""
+        with self._lock:
+            self._apply_aborts()
+            self.engine.reset_prefix_cache(reset_running)
+
     def stats_snapshot(self) -> None:
         """Refresh the gauges from the scheduler (called after each step and by /metrics)."""
         with self._lock:
