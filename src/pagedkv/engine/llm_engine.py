@@ -32,6 +32,7 @@ import torch
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.gguf_loader import is_gguf_file, load_gguf_checkpoint
 from pagedkv.engine.host_alloc import tune_host_allocator
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
 from pagedkv.engine.loader import load_model
@@ -157,6 +158,8 @@ class LLMEngine:
     ) -> LLMEngine:
         """Load the model (and tokenizer, when the folder has one); ``offload`` adds KV tiers."""
         cfg = config or EngineConfig()
+        if is_gguf_file(model_dir):
+            return cls._from_gguf(model_dir, cfg, offload=offload)
         model = load_model(model_dir, dtype=cfg.dtype, device=_device(cfg.device))
         tok = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
         if not cfg.model_id:
@@ -165,6 +168,16 @@ class LLMEngine:
         extra = set(generation_eos_ids(model_dir)) - set(engine.eos_token_ids)
         engine.eos_token_ids = tuple(sorted({*engine.eos_token_ids, *extra}))
         return engine
+
+    @classmethod
+    def _from_gguf(
+        cls, path: str, cfg: EngineConfig, *, offload: OffloadCoordinator | None
+    ) -> LLMEngine:
+        """A GGUF file: model, tokenizer and (unless given) a model id from its content."""
+        ckpt = load_gguf_checkpoint(path, dtype=cfg.dtype, device=_device(cfg.device))
+        if not cfg.model_id:
+            cfg = replace(cfg, model_id=ckpt.fingerprint)
+        return cls(ckpt.model, ckpt.tokenizer, cfg, offload=offload)
 
     # ------------------------------------------------------------------ requests
     def add_request(
