@@ -61,7 +61,7 @@ def write_tiny_gguf(
 ) -> tuple[Path, Path]:
     """Write ``folder/hf`` (the tiny HF model) and ``folder/tiny.gguf`` (the same weights in
     GGUF: 2-D tensors as ``tensor_type``, 1-D ones F32). ``extra_kv`` adds metadata (str, int,
-    float or bool values), ``raw_tensors`` adds tensors as (bytes, ggml type) as they are.
+    float or bool values), ``raw_tensors`` adds (or replaces) tensors given as (bytes, ggml type).
     Returns (gguf path, hf folder)."""
     import gguf
 
@@ -83,7 +83,10 @@ def write_tiny_gguf(
     for key, value in (extra_kv or {}).items():
         _add_value(w, key, value)
     qtype = gguf.GGMLQuantizationType[tensor_type]
+    raw_tensors = raw_tensors or {}
     for name in sorted(weights):
+        if gguf_name(name) in raw_tensors:
+            continue  # replaced by the caller's raw tensor
         data = weights[name].astype(np.float32)
         if arch in ("llama", "mistral") and "q_proj" in name:
             data = converter_permute(data, cfg["num_attention_heads"])
@@ -93,7 +96,7 @@ def write_tiny_gguf(
             w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), data)
-    for name, (raw, raw_type) in (raw_tensors or {}).items():
+    for name, (raw, raw_type) in raw_tensors.items():
         w.add_tensor(name, raw, raw_dtype=raw_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
