@@ -5,7 +5,7 @@ Q/K row permutation, metadata keys, the byte-level BPE vocabulary)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +58,12 @@ def write_tiny_gguf(
     pre: str | None = "gpt2",
     raw_tensors: Mapping[str, tuple[np.ndarray, Any]] | None = None,
     add_bos: bool = False,
+    tokenizer: Callable[[Any], None] | None = None,
 ) -> tuple[Path, Path]:
     """Write ``folder/hf`` (the tiny HF model) and ``folder/tiny.gguf`` (the same weights in
     GGUF: 2-D tensors as ``tensor_type``, 1-D ones F32). ``extra_kv`` adds metadata (str, int,
-    float or bool values), ``raw_tensors`` adds (or replaces) tensors given as (bytes, ggml type).
+    float or bool values), ``raw_tensors`` adds (or replaces) tensors given as (bytes, ggml type),
+    ``tokenizer`` writes the tokenizer metadata instead of the tiny model's byte-level BPE.
     Returns (gguf path, hf folder)."""
     import gguf
 
@@ -79,7 +81,10 @@ def write_tiny_gguf(
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    _add_tokenizer(w, hf, pre, add_bos)
+    if tokenizer is None:
+        _add_tokenizer(w, hf, pre, add_bos)
+    else:
+        tokenizer(w)
     for key, value in (extra_kv or {}).items():
         _add_value(w, key, value)
     qtype = gguf.GGMLQuantizationType[tensor_type]

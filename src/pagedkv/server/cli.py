@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a local Hugging Face model folder over an "
         "OpenAI-compatible HTTP API (completions, chat, models, health, metrics).",
     )
-    p.add_argument("--model", required=True, help="local model folder (config.json, *.safetensors)")
+    p.add_argument("--model", required=True, help="a local model folder or GGUF file")
     p.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: folder name)"
     )
