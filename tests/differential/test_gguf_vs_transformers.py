@@ -9,7 +9,7 @@ machine); transformers' generate is the slowest part.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -56,6 +56,16 @@ TOKENIZER_TEXT = (
     "Héllo wörld — “quotes”, 日本語 and emoji 🙂🚀!\n\n\tTabs,   runs  of   spaces \n"
     "<|im_start|>user\nnumbers 12345 and 3.14<|im_end|>\n<|endoftext|> it's we'll"
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread for this module (restored after): on a busy 2-core machine two threads
+    spin against other jobs and made transformers' generate ~5x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

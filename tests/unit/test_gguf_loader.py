@@ -54,6 +54,16 @@ def test_f32_gguf_gives_back_the_safetensors_weights_exactly(tmp_path: Path) -> 
         assert torch.equal(ours.weights[name], tensor), name
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+def test_other_architectures_load_with_their_q_k_layout(tmp_path: Path, arch: str) -> None:
+    """mistral's Q/K rows are permuted like llama's; qwen2/qwen3's are stored as in HF."""
+    path, hf = write_tiny_gguf(tmp_path, arch=arch)
+    ours, ref = load_gguf_model(path), load_model(hf)
+    assert ours.config.model_type == arch
+    for name, tensor in ref.weights.items():
+        assert torch.equal(ours.weights[name], tensor), name
+
+
 def test_q8_0_gguf_weights_are_the_dequantized_values(tmp_path: Path) -> None:
     path, hf = write_tiny_gguf(tmp_path, tensor_type="Q8_0")
     ours, ref = load_gguf_model(path), load_model(hf)

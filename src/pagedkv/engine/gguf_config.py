@@ -38,10 +38,14 @@ _LLAMA3_ROPE_CANDIDATES = ((8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0,
 
 
 def gguf_model_config(
-    meta: Mapping[str, Any], tensor_names: set[str], rope_freqs: torch.Tensor | None
+    meta: Mapping[str, Any],
+    tensor_names: set[str],
+    rope_freqs: torch.Tensor | None,
+    embedding_rows: int | None = None,
 ) -> ModelConfig:
     """Build the ModelConfig of a GGUF file from its metadata ``meta`` (key -> value), the
-    names of its tensors and its ``rope_freqs`` tensor (when it has one)."""
+    names of its tensors, its ``rope_freqs`` tensor (when it has one) and the row count of
+    ``token_embd`` (the model's true vocabulary size: Qwen2 pads it past the token list)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(
@@ -77,7 +81,7 @@ def gguf_model_config(
         )
     theta = float(meta.get(f"{arch}.rope.freq_base") or 10000.0)
     rope = _rope(meta, arch, theta, head_dim, rope_freqs)
-    vocab = meta.get(f"{arch}.vocab_size")
+    vocab = embedding_rows or meta.get(f"{arch}.vocab_size")
     if vocab is None:
         tokens = meta.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, list):

@@ -153,7 +153,9 @@ def load_gguf_model(
     rope_freqs = None
     if "rope_freqs.weight" in tensors:
         rope_freqs = torch.from_numpy(_dequantize(tensors.pop("rope_freqs.weight")).copy())
-    config = gguf_model_config(gf.metadata, set(tensors), rope_freqs)
+    embd = tensors.get("token_embd.weight")
+    rows = None if embd is None else int(embd.shape[-1])  # GGUF dims: [hidden, vocab]
+    config = gguf_model_config(gf.metadata, set(tensors), rope_freqs, rows)
     target = parse_dtype("float32" if dtype in (None, "auto") else dtype)
     names = {name: hf_tensor_name(name) for name in tensors}  # refuse unknown tensors first
     weights: dict[str, torch.Tensor] = {}
