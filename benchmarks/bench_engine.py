@@ -130,7 +130,7 @@ def decode_cases(
 
 def ttft_cases(model_dir: Path, quick: bool, real: bool) -> list[Case]:
     gen = torch.Generator().manual_seed(1)
-    total, cached = (512, 480) if quick else (1024, 960) if real else (2048, 1920)
+    total, cached = (1024, 960) if real else (512, 480) if quick else (2048, 1920)
     engine = LLMEngine.from_model_dir(
         str(model_dir),
         EngineConfig(block_size=16, num_blocks=2 * total // 16 + 8, max_model_len=4096),

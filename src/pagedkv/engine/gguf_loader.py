@@ -27,7 +27,7 @@ import torch
 import xxhash
 
 from pagedkv.engine.gguf_config import PERMUTED_QK_ARCHS, gguf_model_config
-from pagedkv.engine.gguf_quants import dequantize
+from pagedkv.engine.gguf_quants import SUPPORTED_TYPES, dequantize
 from pagedkv.engine.gguf_tokenizer import gguf_tokenizer
 from pagedkv.engine.kv_cache import parse_dtype
 from pagedkv.engine.model_config import ModelConfig
@@ -157,7 +157,18 @@ def load_gguf_model(
     rows = None if embd is None else int(embd.shape[-1])  # GGUF dims: [hidden, vocab]
     config = gguf_model_config(gf.metadata, set(tensors), rope_freqs, rows)
     target = parse_dtype("float32" if dtype in (None, "auto") else dtype)
-    names = {name: hf_tensor_name(name) for name in tensors}  # refuse unknown tensors first
+    # refuse unknown tensors and types before dequantizing anything
+    names = {name: hf_tensor_name(name) for name in tensors}
+    bad = sorted(
+        f"{t.tensor_type.name} ({n})"
+        for n, t in tensors.items()
+        if t.tensor_type.name not in SUPPORTED_TYPES
+    )
+    if bad:
+        raise ModelLoadError(
+            f"unsupported GGUF tensor types: {', '.join(bad[:4])}; "
+            f"supported: {', '.join(SUPPORTED_TYPES)}"
+        )
     weights: dict[str, torch.Tensor] = {}
     show = sys.stderr.isatty() if progress is None else progress
     with _progress_bar(show, len(tensors), gf.path.name) as advance:
