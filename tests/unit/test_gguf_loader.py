@@ -81,7 +81,9 @@ def test_gguf_and_safetensors_generate_the_same_tokens(tmp_path: Path) -> None:
     got = [o.outputs[0].token_ids for o in ours.generate(prompts, GREEDY, progress=False)]
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, progress=False)]
     assert got == want
-    assert ours.engine.config.model_id.startswith("gguf-")
+    # the cache namespace / hash root is the file's content hash, not its path
+    assert ours.engine.config.model_id == gguf_fingerprint(GGUFFile.open(path))
+    assert str(path) not in ours.engine.config.model_id
 
 
 def test_tokenizer_from_gguf_metadata_matches_the_folders_tokenizer(tmp_path: Path) -> None:
