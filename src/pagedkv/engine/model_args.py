@@ -51,8 +51,12 @@ def _positive(text: str) -> int:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the model and engine flags (module docstring); the KV tier flags are
     ``pagedkv.tiers.config.add_tier_arguments``, which :func:`engine_config` reads."""
-    parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="local model folder")
-    parser.add_argument("--model", default=None, help="the model folder (instead of MODEL)")
+    parser.add_argument(
+        "model_pos", nargs="?", metavar="MODEL", help="a local model folder or GGUF file"
+    )
+    parser.add_argument(
+        "--model", default=None, help="the model folder or GGUF file (instead of MODEL)"
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="compute dtype")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -105,7 +109,10 @@ def model_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
         parser.error(f"the model is given twice: {pos!r} and --model {flag!r}")
     model = pos or flag
     if model is None:
-        parser.error("the model folder is required (pagedkv <command> MODEL, or --model MODEL)")
+        parser.error(
+            "the model (a folder or a GGUF file) is required "
+            "(pagedkv <command> MODEL, or --model MODEL)"
+        )
     return str(model)
 
 
