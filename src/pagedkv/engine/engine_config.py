@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.config import check_invariants_default
 from pagedkv.errors import InvalidRequestError
+from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.tiers.config import TierConfig
 
 
@@ -26,7 +27,8 @@ class EngineConfig:
     torch's path otherwise. ``freeze_gc_heap`` moves
     every object alive when the
     engine is built out of Python's cyclic collector (``gc.freeze()``), so collections while
-    serving don't rescan the model and the imported libraries.
+    serving don't rescan the model and the imported libraries. ``kv_events`` publishes the
+    pool's and the tiers' KV events over ZeroMQ (``pagedkv.kvevents``; needs pyzmq, msgspec).
     """
 
     dtype: str = "float32"
@@ -47,6 +49,7 @@ class EngineConfig:
     reservation: str = "max_tokens"
     model_id: str = ""
     tiers: TierConfig | None = None
+    kv_events: KVEventsConfig | None = None
     tune_host_allocator: bool = True
     freeze_gc_heap: bool = True
     check_invariants: bool = field(default_factory=check_invariants_default)

@@ -14,6 +14,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvalidRequestError
+from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.tiers.config import TierConfig
 
 Prompt = str | Sequence[int]
@@ -26,7 +27,8 @@ class LLM:
     ``enable_prefix_caching=False``, ``num_speculative_tokens=4``, ...), plus the KV tiers:
     ``host_tier_bytes``, ``disk_tier`` (a folder) with ``disk_tier_bytes``, ``redis_url``
     (or a whole ``tiers=TierConfig(...)``). With tiers, call :meth:`close` (or use ``with``)
-    so queued blocks reach them before the process exits.
+    so queued blocks reach them before the process exits. ``kv_events="tcp://HOST:PORT"`` (or a
+    :class:`KVEventsConfig`) publishes KV events over ZeroMQ.
     """
 
     def __init__(
@@ -41,6 +43,8 @@ class LLM:
         **kwargs: Any,
     ) -> None:
         cfg = config or EngineConfig()
+        if isinstance(kwargs.get("kv_events"), str):
+            kwargs["kv_events"] = KVEventsConfig(kwargs["kv_events"])
         if kwargs:
             try:
                 cfg = replace(cfg, **kwargs)
@@ -62,12 +66,16 @@ class LLM:
         # is collected or the interpreter exits (the finalizer holds the tiers, not the engine).
         tio = self.engine.tier_io
         self._finalizer = None if tio is None else weakref.finalize(self, tio.close)
+        pub = self.engine.kv_publisher
+        self._kv_finalizer = None if pub is None else weakref.finalize(self, pub.close)
 
     def close(self) -> None:
         """Write queued KV blocks to the tiers and close them (a no-op without tiers; safe to
         call twice)."""
         if self._finalizer is not None:
             self._finalizer()  # runs tio.close() once, then detaches
+        if self._kv_finalizer is not None:
+            self._kv_finalizer()
 
     def __enter__(self) -> LLM:
         return self

@@ -9,6 +9,7 @@ from pathlib import Path
 from pagedkv.config import env_str
 from pagedkv.engine.native import add_decode_kernel_argument
 from pagedkv.errors import PagedKVError
+from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.tiers.config import add_tier_arguments, tier_config_from_args
 
 
@@ -43,6 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch intra-op threads (default: torch's choice; 1 is often faster on a busy CPU)",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        default=None,
+        help="publish KV events over ZeroMQ at this bound endpoint (tcp://HOST:PORT, PORT may "
+        "be *), in vLLM's format; GET /kv_events tells where",
+    )
+    p.add_argument(
+        "--kv-events-replay",
+        metavar="ENDPOINT",
+        default=None,
+        help="the replay (ROUTER) endpoint (default: PORT + 1 of --kv-events; '' for none)",
+    )
     add_tier_arguments(p)
     return p
 
@@ -65,6 +79,9 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     try:
         tiers = tier_config_from_args(args)
+        kv_events = None
+        if args.kv_events is not None:
+            kv_events = KVEventsConfig(args.kv_events, replay_endpoint=args.kv_events_replay)
     except PagedKVError as exc:
         raise SystemExit(f"pagedkv serve: {exc}") from None
     cfg = EngineConfig(
@@ -79,6 +96,7 @@ def main(argv: list[str]) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         decode_kernel=args.decode_kernel,
         tiers=tiers,
+        kv_events=kv_events,
     )
     engine = LLMEngine.from_model_dir(args.model, cfg)
     name = args.served_model_name or Path(args.model).resolve().name

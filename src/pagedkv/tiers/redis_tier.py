@@ -307,12 +307,17 @@ class RedisTier(KVTier):
                 if ok and res is not None:
                     stored += res[0]
                     self._counters.bytes_in += res[1]
+                    for h, _ in batch:  # stored now or already there: the server holds it
+                        self._event_stored(h)
                 else:
                     self._counters.dropped_writes += len(batch)
         return stored
 
     def delete(self, block_hash: bytes) -> bool:
         ok, n = self._call(lambda c: c.delete(self.key_of(block_hash)))
+        if ok and n:
+            with self._lock:
+                self._event_removed(block_hash)
         return bool(ok and n)
 
     # ------------------------------------------------------------------ reporting
