@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("pagedkv.engine.cli:demo_main", "run a small random-weight model end to end"),
     "generate": ("pagedkv.engine.cli:generate_main", "generate text from a local model folder"),
     "serve": ("pagedkv.server.cli:main", "serve an OpenAI-compatible API"),
+    "router": ("pagedkv.router.cli:main", "route requests over several engines by KV cache"),
 }
 
 
