@@ -37,6 +37,9 @@ from pagedkv.router.prompts import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
+ENGINE_HEADER = "x-pagedkv-engine"
+"""Response header naming the engine that answered (for clients, logs and tests)."""
+
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
 
 
@@ -149,10 +152,12 @@ def build_router_app(
                 registry.mark_failed(url, "unreachable" if resp is None else "answered 503")
                 continue
             _count(stats, decision.reason, url, decision.matched_blocks, decision.num_blocks)
+            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+            out_headers[ENGINE_HEADER] = url
             return StreamingResponse(
                 _relay(resp, chunks, first, registry, url),
                 status_code=resp.status_code,
-                headers={k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS},
+                headers=out_headers,
             )
 
     @app.post("/v1/completions", response_model=None)
