@@ -113,8 +113,10 @@ class RedisCluster:
             node_dir = folder / f"node{i}"
             node_dir.mkdir()
             # the bus port is explicit: the default (port + 10000) overflows for a high port
-            args = ("--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
-                    "--cluster-node-timeout", "1000", "--cluster-port", str(_free_port()))  # fmt: skip
+            conf = str(node_dir / "nodes.conf")
+            bus = str(_free_port())
+            args = ("--cluster-enabled", "yes", "--cluster-config-file", conf,
+                    "--cluster-node-timeout", "1000", "--cluster-port", bus)  # fmt: skip
             self.nodes.append(RedisServer(node_dir, args))
 
     @property

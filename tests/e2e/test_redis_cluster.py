@@ -71,7 +71,8 @@ def test_engine_keeps_serving_through_a_lost_cluster_master(
     with LLM(str(model), block_size=16, num_blocks=128, redis_url=redis_cluster.url) as writer:
         writer.generate(prompts, sp, progress=False)
         tio = writer.engine.tier_io
-        assert tio is not None and tio.offload.flush(10.0)
+        assert tio is not None
+        assert tio.offload.flush(10.0)
     assert sum(redis_cluster.dbsize(i) for i in range(3)) == 3 * 6  # 6 full blocks a prompt
 
     redis_cluster.nodes[2].stop()

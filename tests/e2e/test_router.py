@@ -23,9 +23,9 @@ import httpx
 import openai
 import pytest
 
+from e2e.server_fixtures import free_port, write_endless_model
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.sampler import SamplingParams
-from server_fixtures import free_port, write_endless_model
 
 BLOCK_SIZE = 16
 PREFIX_BLOCKS = 10
