@@ -29,7 +29,7 @@ from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvalidRequestError, OverloadedError, PagedKVError
 from pagedkv.server.async_engine import AsyncEngine
-from pagedkv.server.kv_events_route import add_kv_events_route
+from pagedkv.server.kv_events_api import add_kv_events_api
 from pagedkv.server.responses import completion_body, error_response, sse_completion
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
@@ -173,7 +173,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens or room
         return await serve(request, body, prompt_ids, max_tokens, chat=True)
 
-    add_kv_events_route(app, engine)
+    add_kv_events_api(app, engine)
     return app
 
 
