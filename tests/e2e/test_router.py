@@ -9,13 +9,9 @@ Each process runs torch on one thread; the whole module takes ~30-50 s on a busy
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +19,8 @@ import httpx
 import openai
 import pytest
 
-from e2e.server_fixtures import free_port, write_endless_model
+from e2e.processes import Proc, spawn, wait_ready
+from e2e.server_fixtures import write_endless_model
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.sampler import SamplingParams
 
@@ -31,49 +28,6 @@ BLOCK_SIZE = 16
 PREFIX_BLOCKS = 10
 MAX_TOKENS = 6
 API_KEY = "router-key"
-CLI = [sys.executable, "-c", "import sys; from pagedkv.cli import main; sys.exit(main())"]
-
-
-@dataclass(slots=True)
-class Proc:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-def _spawn(args: list[str], log: Path) -> Proc:
-    port = free_port()
-    with log.open("w") as f:
-        proc = subprocess.Popen(
-            [*CLI, *args, "--port", str(port), "--log-level", "warning"],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-    return Proc(f"http://127.0.0.1:{port}", proc, log)
-
-
-def _wait_ready(p: Proc, path: str = "/health", timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if p.proc.poll() is not None:
-            pytest.fail(f"{p.url} exited with {p.proc.returncode}: {p.log.read_text()[-3000:]}")
-        try:
-            if httpx.get(p.url + path, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    pytest.fail(f"{p.url} did not answer {path} within {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
@@ -87,17 +41,17 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     engine_args = ["serve", "--model", str(model_dir), "--threads", "1",
                    "--block-size", str(BLOCK_SIZE), "--num-blocks", "256",
                    "--served-model-name", "tiny", "--kv-events", "tcp://127.0.0.1:*"]  # fmt: skip
-    engines = [_spawn(engine_args, logs / f"engine{i}.log") for i in range(3)]
+    engines = [spawn(engine_args, logs / f"engine{i}.log") for i in range(3)]
     router: Proc | None = None
     try:
         for e in engines:  # started together, waited for one by one
-            _wait_ready(e)
+            wait_ready(e)
         router_args = ["router", "--model", str(model_dir), "--api-key", API_KEY,
                        "--poll-interval", "0.2"]  # fmt: skip
         for e in engines:
             router_args += ["--engine", e.url]
-        router = _spawn(router_args, logs / "router.log")
-        _wait_ready(router)
+        router = spawn(router_args, logs / "router.log")
+        wait_ready(router)
         yield {"engines": engines, "router": router}
     finally:
         if router is not None:

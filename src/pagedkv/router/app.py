@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedkv.errors import OverloadedError
 from pagedkv.route.policy import CacheAwareConfig, RoutingPolicy, make_policy
+from pagedkv.router.disagg import run_prefill
 from pagedkv.router.engines import EngineRegistry
 from pagedkv.router.prompts import PromptTokenizer
 
@@ -48,6 +49,8 @@ class RouterStats:
     """Totals since start: requests routed, by decision reason; retries; blocks matched."""
 
     num_requests: int = 0
+    num_prefills: int = 0  # prefill steps whose KV reached the shared tier (P/D mode)
+    num_prefill_failures: int = 0  # prefill steps that did not (the decode engine recomputes)
     num_retries: int = 0
     num_failed: int = 0
     num_blocks: int = 0
@@ -70,9 +73,13 @@ def build_router_app(
     api_key: str | None = None,
     engine_api_key: str | None = None,
     request_timeout_s: float = 600.0,
+    prefill: EngineRegistry | None = None,
 ) -> FastAPI:
-    """The FastAPI app proxying to ``registry``'s engines; starts and stops its threads."""
+    """The FastAPI app proxying to ``registry``'s engines; starts and stops its threads. With
+    ``prefill`` engines, each request is prefilled there first (:mod:`pagedkv.router.disagg`)
+    and ``registry`` holds the decode engines."""
     chooser: RoutingPolicy[str] = make_policy(policy, registry.index, cache_aware)
+    prefill_chooser = None if prefill is None else make_policy(policy, prefill.index, cache_aware)
     stats = RouterStats()
     expected = None if api_key is None else f"Bearer {api_key}".encode()
     client_box: list[httpx.AsyncClient] = []
@@ -80,12 +87,16 @@ def build_router_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         registry.start()
+        if prefill is not None:
+            prefill.start()
         client_box.append(httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=2.0)))
         try:
             yield
         finally:
             await client_box[0].aclose()
             registry.close()
+            if prefill is not None:
+                prefill.close()
 
     app = FastAPI(title="pagedkv router", lifespan=lifespan)
 
@@ -127,6 +138,12 @@ def build_router_app(
             body = None  # the engine answers the 400
         hashes = _hashes(path, body)
         headers = _forward_headers(request)
+        if prefill is not None and prefill_chooser is not None and isinstance(body, dict):
+            client = client_box[0]
+            if await run_prefill(client, prefill, prefill_chooser, path, body, hashes, headers):
+                stats.num_prefills += 1
+            else:
+                stats.num_prefill_failures += 1
         tried: set[str] = set()
         while True:
             with registry.lock:
@@ -187,6 +204,8 @@ def build_router_app(
             "policy": policy,
             "num_requests": stats.num_requests,
             "num_retries": stats.num_retries,
+            "num_prefills": stats.num_prefills,
+            "num_prefill_failures": stats.num_prefill_failures,
             "num_failed": stats.num_failed,
             "routed_hit_rate": hit,
             "by_reason": stats.by_reason,

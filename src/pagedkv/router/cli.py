@@ -24,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine", action="append", required=True, metavar="URL",
         help="an engine's base URL (http://HOST:PORT); repeat for each engine",
     )  # fmt: skip
+    p.add_argument(
+        "--prefill", action="append", default=[], metavar="URL",
+        help="a prefill engine (pagedkv serve --role prefill --redis URL); with these, each "
+        "request is prefilled there first and --engine names the decode engines",
+    )  # fmt: skip
     p.add_argument("--policy", default="cache-aware", choices=POLICY_NAMES)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
@@ -78,6 +83,10 @@ def main(argv: list[str]) -> int:
     )
     registry = EngineRegistry(args.engine, headers=headers, poll_interval_s=args.poll_interval)
     registry.poll_once()  # engines already up are routable from the first request
+    prefill = None
+    if args.prefill:
+        prefill = EngineRegistry(args.prefill, headers=headers, poll_interval_s=args.poll_interval)
+        prefill.poll_once()
     app = build_router_app(
         registry,
         policy=args.policy,
@@ -85,6 +94,7 @@ def main(argv: list[str]) -> int:
         tokenizer=tokenizer,
         api_key=args.api_key or env_str("PAGEDKV_API_KEY"),
         engine_api_key=args.engine_api_key,
+        prefill=prefill,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the replay (ROUTER) endpoint (default: PORT + 1 of --kv-events; '' for none)",
     )
+    p.add_argument(
+        "--role",
+        default="both",
+        choices=["both", "prefill", "decode"],
+        help="prefill/decode disaggregation through the shared --redis tier (pagedkv router "
+        "--prefill URL --engine URL); a prefill engine answers once its KV is stored",
+    )
     add_tier_arguments(p)
     return p
 
@@ -69,6 +76,7 @@ def main(argv: list[str]) -> int:
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.server.app import build_app
     from pagedkv.server.async_engine import AsyncEngine
+    from pagedkv.server.roles import add_prefill_role, check_role
 
     logging.basicConfig(level=args.log_level.upper())
     if args.threads is not None:
@@ -82,6 +90,7 @@ def main(argv: list[str]) -> int:
         kv_events = None
         if args.kv_events is not None:
             kv_events = KVEventsConfig(args.kv_events, replay_endpoint=args.kv_events_replay)
+        check_role(args.role, tiers is not None and tiers.redis_url is not None)
     except PagedKVError as exc:
         raise SystemExit(f"pagedkv serve: {exc}") from None
     cfg = EngineConfig(
@@ -101,8 +110,9 @@ def main(argv: list[str]) -> int:
     engine = LLMEngine.from_model_dir(args.model, cfg)
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or env_str("PAGEDKV_API_KEY")
-    app = build_app(
-        AsyncEngine(engine, max_pending=args.max_pending, model_name=name), api_key=api_key
-    )
+    async_engine = AsyncEngine(engine, max_pending=args.max_pending, model_name=name)
+    app = build_app(async_engine, api_key=api_key)
+    if args.role == "prefill":
+        add_prefill_role(app, async_engine)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
