@@ -21,6 +21,6 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
     "$VPY" -m pip install -q "torch==2.13.0" \
         || "$VPY" -m pip install -q "torch>=2.4,<2.15" --index-url "${PAGEDKV_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 fi
-echo "[setup] installing pagedkv with its extras (engine, server, redis, sim, dev)" >&2
-"$VPY" -m pip install -q -e ".[engine,server,redis,sim,dev,reference]"
+echo "[setup] installing pagedkv with its extras (engine, server, redis, router, sim, dev)" >&2
+"$VPY" -m pip install -q -e ".[engine,server,redis,router,sim,dev,reference]"
 echo "$want" > "$stamp"
