@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from e2e.processes import Proc, spawn, wait_ready
+from e2e.processes import spawn, wait_ready
 from e2e.server_fixtures import write_endless_model
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.sampler import SamplingParams
@@ -42,20 +42,22 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                    "--block-size", str(BLOCK_SIZE), "--num-blocks", "256",
                    "--served-model-name", "tiny", "--kv-events", "tcp://127.0.0.1:*"]  # fmt: skip
     engines = [spawn(engine_args, logs / f"engine{i}.log") for i in range(3)]
-    router: Proc | None = None
+    router_args = ["router", "--model", str(model_dir), "--api-key", API_KEY,
+                   "--poll-interval", "0.2"]  # fmt: skip
+    for e in engines:
+        router_args += ["--engine", e.url]
+    router = spawn(router_args, logs / "router.log")  # starts with the engines; they join later
     try:
-        for e in engines:  # started together, waited for one by one
-            wait_ready(e)
-        router_args = ["router", "--model", str(model_dir), "--api-key", API_KEY,
-                       "--poll-interval", "0.2"]  # fmt: skip
-        for e in engines:
-            router_args += ["--engine", e.url]
-        router = spawn(router_args, logs / "router.log")
-        wait_ready(router)
+        for p in (*engines, router):
+            wait_ready(p)
+        deadline = time.monotonic() + 60
+        while not all(e["healthy"] for e in _stats(router.url)["engines"].values()):
+            if time.monotonic() > deadline:
+                pytest.fail("the router did not see all three engines within 60 s")
+            time.sleep(0.1)
         yield {"engines": engines, "router": router}
     finally:
-        if router is not None:
-            router.stop()
+        router.stop()
         for e in engines:
             e.stop()
 
@@ -156,3 +158,49 @@ def test_streaming_chat_and_auth_pass_through(cluster: dict[str, Any]) -> None:
     )
     assert bad.status_code == 400  # the engine's verdict, passed through
     assert "does not exist" in bad.json()["error"]["message"]
+
+
+def _running(url: str) -> int:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=2).text
+    except httpx.TransportError:
+        return 0
+    return sum(int(float(line.split()[-1])) for line in text.splitlines()
+               if line.startswith("pagedkv_requests_running "))  # fmt: skip
+
+
+def test_a_request_in_flight_on_an_engine_that_dies_is_retried_elsewhere(
+    cluster: dict[str, Any],
+) -> None:
+    """Non-streamed: nothing reaches the client before the answer is complete, so the router
+    may resend the request to another engine when the first one dies mid-generation."""
+    import threading
+
+    base = cluster["router"].url
+    alive = [e for e in cluster["engines"] if e.proc.poll() is None]
+    assert len(alive) >= 2  # the first test killed one of three
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        result["resp"] = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": "tiny", "prompt": [5] * 40, "max_tokens": 1000, "temperature": 0.0},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=120,
+        )
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    deadline = time.monotonic() + 20
+    victim = None
+    while victim is None and time.monotonic() < deadline:
+        victim = next((e for e in alive if _running(e.url) > 0), None)
+        time.sleep(0.02)
+    assert victim is not None, "the request never started on an engine"
+    victim.stop(signal.SIGKILL)
+    sender.join(120)
+    resp = result["resp"]
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-pagedkv-engine"] != victim.url
+    assert resp.json()["usage"]["completion_tokens"] == 1000
+    assert _stats(base)["num_retries"] >= 1

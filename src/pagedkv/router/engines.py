@@ -66,6 +66,35 @@ def parse_load(metrics_text: str) -> int:
     return int(total)
 
 
+@dataclass(frozen=True, slots=True)
+class EventsInfo:
+    """An engine's ``GET /kv_events`` answer."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    spec: HashSpec
+    num_batches_published: int
+
+
+def _fetch_info(client: httpx.Client, url: str) -> EventsInfo | None:
+    """The engine's event stream, or None when it publishes none (404). Raises httpx errors,
+    and KeyError/TypeError/ValueError for a malformed answer."""
+    resp = client.get(f"{url}/kv_events")
+    if resp.status_code == 404:
+        return None
+    resp.raise_for_status()
+    body = resp.json()
+    replay = body["replay_endpoint"]
+    return EventsInfo(
+        str(body["endpoint"]),
+        None if replay is None else str(replay),
+        str(body["topic"]),
+        HashSpec(int(body["block_size"]), str(body["model_id"]), str(body["hash_algo"])),
+        int(body["num_batches_published"]),
+    )
+
+
 class EngineHandle:
     """One engine's state as the router sees it (fields guarded by the registry's lock)."""
 
@@ -76,6 +105,8 @@ class EngineHandle:
         self.in_flight = 0  # requests the router has sent and not yet finished
         self.spec: HashSpec | None = None
         self.num_failures = 0
+        self.stream: tuple[str, str | None] | None = None  # the subscribed (endpoint, replay)
+        self.num_published = -1  # the engine's batch count at the last poll
         self._subscriber: EventSubscriber | None = None
         self.generation = 0  # bumps when the engine is taken out: stale event threads stop
 
@@ -157,32 +188,39 @@ class EngineRegistry:
                 self._stop.wait(self.poll_interval_s)
 
     def _poll(self, client: httpx.Client, handle: EngineHandle) -> None:
+        """One poll: load from ``/metrics``, the event stream from ``/kv_events``. An engine
+        whose stream changed (new endpoints, or a publish count that went backwards: the
+        process restarted) is taken out and rejoins at once with a fresh subscription."""
         try:
             resp = client.get(f"{handle.url}/metrics")
             resp.raise_for_status()
             load = parse_load(resp.text)
-            join = not handle.healthy
-            if join:
-                info = client.get(f"{handle.url}/kv_events")
-                info.raise_for_status()
-                body = info.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            info = _fetch_info(client, handle.url)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             if handle.healthy:
                 self.mark_failed(handle.url, f"poll failed: {exc}")
             return
         with self.lock:
             handle.polled_load = load
-            if not join:
+            stream = None if info is None else (info.endpoint, info.replay_endpoint)
+            published = -1 if info is None else info.num_batches_published
+            if handle.healthy and (stream != handle.stream or published < handle.num_published):
+                logger.warning("engine %s restarted its event stream; resubscribing", handle.url)
+                self._take_out(handle)
+            handle.num_published = published
+            if handle.healthy:
                 return
-            handle.spec = HashSpec(
-                int(body["block_size"]), str(body["model_id"]), str(body["hash_algo"])
-            )
+            handle.spec = None if info is None else info.spec
+            handle.stream = stream
             handle.healthy = True
             generation = handle.generation
-        logger.info("engine %s joined (events at %s)", handle.url, body["endpoint"])
+        if info is None:
+            logger.warning("engine %s publishes no KV events: routed by load only", handle.url)
+            return
+        logger.info("engine %s joined (events at %s)", handle.url, info.endpoint)
         t = threading.Thread(
             target=self._event_loop,
-            args=(handle, generation, body["endpoint"], body.get("replay_endpoint"), body["topic"]),
+            args=(handle, generation, info.endpoint, info.replay_endpoint, info.topic),
             name=f"pagedkv-router-events-{handle.url}",
             daemon=True,
         )
