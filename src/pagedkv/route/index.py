@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
+from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagedkv.errors import InvariantViolation
 
 E = TypeVar("E", bound=Hashable)
@@ -148,3 +149,15 @@ class PrefixIndex(Generic[E]):
             for e in holders:
                 if h not in self._held.get(e, {}):
                     raise InvariantViolation(f"X1: {e!r} is a holder of {h.hex()} it lacks")
+
+
+def apply_events(index: PrefixIndex[E], engine: E, events: Iterable[KVEvent]) -> None:
+    """Apply an engine's core KV events (as drained from its pool) to ``index``; the router
+    applies the same events decoded from the wire, the simulator these directly."""
+    for event in events:
+        if isinstance(event, BlockStored):
+            index.store(engine, event.block_hashes, event.medium)
+        elif isinstance(event, BlockRemoved):
+            index.remove(engine, event.block_hashes, event.medium)
+        elif isinstance(event, AllBlocksCleared):
+            index.clear(engine, event.medium)
