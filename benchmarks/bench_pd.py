@@ -13,9 +13,9 @@ Workload: ``--requests`` prompts of ``--prompt-tokens`` random token ids (no sha
 ``--max-tokens`` output tokens each, ``--concurrency`` closed-loop streaming clients. Reported:
 TTFT p50/p99 (client-side, to the first streamed text), ITL p50/p99 (per request: (latency -
 TTFT) / (tokens - 1)), requests/s, and the share of prompt tokens the answering engine did not
-compute (1P+1D: loaded from Redis; the run fails if that is 0). On one loaded 2-core machine the four engines share the
-same cores, so disaggregation cannot show its real benefit (separate hardware for prefill and
-decode); the numbers measure its overhead here.
+compute (1P+1D: loaded from Redis; the run fails if that is 0). On one loaded 2-core machine
+the four engines share the same cores, so disaggregation cannot show its real benefit (separate
+hardware for prefill and decode); the numbers measure its overhead here.
 """
 
 from __future__ import annotations
