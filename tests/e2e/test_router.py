@@ -135,6 +135,10 @@ def test_tenants_land_where_their_prefix_is_and_survive_a_killed_engine(
     assert not stats["engines"][victim.url]["healthy"]
     assert stats["engines"][victim.url]["cached_blocks"] == 0  # its index entries dropped
     assert stats["num_failed"] == 0
+    for url, e in stats["engines"].items():
+        if url != victim.url:
+            assert e["event_batches"] > 0
+            assert e["missed_event_batches"] == 0  # every gap was replayed
 
 
 def test_streaming_chat_and_auth_pass_through(cluster: dict[str, Any]) -> None:

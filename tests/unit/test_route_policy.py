@@ -65,6 +65,19 @@ def test_a_routed_guess_is_dropped_with_the_engines_removal_or_failure() -> None
     idx.check_invariants()
 
 
+def test_routed_guesses_are_bounded_and_age_out_oldest_first() -> None:
+    idx: PrefixIndex[str] = PrefixIndex(max_routed=3)
+    a, b = _chain(11, 2), _chain(12, 3)
+    idx.store("x", a[:1], "GPU")  # confirmed by the engine: never aged out
+    idx.note_routed("x", a)
+    idx.note_routed("y", b)  # 5 guesses > 3: x's two go first
+    assert idx.match(a) == {"x": 1}
+    assert idx.match(b) == {"y": 3}
+    idx.check_invariants()
+    with pytest.raises(InvalidRequestError, match="max_routed"):
+        PrefixIndex(max_routed=0)
+
+
 @given(
     st.lists(
         st.tuples(

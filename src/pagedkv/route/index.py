@@ -16,11 +16,12 @@ block, as the engine's own prefix match does.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from pagedkv.errors import InvariantViolation
+from pagedkv.errors import InvalidRequestError, InvariantViolation
 
 E = TypeVar("E", bound=Hashable)
 
@@ -43,13 +44,19 @@ class PrefixIndex(Generic[E]):
 
     Invariants (check_invariants() verifies each):
       X1  e in holders[h]  <=>  h in held[e] (and held[e][h] is a non-empty set of media)
+      X2  len(routed) <= max_routed (routed guesses are bounded: a guess the engine never
+          confirms nor removes, say for a request it refused, ages out oldest first)
     Complexity: store/remove O(blocks in the event); match O(prefix length x engines holding);
     drop_engine O(blocks the engine held); num_blocks O(1).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_routed: int = 1 << 16) -> None:
+        if max_routed <= 0:
+            raise InvalidRequestError(f"max_routed must be positive, got {max_routed}")
         self._holders: dict[bytes, set[E]] = {}
         self._held: dict[E, dict[bytes, set[str]]] = {}
+        self.max_routed = max_routed
+        self._routed: OrderedDict[tuple[E, bytes], None] = OrderedDict()  # X2; may be stale
 
     # ------------------------------------------------------------------ events
     def add_engine(self, engine: E) -> None:
@@ -74,18 +81,33 @@ class PrefixIndex(Generic[E]):
             return
         m = medium or "GPU"
         for h in block_hashes:
-            media = held.get(h)
-            if media is None:
-                continue
-            media.discard(m)
-            media.discard(ROUTED)
-            if not media:
-                del held[h]
-                self._unhold(h, engine)
+            self._discard(engine, held, h, (m, ROUTED))
+
+    def _discard(
+        self, engine: E, held: dict[bytes, set[str]], h: bytes, media: Sequence[str]
+    ) -> None:
+        have = held.get(h)
+        if have is None:
+            return
+        have.difference_update(media)
+        if not have:
+            del held[h]
+            self._unhold(h, engine)
 
     def note_routed(self, engine: E, block_hashes: Iterable[bytes]) -> None:
-        """Record the router's guess that ``engine`` will hold ``block_hashes`` (see ROUTED)."""
-        self.store(engine, block_hashes, ROUTED)
+        """Record the router's guess that ``engine`` will hold ``block_hashes`` (see ROUTED);
+        past ``max_routed`` guesses the oldest is forgotten."""
+        hashes = list(block_hashes)
+        self.store(engine, hashes, ROUTED)
+        routed = self._routed
+        for h in hashes:
+            routed[engine, h] = None
+            routed.move_to_end((engine, h))
+        while len(routed) > self.max_routed:
+            (old_engine, old_hash), _ = routed.popitem(last=False)
+            held = self._held.get(old_engine)
+            if held is not None:
+                self._discard(old_engine, held, old_hash, (ROUTED,))
 
     def clear(self, engine: E, medium: str | None = None) -> None:
         """Forget the engine's blocks on ``medium`` (every local medium when None)."""
@@ -149,6 +171,8 @@ class PrefixIndex(Generic[E]):
             for e in holders:
                 if h not in self._held.get(e, {}):
                     raise InvariantViolation(f"X1: {e!r} is a holder of {h.hex()} it lacks")
+        if len(self._routed) > self.max_routed:
+            raise InvariantViolation(f"X2: {len(self._routed)} guesses > {self.max_routed}")
 
 
 def apply_events(index: PrefixIndex[E], engine: E, events: Iterable[KVEvent]) -> None:

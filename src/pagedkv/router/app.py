@@ -196,7 +196,9 @@ def build_router_app(
         with registry.lock:
             engines = {
                 u: {"healthy": h.healthy, "load": h.load, "in_flight": h.in_flight,
-                    "cached_blocks": registry.index.num_blocks(u), "failures": h.num_failures}
+                    "cached_blocks": registry.index.num_blocks(u), "failures": h.num_failures,
+                    "event_batches": h.num_event_batches,
+                    "missed_event_batches": h.num_missed_batches}
                 for u, h in registry.engines.items()
             }  # fmt: skip
         hit = stats.num_matched_blocks / stats.num_blocks if stats.num_blocks else 0.0

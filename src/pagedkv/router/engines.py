@@ -107,6 +107,8 @@ class EngineHandle:
         self.num_failures = 0
         self.stream: tuple[str, str | None] | None = None  # the subscribed (endpoint, replay)
         self.num_published = -1  # the engine's batch count at the last poll
+        self.num_event_batches = 0  # batches applied to the index (all subscriptions)
+        self.num_missed_batches = 0  # of the current subscription: neither received nor replayed
         self._subscriber: EventSubscriber | None = None
         self.generation = 0  # bumps when the engine is taken out: stale event threads stop
 
@@ -240,6 +242,8 @@ class EngineRegistry:
                             return
                         for _, batch in batches:
                             self._apply(handle.url, batch)
+                        handle.num_event_batches += len(batches)
+                        handle.num_missed_batches = sub.num_missed
         finally:
             sub.close()
 
