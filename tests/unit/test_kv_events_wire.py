@@ -177,7 +177,7 @@ def test_subscriber_joins_late_and_fills_a_gap_from_replay(publisher: ZmqEventPu
     assert sub.num_missed == 0
 
 
-def test_publish_never_blocks_and_counts_what_a_full_queue_drops() -> None:
+def test_publish_never_blocks_and_a_dropped_batch_is_a_gap_replay_cannot_fill() -> None:
     pub = ZmqEventPublisher(KVEventsConfig("tcp://127.0.0.1:*", max_queue_batches=2))
     try:
         batch = [BlockStored((H0,) * 64, None, tuple(range(256)), 4)]
@@ -187,14 +187,26 @@ def test_publish_never_blocks_and_counts_what_a_full_queue_drops() -> None:
         deadline = time.monotonic() + 10
         while pub.stats().queue_len and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert pub.publish(batch)  # the queue has room again: seq 3000 is kept
+        deadline = time.monotonic() + 10
+        while pub.stats().num_batches_published < sent + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         stats = pub.stats()
+        sub = EventSubscriber(pub.endpoint, pub.replay_endpoint)
+        try:
+            seqs = [seq for seq, _ in sub.poll(100)]  # the joining replay: what was sent
+        finally:
+            sub.close()
     finally:
         pub.close()
     assert elapsed < 2.0  # 3000 non-blocking puts (a blocked put would wait for the thread)
     assert stats.num_batches_dropped > 0
-    assert stats.num_batches_dropped + stats.num_batches_published == 3000
-    assert stats.num_batches_published == sent
+    assert stats.num_batches_dropped + stats.num_batches_published == 3001
+    assert stats.num_batches_published == sent + 1 == len(seqs)
     assert stats.num_events_dropped == stats.num_batches_dropped
+    assert seqs == sorted(seqs)
+    assert seqs[-1] == 3000  # numbered after the dropped ones: they are holes on the wire ...
+    assert sub.num_missed == stats.num_batches_dropped  # ... which the subscriber counted
 
 
 def test_bad_endpoints_are_refused() -> None:

@@ -8,12 +8,15 @@ Wire protocol (vLLM's ``ZmqEventPublisher``)::
             with seq >= that, then (-1 as 8-byte big-endian signed, b"") as the end marker
 
 ``seq`` starts at 0 and grows by one per batch, so a subscriber sees a gap as a jump.
+``publish`` is called from one thread (the engine's step loop).
 
 Never blocking the step loop: :meth:`ZmqEventPublisher.publish` puts the batch on a bounded
-queue without waiting (encoding happens in the thread); a full queue drops the batch and counts its
-events (a subscriber then sees a seq gap and asks the replay socket, whose buffer holds what
-was sent). The PUB socket itself drops for a slow subscriber at its high-water mark (ZeroMQ's
-own PUB semantics), so no consumer, slow or absent, ever blocks the publisher thread either.
+queue without waiting (encoding happens in the thread); a full queue drops the batch and counts
+it and its events (``PublisherStats.num_*_dropped``, ``pagedkv_kv_events_dropped_total``). The
+batch's sequence number is taken all the same, so a consumer sees the drop as a gap, asks the
+replay socket, does not get it, and knows its index is incomplete. The PUB socket drops
+messages for a slow subscriber at its high-water mark (ZeroMQ's PUB semantics); those gaps the
+replay buffer fills. No consumer, slow or absent, ever blocks the publisher thread either.
 
 Sockets are created and bound in the constructor (a taken port raises there, at start-up) and
 used only by the publisher thread from then on.
@@ -59,7 +62,8 @@ class ZmqEventPublisher:
     """Publishes KV events from a thread; :meth:`publish` never blocks.
 
     Invariants:
-      P1  sequence numbers on PUB are 0, 1, 2, ... with no gap (drops happen before numbering)
+      P1  every published batch gets the next sequence number (0, 1, 2, ...) when it is handed
+          to publish(), kept or dropped, so a batch the full queue dropped is a gap on the wire
       P2  the replay buffer holds the last ``buffer_steps`` published (seq, payload), in order
     """
 
@@ -84,11 +88,11 @@ class ZmqEventPublisher:
             self._close_sockets()
             raise InvalidRequestError(f"cannot bind KV events socket: {exc}") from None
         self._topic = config.topic.encode("utf-8")
-        self._queue: queue.Queue[tuple[float, Sequence[KVEvent]] | None] = queue.Queue(
+        self._queue: queue.Queue[tuple[int, float, Sequence[KVEvent]] | None] = queue.Queue(
             config.max_queue_batches
         )
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)  # P2
-        self._next_seq = 0  # P1
+        self._next_seq = 0  # P1; only publish() (the step thread) advances it
         self._lock = threading.Lock()  # guards the counters below
         self._num_batches = self._num_events = 0
         self._num_batches_dropped = self._num_events_dropped = self._num_replays = 0
@@ -101,10 +105,12 @@ class ZmqEventPublisher:
         """Queue one batch (the events of one step); False when dropped (queue full or closed)."""
         if not events:
             return True
+        seq = self._next_seq
+        self._next_seq += 1
         try:
             if self._closed:
                 raise queue.Full
-            self._queue.put_nowait((time.time(), events))
+            self._queue.put_nowait((seq, time.time(), events))
         except queue.Full:
             with self._lock:
                 self._num_batches_dropped += 1
@@ -153,10 +159,8 @@ class ZmqEventPublisher:
                 continue
             if item is None:
                 return
-            ts, events = item
+            seq, ts, events = item
             payload = encode_batch(make_batch(events, ts, self.config.data_parallel_rank))
-            seq = self._next_seq
-            self._next_seq += 1
             try:
                 # NOBLOCK: a PUB socket never blocks anyway (it drops at the HWM)
                 self._pub.send_multipart(

@@ -6,9 +6,9 @@ publisher's replay buffer still holds the missing range:
 * at start it asks the replay socket for everything from seq 0 (what the engine published
   before this subscriber connected, as far as the buffer reaches: the joining snapshot);
 * a batch whose seq jumps past ``last_seq + 1`` triggers a replay from ``last_seq + 1``;
-* what the replay cannot supply is counted in ``num_missed`` (the consumer's index is then
-  incomplete, never wrong: missing stores only lose hits, and a missed removal is corrected
-  when the engine misses that block).
+* what the replay cannot supply is counted in ``num_missed``; the consumer's index is then
+  incomplete: a missed store loses hits, a missed removal leaves a stale entry (at worst a
+  request goes to an engine that no longer holds its prefix and computes it there).
 
 One subscriber is used by one thread.
 """
