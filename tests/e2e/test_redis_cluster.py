@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from pagedkv.core.events import BlockRemoved
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
@@ -37,8 +38,16 @@ def test_cluster_tier_spreads_keys_and_misses_for_a_stopped_master(
     redis_cluster: RedisCluster,
 ) -> None:
     tier = RedisTier(redis_cluster.url, LAYOUT, connect_timeout_s=0.2, socket_timeout_s=0.5)
+    tier.enable_events()
     try:
         assert tier.put_many((h(i), pl(i)) for i in range(60)) == 60
+        events = tier.drain_events()
+        assert [e.block_hashes for e in events] == [(h(i),) for i in range(60)]
+        assert {(type(e).__name__, e.medium) for e in events} == {("BlockStored", "redis")}
+        assert tier.delete(h(59))
+        assert tier.drain_events() == [BlockRemoved((h(59),), medium="redis")]
+        assert tier.put(h(59), pl(59))
+        tier.drain_events()
         sizes = [redis_cluster.dbsize(i) for i in range(3)]
         assert sum(sizes) == 60
         assert min(sizes) > 0  # every master took some of the slots' keys
