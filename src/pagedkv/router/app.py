@@ -9,8 +9,10 @@ a token-id prompt as is. Without a tokenizer a text prompt routes by load alone.
 
 Failures: an engine that cannot be reached, or answers 503, before any byte of its answer was
 sent on is taken out of rotation (its index entries dropped) and the request is retried on
-another engine, up to every healthy engine once; a stream is forwarded from its first chunk on,
-so a request is retried only while nothing of it has reached the client. No engine left: 503.
+another engine, up to every healthy engine once (an engine answering 429, full, stays in and
+the request tries the others; when all are full the client gets that 429); a stream is
+forwarded from its first chunk on, so a request is retried only while nothing of it has
+reached the client. No engine left: 503. ``GET /v1/models`` is answered by a healthy engine.
 
 Auth: with ``api_key`` the router checks ``Authorization: Bearer <key>`` itself and sends
 ``engine_api_key`` (if any) to the engines; without it the client's header is forwarded.
@@ -145,6 +147,7 @@ def build_router_app(
             else:
                 stats.num_prefill_failures += 1
         tried: set[str] = set()
+        busy: Response | None = None  # the last 429 an engine answered
         while True:
             with registry.lock:
                 engines = [e for e in registry.routable() if e.engine not in tried]
@@ -152,6 +155,8 @@ def build_router_app(
                     decision = chooser.choose(hashes, engines)
                 except OverloadedError as exc:
                     stats.num_failed += 1
+                    if busy is not None:  # every engine is full: say so, as they did
+                        return busy
                     return _error(503, f"{exc} ({len(tried)} tried)", "service_unavailable")
                 url = decision.engine
                 handle = registry.engines[url]
@@ -167,6 +172,16 @@ def build_router_app(
                 if resp is not None:
                     await resp.aclose()
                 registry.mark_failed(url, "unreachable" if resp is None else "answered 503")
+                continue
+            if resp.status_code == 429:  # this engine is full; another one may have room
+                rest = b"".join([first, *[c async for c in chunks]])
+                headers_429 = {
+                    k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS
+                }
+                busy = Response(rest, status_code=429, headers=headers_429)
+                with registry.lock:
+                    handle.in_flight -= 1
+                await resp.aclose()
                 continue
             _count(stats, decision.reason, url, decision.matched_blocks, decision.num_blocks)
             out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -184,6 +199,24 @@ def build_router_app(
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
         return await proxy(request, "/v1/chat/completions")
+
+    @app.get("/v1/models", response_model=None)
+    async def models(request: Request) -> Response:
+        if not _authorized(request):
+            return _error(401, "missing or invalid API key (Authorization: Bearer ...)",
+                          "authentication_error", "invalid_api_key")  # fmt: skip
+        with registry.lock:
+            urls = [e.engine for e in registry.routable()]
+        for url in urls:  # the engines serve one model: any healthy one answers for all
+            try:
+                resp = await client_box[0].get(
+                    url + "/v1/models", headers=_forward_headers(request)
+                )
+            except httpx.TransportError:
+                continue
+            return Response(resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type"))  # fmt: skip
+        return _error(503, "no healthy engine to route to", "service_unavailable")
 
     @app.get("/health")
     async def health() -> Response:
