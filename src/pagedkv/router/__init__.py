@@ -6,5 +6,6 @@
 
 from pagedkv.router.app import build_router_app
 from pagedkv.router.engines import EngineHandle, EngineRegistry, HashSpec
+from pagedkv.router.proxy import Router
 
-__all__ = ["EngineHandle", "EngineRegistry", "HashSpec", "build_router_app"]
+__all__ = ["EngineHandle", "EngineRegistry", "HashSpec", "Router", "build_router_app"]
