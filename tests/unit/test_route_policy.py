@@ -178,3 +178,16 @@ def test_no_engine_and_bad_settings_are_refused() -> None:
         CacheAwareConfig(cache_threshold=1.5)
     with pytest.raises(InvalidRequestError, match="balance_rel_threshold >= 1"):
         CacheAwareConfig(balance_rel_threshold=0.5)
+
+
+def test_route_is_pure_no_torch_zmq_or_http_client() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pagedkv.route, pagedkv.sim.replicas; "
+        "bad = [m for m in ('torch', 'zmq', 'httpx', 'msgspec') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
