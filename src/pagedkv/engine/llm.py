@@ -14,6 +14,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvalidRequestError
+from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.tiers.config import TierConfig
 
 Prompt = str | Sequence[int]
@@ -29,7 +30,8 @@ class LLM:
     checkpoint on CUDA and computes in float32 on a CPU; ``chat_template`` (a file or an inline
     template) replaces the checkpoint's; ``generation_config="vllm"`` ignores its
     ``generation_config.json``. With tiers, call :meth:`close` (or use ``with``)
-    so queued blocks reach them before the process exits.
+    so queued blocks reach them before the process exits. ``kv_events="tcp://HOST:PORT"`` (or a
+    :class:`KVEventsConfig`) publishes KV events over ZeroMQ.
     """
 
     def __init__(
@@ -44,6 +46,8 @@ class LLM:
         **kwargs: Any,
     ) -> None:
         cfg = config or EngineConfig()
+        if isinstance(kwargs.get("kv_events"), str):
+            kwargs["kv_events"] = KVEventsConfig(kwargs["kv_events"])
         if kwargs:
             try:
                 cfg = replace(cfg, **kwargs)
@@ -65,12 +69,16 @@ class LLM:
         # is collected or the interpreter exits (the finalizer holds the tiers, not the engine).
         tio = self.engine.tier_io
         self._finalizer = None if tio is None else weakref.finalize(self, tio.close)
+        pub = self.engine.kv_publisher
+        self._kv_finalizer = None if pub is None else weakref.finalize(self, pub.close)
 
     def close(self) -> None:
         """Write queued KV blocks to the tiers and close them (a no-op without tiers; safe to
         call twice)."""
         if self._finalizer is not None:
             self._finalizer()  # runs tio.close() once, then detaches
+        if self._kv_finalizer is not None:
+            self._kv_finalizer()
 
     def reset_prefix_cache(self, reset_running: bool = False) -> None:
         """Forget the device prefix cache (``LLMEngine.reset_prefix_cache``)."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -71,6 +71,9 @@ from pagedkv.sched import (
 )
 from pagedkv.tiers.offload import OffloadCoordinator
 from pagedkv.tiers.payload import TierLayout
+
+if TYPE_CHECKING:
+    from pagedkv.kvevents.publisher import ZmqEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,7 @@ class LLMEngine:
             reservation=config.reservation,  # type: ignore[arg-type]  # validated by CacheConfig
             # every layer windowed: blocks before the window are released (core/config.py)
             sliding_window=mcfg.sliding_window if mcfg.all_layers_windowed else None,
+            enable_events=config.kv_events is not None,
         )
         sched_cfg = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -146,6 +150,7 @@ class LLMEngine:
         tier_index = None if self.tier_io is None else self.tier_io.offload
         self.scheduler = Scheduler(sched_cfg, cache_cfg, tier_index=tier_index)
         self.max_model_len = max_len
+        self.kv_publisher = self._start_kv_events(config)  # closed by close()
         pool = self.scheduler.manager.pool
         kv = PagedKVCache(spec, pool.num_materialized_blocks, model.device)
         self.runner = ModelRunner(
@@ -312,6 +317,9 @@ class LLMEngine:
         """Write queued blocks to the KV tiers and close them (nothing to do without tiers)."""
         if self.tier_io is not None:
             self.tier_io.close()
+        if self.kv_publisher is not None:
+            self._publish_kv_events()
+            self.kv_publisher.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -393,7 +401,31 @@ class LLMEngine:
             if r.finished and smp.finish_reason is None:
                 smp.finish_reason = r.finish_reason
             self._release_text(group, smp)
+        if self.kv_publisher is not None:
+            self._publish_kv_events()
         return [self._emit(g, now) for g in changed.values()]
+
+    # ------------------------------------------------------------------ KV events
+    def _start_kv_events(self, config: EngineConfig) -> ZmqEventPublisher | None:
+        if config.kv_events is None:
+            return None
+        from pagedkv.kvevents.publisher import ZmqEventPublisher  # needs pyzmq, msgspec
+
+        if self.tier_io is not None:
+            for tier in self.tier_io.offload.tiers:
+                tier.enable_events()
+        return ZmqEventPublisher(config.kv_events)
+
+    def _publish_kv_events(self) -> None:
+        """Hand the pool's events, then each tier's, to the publisher as one batch (it never
+        blocks; a full queue drops the batch and counts it). Tier events written by the
+        offload thread between steps go out with the next step's batch."""
+        assert self.kv_publisher is not None  # only called with KV events on
+        events = self.scheduler.manager.pool.drain_events()
+        if self.tier_io is not None:
+            for tier in self.tier_io.offload.tiers:
+                events.extend(tier.drain_events())
+        self.kv_publisher.publish(events)
 
     # ------------------------------------------------------------------ internals
     def _new_sample(

@@ -32,6 +32,7 @@ from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import CacheBusyError, OverloadedError, PagedKVError
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.kv_events_api import add_kv_events_api
 from pagedkv.server.middleware import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, StatusCounter
 from pagedkv.server.prompts import chat_messages, chat_prompt_ids, text_prompt_ids
 from pagedkv.server.responses import completion_body, error_response, sse_completion
@@ -206,6 +207,7 @@ def build_app(
         max_tokens = body.max_completion_tokens or body.max_tokens or room
         return await serve(request, body, prompt_ids, max_tokens, chat=True)
 
+    add_kv_events_api(app, engine)
     return app
 
 

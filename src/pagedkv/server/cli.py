@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from pagedkv.engine.model_args import (
     setup_logging,
 )
 from pagedkv.errors import PagedKVError
+from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.server.limits_cli import add_server_limit_arguments, check_server_limits
 from pagedkv.tiers.config import add_tier_arguments
 
@@ -44,6 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
     add_server_limit_arguments(p)
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        default=None,
+        help="publish KV events over ZeroMQ at this bound endpoint (tcp://HOST:PORT, PORT may "
+        "be *), in vLLM's format; GET /kv_events tells where",
+    )
+    p.add_argument(
+        "--kv-events-replay",
+        metavar="ENDPOINT",
+        default=None,
+        help="the replay (ROUTER) endpoint (default: PORT + 1 of --kv-events; '' for none)",
+    )
+    p.add_argument(
+        "--role",
+        default="both",
+        choices=["both", "prefill", "decode"],
+        help="prefill/decode disaggregation through the shared --redis tier (pagedkv router "
+        "--prefill URL --engine URL); a prefill engine answers once its KV is stored",
+    )
     add_tier_arguments(p)
     return p
 
@@ -84,6 +106,16 @@ def main(argv: list[str]) -> int:
     if args.log_level not in _LOG_LEVELS:
         parser.error(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {args.log_level!r}")
     check_server_limits(parser, args)
+    from pagedkv.server.roles import add_prefill_role, check_role
+
+    try:
+        kv_events = None
+        if args.kv_events is not None:
+            kv_events = KVEventsConfig(args.kv_events, replay_endpoint=args.kv_events_replay)
+        check_role(args.role, cfg.tiers is not None and cfg.tiers.redis_url is not None)
+    except PagedKVError as exc:
+        parser.error(str(exc))
+    cfg = replace(cfg, kv_events=kv_events)
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.startup import startup_line
     from pagedkv.server.app import build_app
@@ -110,6 +142,8 @@ def main(argv: list[str]) -> int:
         stall_timeout_s=args.health_stall_timeout,
     )
     app = build_app(async_engine, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    if args.role == "prefill":
+        add_prefill_role(app, async_engine)
     serve_on(
         app,
         sock,

@@ -21,6 +21,7 @@ from pagedkv.errors import PagedKVError
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sim.cost_model import CostModel
 from pagedkv.sim.generators import DEFAULT_MAX_CONTEXT, WORKLOADS, make_workload
+from pagedkv.sim.replicas_cli import add_replica_arguments, replicas_main, wants_replicas
 from pagedkv.sim.report import Percentiles, SimReport
 from pagedkv.sim.simulator import Progress, SimConfig, simulate
 from pagedkv.sim.trace import load_trace, save_trace
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention cost per context token read by a scheduled request",
     )
 
+    add_replica_arguments(p)
     o = p.add_argument_group("comparison and output")
     o.add_argument(
         "--compare",
@@ -297,6 +299,8 @@ def main(argv: list[str]) -> int:
         from pagedkv.sim.variants import build_variants
 
         base = _base_config(a)
+        if wants_replicas(a):
+            return replicas_main(a, workload, base)
         variants = build_variants(base, a.compare or ["caching=on,off"])
         if a.save_trace:
             save_trace(workload, a.save_trace)

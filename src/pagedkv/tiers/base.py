@@ -20,6 +20,7 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from pagedkv.core.events import BlockRemoved, BlockStored, EventQueue, KVEvent
 from pagedkv.errors import InvalidRequestError
 from pagedkv.tiers.payload import TierLayout
 
@@ -139,6 +140,32 @@ class KVTier(ABC):
         self.layout = layout
         self._lock = threading.Lock()
         self._counters = TierCounters()
+        self._events = EventQueue(enabled=False)  # guarded by _lock; see enable_events
+
+    def enable_events(self, max_events: int = 10_000) -> None:
+        """Queue a ``BlockStored`` / ``BlockRemoved`` (medium: this tier's name) for each block
+        this tier gains or loses, for :meth:`drain_events`. Tier events name single blocks and
+        carry no token ids or parent (a tier never sees tokens). A remote tier reports only
+        what this process did to it (a server-side eviction is invisible here)."""
+        with self._lock:
+            self._events = EventQueue(max_events)
+
+    def drain_events(self) -> list[KVEvent]:
+        """Return and forget the queued events, oldest first (empty unless enabled)."""
+        with self._lock:
+            return self._events.drain()
+
+    def _event_stored(self, block_hash: bytes) -> None:
+        """Record that ``block_hash`` is now stored (caller holds ``_lock``)."""
+        if self._events.enabled:
+            self._events.push(
+                BlockStored((block_hash,), None, (), self.layout.block_size, medium=self.name)
+            )
+
+    def _event_removed(self, block_hash: bytes) -> None:
+        """Record that ``block_hash`` is no longer stored (caller holds ``_lock``)."""
+        if self._events.enabled:
+            self._events.push(BlockRemoved((block_hash,), medium=self.name))
 
     @abstractmethod
     def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:

@@ -183,6 +183,7 @@ class DiskTier(LocalTier[int]):
         h, size = self._lru.popitem(last=False)
         self._num_bytes -= size
         self._counters.evictions += 1
+        self._event_removed(h)
         try:
             unlink_quietly(self.path_of(h))
         except OSError as exc:
@@ -273,6 +274,7 @@ class DiskTier(LocalTier[int]):
                     unlink_quietly(path)
             if same and block_hash in self._lru:
                 self._num_bytes -= self._lru.pop(block_hash)
+                self._event_removed(block_hash)
         logger.warning("disk tier: block %s is a miss: %s", block_hash.hex(), why)
 
     # ------------------------------------------------------------------ writes
@@ -326,6 +328,7 @@ class DiskTier(LocalTier[int]):
             self._touch(block_hash)  # stamps follow the order blocks enter the index
             self._num_bytes += size
             self._counters.bytes_in += size
+            self._event_stored(block_hash)
         return True
 
     def _write_failed(self, block_hash: bytes, size: int, exc: OSError) -> None:
@@ -353,6 +356,7 @@ class DiskTier(LocalTier[int]):
                 return False
             self._num_bytes -= size
             unlink_quietly(self.path_of(block_hash))
+            self._event_removed(block_hash)
             return True
 
     def close(self) -> None:

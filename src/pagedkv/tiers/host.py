@@ -51,12 +51,14 @@ class HostTier(LocalTier[bytes]):
                 self._counters.dropped_writes += 1
                 return False
             while self._num_bytes + size > self.capacity_bytes:
-                _, old = self._lru.popitem(last=False)
+                old_hash, old = self._lru.popitem(last=False)
                 self._num_bytes -= len(old)
                 self._counters.evictions += 1
+                self._event_removed(old_hash)
             self._lru[block_hash] = payload
             self._num_bytes += size
             self._counters.bytes_in += size
+            self._event_stored(block_hash)
             return True
 
     def delete(self, block_hash: bytes) -> bool:
@@ -65,6 +67,7 @@ class HostTier(LocalTier[bytes]):
             if payload is None:
                 return False
             self._num_bytes -= len(payload)
+            self._event_removed(block_hash)
             return True
 
     def check_invariants(self) -> None:

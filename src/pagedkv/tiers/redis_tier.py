@@ -17,8 +17,10 @@ connect timeout per back-off period. Every failure is counted; nothing is raised
 except from :meth:`RedisTier.health_check`. redis-py's own retries are disabled (we back off).
 
 Cluster mode: a URL ``redis+cluster://host:port`` (or ``rediss+cluster://``) uses
-``redis.cluster.RedisCluster``; pipelines then split by slot on the client. Only single-node
-mode is tested here.
+``redis.cluster.RedisCluster``; pipelines then split by slot on the client. Tested against a
+real 3-master cluster (``tests/e2e/test_redis_cluster.py``): keys spread over the masters, and a
+master that stops turns lookups into counted misses (its slots, or every slot once the cluster
+marks itself failed under ``cluster-require-full-coverage``) while the engine recomputes.
 """
 
 from __future__ import annotations
@@ -311,12 +313,17 @@ class RedisTier(KVTier):
                 if ok and res is not None:
                     stored += res[0]
                     self._counters.bytes_in += res[1]
+                    for h, _ in batch:  # stored now or already there: the server holds it
+                        self._event_stored(h)
                 else:
                     self._counters.dropped_writes += len(batch)
         return stored
 
     def delete(self, block_hash: bytes) -> bool:
         ok, n = self._call(lambda c: c.delete(self.key_of(block_hash)))
+        if ok and n:
+            with self._lock:
+                self._event_removed(block_hash)
         return bool(ok and n)
 
     # ------------------------------------------------------------------ reporting

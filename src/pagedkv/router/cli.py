@@ -1,0 +1,100 @@
+"""``pagedkv router``: an OpenAI-compatible proxy over several engines that publish KV events.
+
+Each ``--engine`` is an engine's base URL; the router reads its ``GET /kv_events`` to find the
+event stream and the hashing parameters, subscribes, and keeps a block-hash index of every
+engine's cache. ``--policy cache-aware`` (SGLang's thresholds, each a flag) sends a request to
+the engine holding its longest prefix unless the load is imbalanced; ``least-load`` and
+``round-robin`` ignore the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pagedkv.config import env_str
+from pagedkv.errors import PagedKVError
+from pagedkv.route.policy import POLICY_NAMES, CacheAwareConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = CacheAwareConfig()
+    p = argparse.ArgumentParser(prog="pagedkv router", description=__doc__)
+    p.add_argument(
+        "--engine", action="append", required=True, metavar="URL",
+        help="an engine's base URL (http://HOST:PORT); repeat for each engine",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill", action="append", default=[], metavar="URL",
+        help="a prefill engine (pagedkv serve --role prefill --redis URL); with these, each "
+        "request is prefilled there first and --engine names the decode engines",
+    )  # fmt: skip
+    p.add_argument("--policy", default="cache-aware", choices=POLICY_NAMES)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument(
+        "--model", default=None, metavar="DIR",
+        help="the engines' model folder, for its tokenizer (text prompts route by cache only "
+        "with it; token-id prompts need none)",
+    )  # fmt: skip
+    p.add_argument("--api-key", default=None, help="require this Bearer token (or PAGEDKV_API_KEY)")
+    p.add_argument(
+        "--engine-api-key", default=None,
+        help="Bearer token sent to the engines (default: forward the client's header when the "
+        "router has no --api-key of its own)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cache-threshold", type=float, default=defaults.cache_threshold,
+        help="route by cache when the best prefix covers more than this share of the prompt",
+    )  # fmt: skip
+    p.add_argument(
+        "--balance-abs-threshold", type=int, default=defaults.balance_abs_threshold,
+        help="load is imbalanced when max - min exceeds this ...",
+    )  # fmt: skip
+    p.add_argument(
+        "--balance-rel-threshold", type=float, default=defaults.balance_rel_threshold,
+        help="... and max exceeds min times this (then: the least loaded engine)",
+    )  # fmt: skip
+    p.add_argument("--poll-interval", type=float, default=0.5, help="health/load poll seconds")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    from pagedkv.router.app import build_router_app
+    from pagedkv.router.engines import EngineRegistry
+    from pagedkv.router.prompts import PromptTokenizer
+
+    logging.basicConfig(level=args.log_level.upper())
+    if args.poll_interval <= 0:
+        raise SystemExit(f"pagedkv router: --poll-interval must be > 0, got {args.poll_interval}")
+    try:
+        thresholds = CacheAwareConfig(
+            args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold
+        )
+        tokenizer = None if args.model is None else PromptTokenizer(args.model)
+    except PagedKVError as exc:
+        raise SystemExit(f"pagedkv router: {exc}") from None
+    headers = (
+        {} if args.engine_api_key is None else {"authorization": f"Bearer {args.engine_api_key}"}
+    )
+    registry = EngineRegistry(args.engine, headers=headers, poll_interval_s=args.poll_interval)
+    registry.poll_once()  # engines already up are routable from the first request
+    prefill = None
+    if args.prefill:
+        prefill = EngineRegistry(args.prefill, headers=headers, poll_interval_s=args.poll_interval)
+        prefill.poll_once()
+    app = build_router_app(
+        registry,
+        policy=args.policy,
+        cache_aware=thresholds,
+        tokenizer=tokenizer,
+        api_key=args.api_key or env_str("PAGEDKV_API_KEY"),
+        engine_api_key=args.engine_api_key,
+        prefill=prefill,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
