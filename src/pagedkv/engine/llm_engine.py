@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.core.config import CacheConfig
+from pagedkv.engine.batch_sampler import SampleInput, sample_batch
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.host_alloc import tune_host_allocator
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
@@ -39,9 +40,10 @@ from pagedkv.engine.model_config import generation_eos_ids
 from pagedkv.engine.models.llama import LlamaModel
 from pagedkv.engine.outputs import CompletionOutput, GenerationOutput
 from pagedkv.engine.runner import ModelRunner
-from pagedkv.engine.sampler import SamplingParams, make_generator, sample
+from pagedkv.engine.sampler import SamplingParams, make_generator
 from pagedkv.engine.samples import RequestGroup, SampleState
 from pagedkv.engine.spec_decode import DraftProposer, NgramProposer, accept_drafts
+from pagedkv.engine.structured_output import StructuredOutputManager
 from pagedkv.engine.tier_io import TierIO
 from pagedkv.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedkv.errors import (
@@ -51,7 +53,14 @@ from pagedkv.errors import (
     PromptTooLongError,
     UnknownRequestError,
 )
-from pagedkv.sched import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig
+from pagedkv.sched import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerConfig,
+)
 from pagedkv.tiers.offload import OffloadCoordinator
 from pagedkv.tiers.payload import TierLayout
 
@@ -136,6 +145,7 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        self._structured: StructuredOutputManager | None = None  # built on first use
         self._groups: dict[str, RequestGroup] = {}
         self._samples: dict[str, tuple[RequestGroup, SampleState]] = {}  # seq_id -> owner
         self.num_draft_tokens = 0
@@ -193,10 +203,12 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+        grammar = self._check_features(params)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
         group = RequestGroup(request_id, params, ids, tuple(sorted(stops)), time.perf_counter())
+        group.grammar = grammar
         fork = params.n > 1 and len(ids) > 1 and ids[-1] not in stops
         if fork:  # see the module docstring: the last prompt token is "sampled" for sample 0
             sample0 = self._new_sample(group, 0, force_token=ids[-1])
@@ -210,6 +222,31 @@ class LLMEngine:
         if not fork:
             for i in range(1, params.n):
                 self._add_independent(group, i)
+
+    def _check_features(self, params: SamplingParams) -> str | None:
+        """Refuse what this engine cannot honour; return the compiled grammar, if any."""
+        vocab = self.model.config.vocab_size
+        ids = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids outside [0, {vocab}) in logit_bias: {bad[:5]}")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs (echo with logprobs) is not supported")
+        if params.structured_outputs is None:
+            return None
+        return self.structured_outputs().compile(params.structured_outputs)
+
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar engine over this model's tokenizer (built on first use)."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured output needs a tokenizer; this model has none"
+                )
+            self._structured = StructuredOutputManager(
+                self.tokenizer.to_json(), self.model.config.vocab_size, self.eos_token_ids
+            )
+        return self._structured
 
     def abort(self, request_id: str) -> None:
         """Abort a request (all its samples) in any state."""
@@ -253,21 +290,7 @@ class LLMEngine:
         except Exception:
             logger.exception("model step failed; finishing its %d requests", len(out.scheduled))
             return self._fail_step([s.request_id for s in out.scheduled])
-        sampled: dict[str, list[int]] = {}
-        for sr in out.scheduled:
-            if not sr.samples or sr.request_id not in logits:
-                continue
-            group, smp = self._samples[sr.request_id]
-            if smp.force_token is not None:
-                sampled[sr.request_id] = [smp.force_token]
-                continue
-            toks = sample(logits[sr.request_id], group.params, smp.generator)
-            if sr.num_draft_tokens:
-                drafts = sr.token_ids[1:]
-                toks = accept_drafts(drafts, toks)
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_draft_tokens += len(toks) - 1
-            sampled[sr.request_id] = toks
+        sampled = self._sample(out.scheduled, logits)
         to_store: list[tuple[int, bytes]] = []
         if self.tier_io is not None:
             accepted = {
@@ -310,6 +333,52 @@ class LLMEngine:
         return [self._emit(g, now) for g in changed.values()]
 
     # ------------------------------------------------------------------ internals
+    def _sample(
+        self, scheduled: Sequence[ScheduledRequest], logits: dict[str, torch.Tensor]
+    ) -> dict[str, list[int]]:
+        """Sample every sampling sequence of the step in one batch; verify drafts."""
+        sampled: dict[str, list[int]] = {}
+        todo: list[tuple[ScheduledRequest, SampleState]] = []
+        for sr in scheduled:
+            if not sr.samples or sr.request_id not in logits:
+                continue
+            group, smp = self._samples[sr.request_id]
+            if smp.force_token is not None:
+                sampled[sr.request_id] = [smp.force_token]
+            else:
+                todo.append((sr, smp))
+        guided = [(smp, smp.grammar) for _, smp in todo if smp.grammar is not None]
+        masks = None
+        if guided:
+            masks = self.structured_outputs().fill_bitmasks([g for _, g in guided])
+        row_of = {id(smp): i for i, (smp, _) in enumerate(guided)}
+        inputs = []
+        for sr, smp in todo:
+            group = self._samples[sr.request_id][0]
+            mask = None if masks is None or smp.grammar is None else masks[row_of[id(smp)]]
+            rows = logits[sr.request_id]
+            inputs.append(
+                SampleInput(
+                    rows,
+                    group.params,
+                    smp.generator,
+                    group.prompt_token_ids,
+                    smp.token_ids,
+                    group.stop_token_ids,
+                    mask,
+                )
+            )
+        for (sr, smp), res in zip(todo, sample_batch(inputs), strict=True):
+            toks = res.token_ids
+            if sr.num_draft_tokens:
+                drafts = sr.token_ids[1:]
+                toks = accept_drafts(drafts, toks)
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_draft_tokens += len(toks) - 1
+            sampled[sr.request_id] = toks
+            smp.pending_logprobs = [] if res.logprobs is None else res.logprobs[: len(toks)]
+        return sampled
+
     def _new_sample(
         self, group: RequestGroup, index: int, force_token: int | None = None
     ) -> SampleState:
@@ -318,8 +387,16 @@ class LLMEngine:
         gen = make_generator(None if seed is None else seed + index, self.model.device)
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids)
-        return SampleState(seq_id, index, gen, detok, force_token)
+            skip = group.params.skip_special_tokens
+            detok = IncrementalDetokenizer(
+                self.tokenizer, group.prompt_token_ids, skip_special_tokens=skip
+            )
+        smp = SampleState(seq_id, index, gen, detok, force_token)
+        if group.grammar is not None:
+            smp.grammar = self.structured_outputs().matcher(group.grammar)
+        if group.params.logprobs is not None:
+            smp.logprobs = []
+        return smp
 
     def _register(self, group: RequestGroup, smp: SampleState) -> None:
         group.samples.append(smp)
@@ -359,6 +436,9 @@ class LLMEngine:
         for req in self.scheduler.running:
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue
+            entry = self._samples.get(req.request_id)
+            if entry is not None and entry[0].params.depends_on_history:
+                continue  # each draft row would need its own history (see batch_sampler)
             room = req.max_tokens - req.num_output_tokens - 1
             room = min(room, self.max_model_len - req.num_tokens - 1)
             req.draft_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []
@@ -367,24 +447,52 @@ class LLMEngine:
         """Add sampled tokens and their text; a stop string cuts the text and finishes."""
         smp.token_ids.extend(new_ids)
         smp.delta_ids.extend(new_ids)
+        if smp.logprobs is not None:
+            got = smp.pending_logprobs[: len(new_ids)]
+            smp.logprobs.extend(got)
+            smp.delta_logprobs.extend(got)
+            smp.pending_logprobs = []
+        if smp.grammar is not None:
+            self._advance_grammar(smp, new_ids)
         if smp.detok is None:
             return
         delta = smp.detok.add(new_ids)
-        stops = group.params.stop
-        if not stops or smp.finish_reason is not None:
+        params = group.params
+        stops = params.stop
+        if not stops or smp.finish_reason is not None or len(smp.token_ids) < params.min_tokens:
             smp.text += delta
             return
         old_len = len(smp.text)
         text = smp.text + delta
         window = max(0, old_len - max(len(s) for s in stops) + 1)
-        hits = [i for i in (text.find(s, window) for s in stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((text.find(s, window), s) for s in stops) if i >= 0]
         if hits:
-            text = text[: min(hits)]
+            at, length = min(hits)
+            text = text[: at + length] if params.include_stop_str_in_output else text[:at]
             smp.finish_reason = FinishReason.STOP
-            req = self.scheduler.requests.get(smp.seq_id)
-            if req is not None and req.status is RequestStatus.RUNNING:
-                self.scheduler.finish(smp.seq_id, FinishReason.STOP)
+            self._finish_running(smp.seq_id, FinishReason.STOP)
         smp.text = text
+
+    def _advance_grammar(self, smp: SampleState, new_ids: Sequence[int]) -> None:
+        """Advance the sample's matcher; a complete grammar finishes the sample (stop)."""
+        assert smp.grammar is not None
+        for t in new_ids:
+            if t in self.eos_token_ids and smp.grammar.is_finished:
+                continue  # the end-of-sequence the completed grammar allowed
+            if not smp.grammar.accept(t):  # the mask forbids this; a forced or stale token
+                logger.error("sample %s: token %d broke its grammar: %s", smp.seq_id, t,
+                             smp.grammar.error)  # fmt: skip
+                smp.finish_reason = FinishReason.ERROR
+                self._finish_running(smp.seq_id, FinishReason.ERROR)
+                return
+        if smp.grammar.is_finished and smp.finish_reason is None:
+            smp.finish_reason = FinishReason.STOP
+            self._finish_running(smp.seq_id, FinishReason.STOP)
+
+    def _finish_running(self, seq_id: str, reason: FinishReason) -> None:
+        req = self.scheduler.requests.get(seq_id)
+        if req is not None and req.status is RequestStatus.RUNNING:
+            self.scheduler.finish(seq_id, reason)
 
     @staticmethod
     def _release_text(group: RequestGroup, smp: SampleState) -> None:
@@ -409,10 +517,13 @@ class LLMEngine:
                     s.delta_text,
                     tuple(s.delta_ids),
                     None if s.finish_reason is None else s.finish_reason.value,
+                    None if s.logprobs is None else tuple(s.logprobs),
+                    tuple(s.delta_logprobs),
                 )
             )
             s.delta_ids = []
             s.delta_text = ""
+            s.delta_logprobs = []
         n = group.params.n
         finished = len(group.samples) == n and all(s.finish_reason for s in group.samples)
         if finished:

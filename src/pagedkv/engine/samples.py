@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.engine.outputs import TokenLogprob
 from pagedkv.engine.sampler import SamplingParams
+from pagedkv.engine.structured_output import GrammarMatcher
 from pagedkv.engine.tokenizer import IncrementalDetokenizer
 from pagedkv.sched import FinishReason
 
@@ -27,6 +29,10 @@ class SampleState:
     delta_text: str = ""
     num_released_chars: int = 0  # chars of ``text`` already moved into ``delta_text``
     finish_reason: FinishReason | None = None
+    grammar: GrammarMatcher | None = None  # advanced with every accepted token
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    delta_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # this step's rows
 
 
 @dataclass(slots=True)
@@ -41,3 +47,4 @@ class RequestGroup:
     samples: list[SampleState] = field(default_factory=list)
     first_token_s: float | None = None
     num_cached_tokens: int = 0
+    grammar: str | None = None  # the compiled structured-output grammar, one matcher per sample

@@ -3,6 +3,7 @@ a sandboxed jinja2 environment, and incremental detokenization for streaming."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -61,11 +62,31 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def to_json(self) -> str:
+        """The serialized ``tokenizer.json`` (for the structured-output grammar engine)."""
+        return str(self._tok.to_str())
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, which may be part of a UTF-8 character (OpenAI's logprobs
+        ``bytes``): a byte-level BPE piece is mapped back through GPT-2's byte alphabet."""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.id_to_token(token_id) or ""
+        table = _byte_alphabet()
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode()
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render the model's chat template; raises InvalidRequestError when there is none or
         it fails on these messages."""
@@ -79,9 +100,24 @@ class Tokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 raise_exception=_raise,
+                tools=None if tools is None else list(tools),
             )
         except TemplateError as exc:
             raise InvalidRequestError(f"chat template failed: {exc}") from exc
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte (byte-level BPE pieces), reversed."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    table = {chr(b): b for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _raise(message: str) -> None:
@@ -95,8 +131,15 @@ class IncrementalDetokenizer:
     text of the window, holding back while the tail is an incomplete UTF-8 sequence (U+FFFD).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self.token_ids: list[int] = list(prompt_token_ids)
         self._prefix_offset = max(0, len(self.token_ids) - 5)
         self._read_offset = len(self.token_ids)
@@ -105,8 +148,10 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the new text they complete (maybe empty)."""
         self.token_ids.extend(token_ids)
-        prefix = self._tok.decode(self.token_ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self.token_ids[self._prefix_offset :])
+        skip = self._skip
+        window = self.token_ids[self._prefix_offset : self._read_offset]
+        prefix = self._tok.decode(window, skip_special_tokens=skip)
+        full = self._tok.decode(self.token_ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self._prefix_offset = self._read_offset
