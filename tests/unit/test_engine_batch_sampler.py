@@ -1,0 +1,186 @@
+"""The batched sampler against per-token Python references: penalties (vLLM semantics),
+logit_bias, min_tokens, min_p, grammar bitmasks, raw logprobs; and batching never changes what
+a seeded request draws."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.engine.batch_sampler import SampleInput, _processed, sample_batch, unpack_bitmask
+from pagedkv.engine.sampler import SamplingParams, make_generator
+from pagedkv.errors import InvalidRequestError
+
+pytestmark = pytest.mark.engine
+
+VOCAB = 24
+CPU = torch.device("cpu")
+
+
+def _ref_penalties(
+    logits: list[float], prompt: list[int], output: list[int], p: SamplingParams
+) -> list[float]:
+    """vLLM's penalties, one token at a time: repetition over prompt + output, then
+    frequency and presence over the output."""
+    counts = Counter(output)
+    seen = set(prompt) | set(output)
+    out = []
+    for tok, x in enumerate(logits):
+        if tok in seen:
+            x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        x -= p.frequency_penalty * counts[tok]
+        x -= p.presence_penalty * (1 if counts[tok] else 0)
+        out.append(x)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    rep=st.floats(0.5, 2.0),
+    freq=st.floats(-2.0, 2.0),
+    pres=st.floats(-2.0, 2.0),
+    num_rows=st.integers(1, 4),
+)
+def test_penalties_equal_per_token_reference(
+    seed: int, rep: float, freq: float, pres: float, num_rows: int
+) -> None:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    entries = []
+    for r in range(num_rows):
+        params = SamplingParams(
+            repetition_penalty=rep if r % 2 == 0 else 1.0,
+            frequency_penalty=freq,
+            presence_penalty=pres if r != 1 else 0.0,
+            temperature=0.0,
+        )
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))]
+        output = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 12))]
+        entries.append(
+            SampleInput(torch.randn(1, VOCAB), params, make_generator(0, CPU), prompt, output)
+        )
+    starts = list(range(num_rows))
+    raw = torch.cat([e.logits for e in entries])
+    got = _processed(raw, entries, starts)
+    for r, e in enumerate(entries):
+        want = _ref_penalties(e.logits[0].tolist(), list(e.prompt_ids), list(e.output_ids), e.params)
+        assert got[r].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5)
+    assert torch.equal(raw, torch.cat([e.logits for e in entries]))  # the input is untouched
+
+
+def test_logit_bias_adds_clamped_bias_and_can_force_a_token() -> None:
+    params = SamplingParams(temperature=0.0, logit_bias={3: 250.0, 5: -7.5})
+    assert params.logit_bias == ((3, 100.0), (5, -7.5))
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 9] = 50.0
+    got = _processed(logits, [SampleInput(logits, params, make_generator(0, CPU))], [0])
+    want = logits.clone()
+    want[0, 3] += 100.0
+    want[0, 5] -= 7.5
+    assert torch.equal(got, want)
+    out = sample_batch([SampleInput(logits, params, make_generator(0, CPU))])
+    assert out[0].token_ids == [3]
+
+
+def test_min_tokens_suppresses_stop_ids_until_reached() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 2] = 30.0  # the end-of-sequence id is by far the most likely
+    params = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8)
+
+    def draw(num_output: int) -> int:
+        e = SampleInput(logits, params, make_generator(0, CPU), [1], [7] * num_output, (2, 4))
+        return sample_batch([e])[0].token_ids[0]
+
+    assert [draw(n) for n in range(5)] == [draw(0)] * 3 + [2, 2]
+    assert draw(0) not in (2, 4)
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    params = SamplingParams(min_p=0.2)  # keeps p >= 0.1: tokens 0, 1, 2
+    drawn = {
+        sample_batch([SampleInput(logits, params, make_generator(s, CPU))])[0].token_ids[0]
+        for s in range(200)
+    }
+    assert drawn == {0, 1, 2}
+
+
+def test_bitmask_allows_exactly_its_tokens() -> None:
+    allowed = {1, 6, 31, 32, 40}
+    words = torch.zeros(1, 2, dtype=torch.int64)
+    for t in allowed:
+        words[0, t // 32] |= 1 << (t % 32)
+    mask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    assert set(unpack_bitmask(mask, 41)[0].nonzero()[:, 0].tolist()) == allowed
+    logits = torch.randn(1, 41)
+    for s in range(30):
+        e = SampleInput(logits, SamplingParams(), make_generator(s, CPU), bitmask=mask[0])
+        assert sample_batch([e])[0].token_ids[0] in allowed
+
+
+def test_logprobs_are_raw_log_softmax_of_logits() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    params = SamplingParams(temperature=0.7, logprobs=5, presence_penalty=1.0)
+    entries = [
+        SampleInput(logits[i : i + 1], params, make_generator(i, CPU), [1], [2, 3])
+        for i in range(3)
+    ]
+    outs = sample_batch(entries)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    for i, out in enumerate(outs):
+        assert out.logprobs is not None
+        (lp,) = out.logprobs
+        assert lp.token_id == out.token_ids[0]
+        assert lp.logprob == pytest.approx(float(ref[i, lp.token_id]), abs=1e-5)
+        top_ids = [t for t, _ in lp.top]
+        assert top_ids == ref[i].topk(5).indices.tolist()
+        for t, v in lp.top:
+            assert v == pytest.approx(float(ref[i, t]), abs=1e-5)
+            assert math.isfinite(v)
+    no = sample_batch([SampleInput(logits[:1], SamplingParams(), make_generator(0, CPU))])
+    assert no[0].logprobs is None
+
+
+def test_seeded_draws_do_not_depend_on_batch_mates() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, VOCAB)
+    variants = [
+        SamplingParams(temperature=0.8, top_k=5, seed=1),
+        SamplingParams(temperature=1.2, top_p=0.6, seed=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=3),
+    ]
+
+    def alone(i: int) -> int:
+        e = SampleInput(logits[i : i + 1], variants[i], make_generator(i, CPU))
+        return sample_batch([e])[0].token_ids[0]
+
+    batch = [
+        SampleInput(logits[i : i + 1], variants[i], make_generator(i, CPU)) for i in range(4)
+    ]
+    assert [o.token_ids[0] for o in sample_batch(batch)] == [alone(i) for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3.0},
+        {"repetition_penalty": 0.0},
+        {"min_p": 1.5},
+        {"min_tokens": 20, "max_tokens": 10},
+        {"logprobs": 21},
+        {"logit_bias": {-1: 1.0}},
+    ],
+)
+def test_invalid_new_sampling_values_raise(kw: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kw)  # type: ignore[arg-type]
