@@ -113,6 +113,8 @@ def running_server(
     max_pending: int = 256,
     model_name: str = MODEL_NAME,
     min_step_s: float = 0.0,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> Iterator[ServerHandle]:
     """Serve ``model_dir`` on 127.0.0.1 until the ``with`` block ends. ``min_step_s`` (fault
     injection: a slower model) makes every engine step last at least that long, so a long
@@ -129,7 +131,12 @@ def running_server(
 
         engine.step = slow_step  # type: ignore[method-assign]
     async_engine = AsyncEngine(engine, max_pending=max_pending, model_name=model_name)
-    app = build_app(async_engine, api_key=api_key)
+    app = build_app(
+        async_engine,
+        api_key=api_key,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+    )
     port = free_port()
     uv_config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_keep_alive=5

@@ -18,6 +18,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -26,11 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from pagedkv.engine.outputs import GenerationOutput
-from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvalidRequestError, OverloadedError, PagedKVError
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.choices import ChoiceShape
+from pagedkv.server.logprobs import LogprobFormatter
 from pagedkv.server.responses import completion_body, error_response, sse_completion
+from pagedkv.server.sampling import sampling_params
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pagedkv.server.tool_calls import TOOL_CALL_PARSERS, ToolPlan, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +46,22 @@ class ClientGoneError(Exception):
     """The client closed its connection before the answer was ready (nobody reads a reply)."""
 
 
-def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
-    """The FastAPI application serving ``engine``; starts and stops its step thread."""
+def build_app(
+    engine: AsyncEngine,
+    *,
+    api_key: str | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+) -> FastAPI:
+    """The FastAPI application serving ``engine``; starts and stops its step thread.
+    ``tool_call_parser`` (``hermes``, ``llama3_json``) reads tool calls from the text when
+    ``enable_auto_tool_choice`` lets requests use ``tool_choice: auto`` (vLLM's flags)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise InvalidRequestError(
+            f"unknown tool call parser {tool_call_parser!r}; choose {', '.join(TOOL_CALL_PARSERS)}"
+        )
+    tok_for_logprobs = engine.engine.tokenizer
+    formatter = None if tok_for_logprobs is None else LogprobFormatter(tok_for_logprobs)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -125,9 +143,22 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def serve(
-        request: Request, body: _SamplingFields, prompt_ids: list[int], max_tokens: int, chat: bool
+        request: Request,
+        body: _SamplingFields,
+        prompt_ids: list[int],
+        max_tokens: int,
+        chat: bool,
+        *,
+        echo: str = "",
+        tools: ToolPlan | None = None,
     ) -> Response:
-        params = _sampling(body, max_tokens)
+        params = sampling_params(body, max_tokens, tools)
+        if echo and params.logprobs is not None:
+            params = replace(params, prompt_logprobs=params.logprobs)
+        wants_logprobs = params.logprobs is not None
+        if wants_logprobs and formatter is None:
+            raise InvalidRequestError("logprobs need a tokenizer; this model has none")
+        shape = ChoiceShape(chat, params.stop, formatter if wants_logprobs else None, echo, tools)
         rid = engine.new_request_id("chatcmpl" if chat else "cmpl")
         stream = engine.generate(rid, prompt_ids, params)
         # typed errors (400, 429) are raised here, before any byte is sent
@@ -136,12 +167,19 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 sse_completion(
-                    rid, model_name, first, stream, include_usage, params.stop, chat=chat
+                    rid,
+                    model_name,
+                    first,
+                    stream,
+                    include_usage,
+                    params.stop,
+                    chat=chat,
+                    shape=shape,
                 ),
                 media_type="text/event-stream",
             )
         final = await _unless_disconnected(request, _last(first, stream))
-        return JSONResponse(completion_body(rid, model_name, final, chat=chat))
+        return JSONResponse(completion_body(rid, model_name, final, chat=chat, shape=shape))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -154,7 +192,17 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         else:
             prompt_ids = list(body.prompt)
         max_tokens = body.max_tokens or _DEFAULT_COMPLETION_TOKENS
-        return await serve(request, body, prompt_ids, max_tokens, chat=False)
+        echo = ""
+        if body.echo:
+            if isinstance(body.prompt, str):
+                echo = body.prompt
+            elif tok is not None:
+                echo = tok.decode(prompt_ids)
+            else:
+                raise InvalidRequestError(
+                    "echo of token ids needs a tokenizer; this model has none"
+                )
+        return await serve(request, body, prompt_ids, max_tokens, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -163,14 +211,20 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         if tok is None:
             raise InvalidRequestError("this model has no tokenizer; chat needs one")
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [m.template_dict() for m in body.messages]
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        tools = plan_tools(
+            body.tools,
+            body.tool_choice,
+            parser=tool_call_parser,
+            enable_auto_tool_choice=enable_auto_tool_choice,
+        )
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=body.tools)
         prompt_ids = tok.encode(text, add_special_tokens=False)
         room = max(1, engine.engine.max_model_len - len(prompt_ids))
         max_tokens = body.max_completion_tokens or body.max_tokens or room
-        return await serve(request, body, prompt_ids, max_tokens, chat=True)
+        return await serve(request, body, prompt_ids, max_tokens, chat=True, tools=tools)
 
     return app
 
@@ -183,18 +237,6 @@ def _check_model(body: _SamplingFields, model_name: str) -> None:
     unsupported = body.unsupported_fields()
     if unsupported:
         raise InvalidRequestError(f"unsupported fields: {', '.join(unsupported)}")
-
-
-def _sampling(body: _SamplingFields, max_tokens: int) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=max(0, body.top_k),
-        seed=body.seed,
-        n=body.n,
-        stop=tuple(body.stop_strings()),
-    )
 
 
 async def _first(stream: AsyncGenerator[GenerationOutput, None]) -> GenerationOutput:

@@ -43,6 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch intra-op threads (default: torch's choice; 1 is often faster on a busy CPU)",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let chat requests use tool_choice "auto" (needs --tool-call-parser)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="how tool calls are read from the model's text (vLLM's parser names)",
+    )
     add_tier_arguments(p)
     return p
 
@@ -83,8 +94,13 @@ def main(argv: list[str]) -> int:
     engine = LLMEngine.from_model_dir(args.model, cfg)
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or env_str("PAGEDKV_API_KEY")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("pagedkv serve: --enable-auto-tool-choice needs --tool-call-parser")
     app = build_app(
-        AsyncEngine(engine, max_pending=args.max_pending, model_name=name), api_key=api_key
+        AsyncEngine(engine, max_pending=args.max_pending, model_name=name),
+        api_key=api_key,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

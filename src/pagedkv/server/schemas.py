@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic models) and their validation.
 
-Fields the server does not implement (``logprobs``, ``tools``, ...) are accepted and ignored when
-absent or null, and rejected with a 400 when set, so a client never silently gets less than it
-asked for.
+Fields the server does not implement are accepted and ignored when absent or null, and rejected
+with a 400 when set, so a client never silently gets less than it asked for. vLLM's extra
+sampling fields (``min_tokens``, ``guided_json``, ...) come through the body, as the ``openai``
+client's ``extra_body`` sends them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -30,6 +46,21 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # request features (OpenAI, then vLLM's extras)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -51,6 +82,8 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
@@ -63,6 +96,18 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template sees it (tool fields only when set)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -80,3 +125,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
