@@ -115,8 +115,17 @@ BAD_BODIES = [
         "chat/completions",
         _with(
             CHAT,
-            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-                "type": "object", "patternProperties": {"a": {}}, "if": {"type": "object"}}}},
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "patternProperties": {"a": {}},
+                        "if": {"type": "object"},
+                    },
+                },
+            },
         ),  # fmt: skip
         "if",
     ),

@@ -70,7 +70,9 @@ def test_penalties_equal_per_token_reference(
     raw = torch.cat([e.logits for e in entries])
     got = _processed(raw, entries, starts)
     for r, e in enumerate(entries):
-        want = _ref_penalties(e.logits[0].tolist(), list(e.prompt_ids), list(e.output_ids), e.params)
+        want = _ref_penalties(
+            e.logits[0].tolist(), list(e.prompt_ids), list(e.output_ids), e.params
+        )
         assert got[r].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5)
     assert torch.equal(raw, torch.cat([e.logits for e in entries]))  # the input is untouched
 
@@ -163,9 +165,7 @@ def test_seeded_draws_do_not_depend_on_batch_mates() -> None:
         e = SampleInput(logits[i : i + 1], variants[i], make_generator(i, CPU))
         return sample_batch([e])[0].token_ids[0]
 
-    batch = [
-        SampleInput(logits[i : i + 1], variants[i], make_generator(i, CPU)) for i in range(4)
-    ]
+    batch = [SampleInput(logits[i : i + 1], variants[i], make_generator(i, CPU)) for i in range(4)]
     assert [o.token_ids[0] for o in sample_batch(batch)] == [alone(i) for i in range(4)]
 
 

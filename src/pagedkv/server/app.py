@@ -219,6 +219,7 @@ def build_app(
             body.tool_choice,
             parser=tool_call_parser,
             enable_auto_tool_choice=enable_auto_tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
         )
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=body.tools)
         prompt_ids = tok.encode(text, add_special_tokens=False)

@@ -9,7 +9,8 @@ that turn a model's text into OpenAI ``tool_calls``.
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; ``llama3_json``: the output
   is ``{"name": ..., "parameters": {...}}``, several separated by ``;``).
 * ``required``: the output is constrained by the grammar engine to a JSON array of at least one
-  ``{"name": <a tool>, "parameters": <its schema>}``, so it always parses (no parser needed).
+  ``{"name": <a tool>, "parameters": <its schema>}``, so it always parses (no parser needed);
+  exactly one with ``parallel_tool_calls: false`` (with ``auto``, only the first call is kept).
 * a named function: the output is constrained to that function's parameters schema and becomes
   its arguments. OpenAI reports ``finish_reason: "stop"`` for a forced function and
   ``"tool_calls"`` otherwise.
@@ -166,10 +167,14 @@ class ToolPlan:
     parser: ToolParser | None = None
     function: str | None = None
     structured: StructuredOutputsParams | None = None
+    parallel: bool = True
 
     def parse(self, text: str) -> ParsedOutput:
         if self.mode == "auto" and self.parser is not None:
-            return self.parser.parse(text)
+            parsed = self.parser.parse(text)
+            if not self.parallel and len(parsed.tool_calls) > 1:
+                return ParsedOutput(parsed.content, parsed.tool_calls[:1])
+            return parsed
         if self.mode == "named" and self.function is not None:
             try:
                 json.loads(text)
@@ -208,6 +213,7 @@ def plan_tools(
     *,
     parser: str | None,
     enable_auto_tool_choice: bool,
+    parallel_tool_calls: bool | None = None,
 ) -> ToolPlan | None:
     """The request's plan (None without tools); raises InvalidRequestError for a choice the
     server cannot honour."""
@@ -216,6 +222,7 @@ def plan_tools(
             raise InvalidRequestError("tool_choice needs tools")
         return None
     functions = _functions(tools)
+    parallel = parallel_tool_calls is not False
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return ToolPlan("none")
@@ -225,7 +232,7 @@ def plan_tools(
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                 "to be set"
             )
-        return ToolPlan("auto", PARSERS[parser]())
+        return ToolPlan("auto", PARSERS[parser](), parallel=parallel)
     if choice == "required":
         items = [
             {
@@ -236,8 +243,11 @@ def plan_tools(
             }
             for name, schema in functions.items()
         ]
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        return ToolPlan("required", structured=StructuredOutputsParams.from_schema(array))
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not parallel:
+            array["maxItems"] = 1
+        structured = StructuredOutputsParams.from_schema(array)
+        return ToolPlan("required", structured=structured, parallel=parallel)
     if isinstance(choice, Mapping) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if name not in functions:
