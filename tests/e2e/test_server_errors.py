@@ -126,7 +126,7 @@ BAD_BODIES = [
                     },
                 },
             },
-        ),  # fmt: skip
+        ),
         "if",
     ),
     ("chat/completions", _with(CHAT, top_p=-1), "top_p"),

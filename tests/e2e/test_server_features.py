@@ -43,7 +43,7 @@ TOOLS: list[dict[str, Any]] = [
                 "properties": {
                     "unit": {"enum": ["c", "f"]},
                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                },  # fmt: skip
+                },
                 "required": ["unit", "days"],
                 "additionalProperties": False,
             },
@@ -108,7 +108,8 @@ def _validate(value: Any, schema: dict[str, Any]) -> None:
         assert isinstance(value, str)
         assert len(value) <= schema.get("maxLength", len(value))
     elif kind == "integer":
-        assert isinstance(value, int) and not isinstance(value, bool)
+        assert isinstance(value, int)
+        assert not isinstance(value, bool)
         assert schema.get("minimum", value) <= value <= schema.get("maximum", value)
     elif kind == "boolean":
         assert isinstance(value, bool)
@@ -125,7 +126,10 @@ def test_completion_logprobs_equal_log_softmax_of_offline_logits(
     )
     choice = resp.choices[0]
     lp = choice.logprobs
-    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert lp is not None
+    assert lp.tokens
+    assert lp.token_logprobs
+    assert lp.top_logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
     prompt_ids = tok.encode(PROMPT)
     hf = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
@@ -139,8 +143,8 @@ def test_completion_logprobs_equal_log_softmax_of_offline_logits(
         assert lp.tokens[i] == tok.decode([tok_id], skip_special_tokens=False)
         assert lp.token_logprobs[i] == pytest.approx(float(ref[tok_id]), abs=1e-4)
         top = ref.topk(3)
-        want = {tok.decode([t], skip_special_tokens=False): float(v)
-                for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)}  # fmt: skip
+        pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        want = {tok.decode([t], skip_special_tokens=False): float(v) for t, v in pairs}
         assert lp.top_logprobs[i] == pytest.approx(want, abs=1e-4)
         ids.append(tok_id)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
@@ -189,7 +193,8 @@ def test_chat_logprobs_shape_and_stream(client: openai.OpenAI, tok: Tokenizer) -
         "top_logprobs": 4,
     }
     whole = client.chat.completions.create(**kw).choices[0]
-    assert whole.logprobs is not None and whole.logprobs.content is not None
+    assert whole.logprobs is not None
+    assert whole.logprobs.content is not None
     content = whole.logprobs.content
     assert len(content) == 6
     for entry in content:
@@ -236,7 +241,8 @@ def test_logit_bias_min_tokens_and_stop_token_ids(client: openai.OpenAI, tok: To
         **kw, temperature=0.0, logit_bias={str(fox): 100}, extra_body={"stop_token_ids": [fox]}
     )
     assert stop_at.choices[0].finish_reason == "stop"
-    assert stop_at.usage is not None and stop_at.usage.completion_tokens == 1
+    assert stop_at.usage is not None
+    assert stop_at.usage.completion_tokens == 1
     later = client.completions.create(
         **kw,
         temperature=0.0,
@@ -244,7 +250,8 @@ def test_logit_bias_min_tokens_and_stop_token_ids(client: openai.OpenAI, tok: To
         extra_body={"stop_token_ids": [fox], "min_tokens": 3},
     )
     assert later.choices[0].finish_reason == "stop"
-    assert later.usage is not None and later.usage.completion_tokens == 4  # 3 others, then fox
+    assert later.usage is not None
+    assert later.usage.completion_tokens == 4
 
 
 def test_penalties_stream_like_whole_and_logprobs_stay_raw(
@@ -254,14 +261,15 @@ def test_penalties_stream_like_whole_and_logprobs_stay_raw(
     kw.update(presence_penalty=1.5, frequency_penalty=0.5, logprobs=1)
     kw["extra_body"] = {"repetition_penalty": 1.3, "min_p": 0.02}
     whole = client.completions.create(**kw).choices[0]
-    streamed = "".join(c.text for ch in client.completions.create(**kw, stream=True)
-                       for c in ch.choices)  # fmt: skip
+    chunks = client.completions.create(**kw, stream=True)
+    streamed = "".join(c.text for ch in chunks for c in ch.choices)
     assert streamed == whole.text
     fox, _ = _word(tok)
     base: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4}
     base.update(temperature=0.0, logit_bias={str(fox): 100}, logprobs=0)
     biased = client.completions.create(**base).choices[0].logprobs
-    assert biased is not None and biased.token_logprobs is not None
+    assert biased is not None
+    assert biased.token_logprobs is not None
     assert all(v < -0.5 for v in biased.token_logprobs)  # the model's own view, not the bias's
 
 
@@ -302,8 +310,8 @@ def test_structured_stream_adds_up_and_guided_kinds(client: openai.OpenAI) -> No
     kw["extra_body"] = {"guided_json": SCHEMA}
     whole = client.completions.create(**kw).choices[0].text
     _validate(json.loads(whole), SCHEMA)
-    streamed = "".join(c.text for ch in client.completions.create(**kw, stream=True)
-                       for c in ch.choices)  # fmt: skip
+    chunks = client.completions.create(**kw, stream=True)
+    streamed = "".join(c.text for ch in chunks for c in ch.choices)
     assert streamed == whole
     kw["extra_body"] = {"guided_choice": ["yes", "no", "maybe so"]}
     for seed in range(4):
@@ -311,11 +319,15 @@ def test_structured_stream_adds_up_and_guided_kinds(client: openai.OpenAI) -> No
         assert client.completions.create(**kw).choices[0].text in ("yes", "no", "maybe so")
     kw["extra_body"] = {"guided_regex": "[a-c]{2,4}-[0-9]"}
     got = client.completions.create(**kw).choices[0]
-    assert re.fullmatch("[a-c]{2,4}-[0-9]", got.text) and got.finish_reason == "stop"
+    assert re.fullmatch("[a-c]{2,4}-[0-9]", got.text)
+    assert got.finish_reason == "stop"
     obj = client.completions.create(
-        model=MODEL_NAME, prompt=PROMPT, max_tokens=300, seed=2,
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=300,
+        seed=2,
         extra_body={"response_format": {"type": "json_object"}},
-    ).choices[0]  # fmt: skip
+    ).choices[0]
     if obj.finish_reason == "stop":  # free-form JSON may outrun max_tokens; then it is cut
         assert isinstance(json.loads(obj.text), dict)
     else:
@@ -340,9 +352,11 @@ def test_tool_choice_required_always_parses(client: openai.OpenAI) -> None:
     resp = _chat_tools(client, "required", n=4, seed=1, temperature=1.0, parallel_tool_calls=False)
     for c in resp.choices:
         assert c.finish_reason == "tool_calls"
-        assert c.message.tool_calls is not None and len(c.message.tool_calls) == 1
+        assert c.message.tool_calls is not None
+        assert len(c.message.tool_calls) == 1
         for call in c.message.tool_calls:
-            assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+            assert call.type == "function"
+            assert call.id.startswith("chatcmpl-tool-")
             _validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 

@@ -480,8 +480,8 @@ class LLMEngine:
             if t in self.eos_token_ids and smp.grammar.is_finished:
                 continue  # the end-of-sequence the completed grammar allowed
             if not smp.grammar.accept(t):  # the mask forbids this; a forced or stale token
-                logger.error("sample %s: token %d broke its grammar: %s", smp.seq_id, t,
-                             smp.grammar.error)  # fmt: skip
+                err = smp.grammar.error
+                logger.error("sample %s: token %d broke its grammar: %s", smp.seq_id, t, err)
                 smp.finish_reason = FinishReason.ERROR
                 self._finish_running(smp.seq_id, FinishReason.ERROR)
                 return
