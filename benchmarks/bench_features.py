@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a short run for smoke tests")
     p.add_argument("--requests", type=int, default=None, help="requests per round (default 48)")
     p.add_argument("--concurrency", type=int, default=16, help="clients (default 16)")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     p.add_argument("--rounds", type=int, default=None, help="rounds per variant (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads in the server")
     args = p.parse_args(argv)

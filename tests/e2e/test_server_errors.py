@@ -80,7 +80,7 @@ BAD_BODIES = [
     ("completions", _with(CMPL, stop=["a", "b", "c", "d", "e"]), "stop"),
     ("completions", _with(CMPL, stop=[""]), "stop"),
     ("completions", _with(CMPL, logprobs=21), "logprobs"),
-    ("completions", _with(CMPL, echo=True, logprobs=1), "echo"),  # prompt logprobs: not yet
+    ("completions", _with(CMPL, echo=True, logprobs=1, n=2), "prompt_logprobs"),
     ("completions", _with(CMPL, presence_penalty=2.5), "presence_penalty"),
     ("completions", _with(CMPL, logit_bias={"x": 1}), "logit_bias"),
     ("completions", _with(CMPL, logit_bias={"999999": 1}), "logit_bias"),

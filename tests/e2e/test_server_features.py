@@ -150,6 +150,43 @@ def test_completion_logprobs_equal_log_softmax_of_offline_logits(
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
 
 
+def test_echo_with_logprobs_gives_prompt_logprobs(
+    client: openai.OpenAI, model_dir: Path, tok: Tokenizer
+) -> None:
+    from transformers import LlamaForCausalLM
+
+    kw: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3}
+    kw.update(temperature=0.0, echo=True, logprobs=2)
+    whole = client.completions.create(**kw).choices[0]
+    lp = whole.logprobs
+    assert lp is not None
+    assert lp.tokens
+    assert lp.token_logprobs
+    assert lp.top_logprobs
+    prompt_ids = tok.encode(PROMPT)
+    n = len(prompt_ids)
+    assert len(lp.tokens) == n + 3
+    assert lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None
+    hf = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt_ids])).logits[0].double(), dim=-1)
+    for i in range(1, n):
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, prompt_ids[i]]), abs=1e-4)
+        assert len(lp.top_logprobs[i]) <= 2
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 3)]
+    text, tokens, values = "", [], []
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens or []
+                values += c.logprobs.token_logprobs or []
+    assert text == whole.text
+    assert text.startswith(PROMPT)
+    assert (tokens, values) == (lp.tokens, lp.token_logprobs)
+
+
 def test_streamed_completion_logprobs_add_up_to_the_whole(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 10}
     kw.update(temperature=0.9, seed=7, logprobs=2, echo=False)

@@ -257,3 +257,21 @@ def _logprobs(
         out[i] = recs
         pos += counts[i]
     return out
+
+
+def token_logprobs(rows: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Raw logprobs of ``targets[i]`` under row ``i`` and the row's top ``k`` (prompt
+    logprobs: row ``i`` is the position before ``targets[i]``)."""
+    lp = torch.log_softmax(rows.float(), dim=-1)
+    idx = torch.tensor(list(targets), device=lp.device).unsqueeze(1)
+    chosen = lp.gather(1, idx)[:, 0].tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [() for _ in chosen]
+    if k:
+        top = lp.topk(k, dim=-1)
+        tops = [
+            tuple(zip(i, v, strict=True))
+            for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        ]
+    return [
+        TokenLogprob(int(t), float(c), top) for t, c, top in zip(targets, chosen, tops, strict=True)
+    ]

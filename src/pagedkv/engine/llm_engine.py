@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.engine.batch_sampler import SampleInput, sample_batch
+from pagedkv.engine.batch_sampler import SampleInput, sample_batch, token_logprobs
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.host_alloc import tune_host_allocator
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
@@ -219,6 +219,9 @@ class LLMEngine:
         self.scheduler.add_request(req)  # may raise PromptTooLongError: nothing registered yet
         self._register(group, sample0)
         self._groups[request_id] = group
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # the first token has no context
+            self.runner.prompt_logits_ids.add(sample0.seq_id)
         if not fork:
             for i in range(1, params.n):
                 self._add_independent(group, i)
@@ -230,8 +233,8 @@ class LLMEngine:
         bad = [t for t in ids if t >= vocab]
         if bad:
             raise InvalidRequestError(f"token ids outside [0, {vocab}) in logit_bias: {bad[:5]}")
-        if params.prompt_logprobs is not None:
-            raise InvalidRequestError("prompt_logprobs (echo with logprobs) is not supported")
+        if params.prompt_logprobs is not None and params.n > 1:
+            raise InvalidRequestError("prompt_logprobs with n > 1 is not supported")
         if params.structured_outputs is None:
             return None
         return self.structured_outputs().compile(params.structured_outputs)
@@ -255,6 +258,7 @@ class LLMEngine:
             raise UnknownRequestError(f"unknown request {request_id!r}")
         for s in group.samples:
             self._samples.pop(s.seq_id, None)
+            self.runner.prompt_logits_ids.discard(s.seq_id)
             if s.finish_reason is None and s.seq_id in self.scheduler.requests:
                 self.scheduler.abort(s.seq_id)
 
@@ -290,6 +294,8 @@ class LLMEngine:
         except Exception:
             logger.exception("model step failed; finishing its %d requests", len(out.scheduled))
             return self._fail_step([s.request_id for s in out.scheduled])
+        if self.runner.prompt_logits_ids:
+            self._take_prompt_logprobs(out.scheduled, logits)
         sampled = self._sample(out.scheduled, logits)
         to_store: list[tuple[int, bytes]] = []
         if self.tier_io is not None:
@@ -379,6 +385,33 @@ class LLMEngine:
             smp.pending_logprobs = [] if res.logprobs is None else res.logprobs[: len(toks)]
         return sampled
 
+    def _take_prompt_logprobs(
+        self, scheduled: Sequence[ScheduledRequest], logits: dict[str, torch.Tensor]
+    ) -> None:
+        """Record the prompt logprobs of this step's prefill chunks and leave only sampling
+        rows in ``logits``. Position ``p`` predicts prompt token ``p + 1``; positions already
+        recorded (a recompute after preemption) are skipped."""
+        for sr in scheduled:
+            rid = sr.request_id
+            if rid not in self.runner.prompt_logits_ids or rid not in logits:
+                continue
+            rows = logits.pop(rid)
+            if sr.samples:
+                logits[rid] = rows[-1:]
+                self.runner.prompt_logits_ids.discard(rid)  # the prompt is complete
+            group = self._samples[rid][0]
+            recorded = group.prompt_logprobs
+            assert recorded is not None  # set with prompt_logits_ids in add_request
+            ids = group.prompt_token_ids
+            first = len(recorded) - 1  # the first position not yet recorded
+            last = min(sr.start_position + sr.num_tokens, len(ids) - 1)  # exclusive
+            if last <= max(first, sr.start_position):
+                continue
+            lo = max(first, sr.start_position)
+            part = rows[lo - sr.start_position : last - sr.start_position]
+            k = group.params.prompt_logprobs or 0
+            recorded.extend(token_logprobs(part, ids[lo + 1 : last + 1], k))
+
     def _new_sample(
         self, group: RequestGroup, index: int, force_token: int | None = None
     ) -> SampleState:
@@ -405,12 +438,16 @@ class LLMEngine:
     def _make_request(
         self, seq_id: str, ids: list[int], max_tokens: int, group: RequestGroup
     ) -> Request:
+        # prompt logprobs need every prompt position computed: a salt of its own means no
+        # prefix-cache hit can skip one (vLLM skips cache reads for such requests alike)
+        salt = None if group.params.prompt_logprobs is None else f"prompt-logprobs/{seq_id}"
         return Request(
             seq_id,
             ids,
             max_tokens=max_tokens,
             stop_token_ids=group.stop_token_ids,
             arrival_time=group.arrival_s,
+            cache_salt=salt,
         )
 
     def _add_independent(self, group: RequestGroup, index: int) -> None:
@@ -530,6 +567,7 @@ class LLMEngine:
             del self._groups[group.request_id]
             for s in group.samples:
                 self._samples.pop(s.seq_id, None)
+                self.runner.prompt_logits_ids.discard(s.seq_id)
         ttft = None if group.first_token_s is None else group.first_token_s - group.arrival_s
         return GenerationOutput(
             group.request_id,
@@ -539,6 +577,7 @@ class LLMEngine:
             group.num_cached_tokens,
             ttft,
             now - group.arrival_s,
+            None if group.prompt_logprobs is None else tuple(group.prompt_logprobs),
         )
 
     def _fail_step(self, seq_ids: list[str]) -> list[GenerationOutput]:

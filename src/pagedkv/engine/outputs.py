@@ -41,3 +41,5 @@ class GenerationOutput:
     num_cached_tokens: int
     ttft_s: float | None
     latency_s: float
+    # per prompt token (None for the first), once the prompt is computed, when asked for
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

@@ -48,3 +48,4 @@ class RequestGroup:
     first_token_s: float | None = None
     num_cached_tokens: int = 0
     grammar: str | None = None  # the compiled structured-output grammar, one matcher per sample
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, token 1, ...] when asked

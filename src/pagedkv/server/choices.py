@@ -26,8 +26,8 @@ class ChoiceShape:
     echo: str = ""  # completions: the prompt text, prepended to each choice
     tools: ToolPlan | None = None
 
-    def final(self, c: CompletionOutput) -> dict[str, Any]:
-        """A non-streamed choice."""
+    def final(self, c: CompletionOutput, out: GenerationOutput | None = None) -> dict[str, Any]:
+        """A non-streamed choice (``out``: its request, for echoed prompt logprobs)."""
         parsed = self._parsed(c)
         finish = self._finish(parsed, c)
         choice: dict[str, Any] = {"index": c.index}
@@ -40,9 +40,17 @@ class ChoiceShape:
             choice["message"] = message
         else:
             choice["text"] = self.echo + c.text
-        choice["logprobs"] = self._logprobs(c, 0, len(self.echo))
+        prompt = self._prompt_logprobs(out)
+        offset = len(self.echo) if prompt is None else _text_end(prompt)
+        choice["logprobs"] = _joined(prompt, self._logprobs(c, 0, offset))
         choice["finish_reason"] = finish
         return choice
+
+    def _prompt_logprobs(self, out: GenerationOutput | None) -> dict[str, Any] | None:
+        """Completions with echo and logprobs: the prompt's part of ``logprobs``."""
+        if out is None or out.prompt_logprobs is None or self.logprobs is None or self.chat:
+            return None
+        return self.logprobs.prompt(out.prompt_token_ids, out.prompt_logprobs)
 
     def _parsed(self, c: CompletionOutput) -> ParsedOutput:
         if self.tools is None or not self.tools.parses:
@@ -69,6 +77,7 @@ class _Sent:
     tokens: int = 0  # logprob records
     offset: int = 0  # text_offset of the next token (completions)
     done: bool = False
+    opened: bool = False  # an event was sent (it carried the echoed prompt)
 
 
 @dataclass(slots=True)
@@ -81,23 +90,31 @@ class ChoiceStream:
     def choices(self, out: GenerationOutput) -> list[dict[str, Any]]:
         events = []
         for c in out.outputs:
-            sent = self._sent.setdefault(c.index, _Sent(offset=len(self.shape.echo)))
+            sent = self._sent.get(c.index)
+            prompt = None
+            if sent is None:
+                prompt = self.shape._prompt_logprobs(out)
+                offset = len(self.shape.echo) if prompt is None else _text_end(prompt)
+                sent = self._sent[c.index] = _Sent(offset=offset)
             if not sent.done:
-                choice = self._choice(c, sent)
+                choice = self._choice(c, sent, prompt)
                 if choice is not None:
                     events.append(choice)
         return events
 
-    def _choice(self, c: CompletionOutput, sent: _Sent) -> dict[str, Any] | None:
+    def _choice(
+        self, c: CompletionOutput, sent: _Sent, prompt: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
         shape = self.shape
         finished = c.finish_reason is not None
         parsed = shape._parsed(c) if finished else None
         end = self._releasable(c, parsed)
         delta = c.text[sent.chars : end] if end > sent.chars else ""
-        if not delta and not finished:
+        if not delta and not finished and prompt is None:
             return None
-        if not shape.chat and shape.echo and sent.chars == 0 and sent.tokens == 0:
+        if not shape.chat and not sent.opened:
             delta = shape.echo + delta  # the echoed prompt opens the stream
+        sent.opened = True
         sent.chars = max(sent.chars, end)
         choice: dict[str, Any] = {"index": c.index}
         logprobs = shape._logprobs(c, sent.tokens, sent.offset)
@@ -113,7 +130,7 @@ class ChoiceStream:
             if logprobs is not None:
                 choice["logprobs"] = logprobs
         else:
-            choice.update(text=delta, logprobs=logprobs)
+            choice.update(text=delta, logprobs=_joined(prompt, logprobs))
         choice["finish_reason"] = None if parsed is None else shape._finish(parsed, c)
         sent.done = finished
         return choice
@@ -127,6 +144,19 @@ class ChoiceStream:
         if self.shape.tools is not None and self.shape.tools.parses:
             end = min(end, self.shape.tools.releasable(text))
         return end
+
+
+def _text_end(logprobs: dict[str, Any]) -> int:
+    """Where text after these completions-shaped logprobs starts."""
+    tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+    return int(offsets[-1] + len(tokens[-1])) if tokens else 0
+
+
+def _joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions-shaped logprobs, one after the other."""
+    if first is None or then is None:
+        return then if first is None else first
+    return {k: first[k] + then[k] for k in first}
 
 
 def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:

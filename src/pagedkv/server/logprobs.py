@@ -63,6 +63,27 @@ class LogprobFormatter:
             "text_offset": offsets,
         }
 
+    def prompt(
+        self, prompt_ids: Sequence[int], records: Sequence[TokenLogprob | None]
+    ) -> dict[str, Any]:
+        """Echoed prompt tokens in the completions shape, offsets from 0; the first token's
+        logprob and top are null (nothing precedes it)."""
+        tokens = [self.token(t) for t in prompt_ids]
+        offsets = []
+        at = 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if r is None else _finite(r.logprob) for r in records],
+            "top_logprobs": [
+                None if r is None else {self.token(t): _finite(v) for t, v in r.top}
+                for r in records
+            ],
+            "text_offset": offsets,
+        }
+
     def chat(self, records: Sequence[TokenLogprob]) -> dict[str, Any]:
         return {"content": [self._chat_entry(r) for r in records], "refusal": None}
 

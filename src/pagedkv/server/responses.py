@@ -66,7 +66,7 @@ def completion_body(
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [shape.final(c) for c in out.outputs],
+        "choices": [shape.final(c, out) for c in out.outputs],
         "usage": usage(out),
     }
 
