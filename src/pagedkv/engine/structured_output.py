@@ -129,7 +129,7 @@ def _grammar(params: StructuredOutputsParams) -> str:
     if params.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:
-        alternatives = " | ".join(json.dumps(c) for c in params.choice)
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
     assert params.grammar is not None  # StructuredOutputsParams holds exactly one constraint
     return llguidance.LLMatcher.grammar_from_lark(params.grammar)
