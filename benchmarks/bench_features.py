@@ -11,10 +11,10 @@ Each round sends ``--requests`` streamed completions (a random 64-token prompt, 
 1.0, a seed per request, ``--max-tokens`` tokens) through ``--concurrency`` closed-loop
 clients. Variants: ``plain``; ``logprobs`` (``logprobs: 5``); ``penalties``
 (``presence_penalty`` 0.5, ``frequency_penalty`` 0.5, ``repetition_penalty`` 1.1);
-``json`` (``guided_json``: a five-field object, so an answer is ~25-40 tokens and ends when
-the grammar completes). Reported per variant (median over rounds): output tokens/s, **ms of
-round wall time per output token** and its ratio to plain (the cost of the feature per token,
-sampling and streaming included). Checked: every logprobs event carries top logprobs; every
+``json`` (``guided_json``: a five-field object; an answer ends when the grammar completes, or
+at ``--max-tokens``: the ``stopped`` column says how many completed). Reported per variant
+(median over rounds): output tokens/s, **ms of round wall time per output token** and its
+ratio to plain (the cost of the feature per token, sampling and streaming included). Checked: every logprobs event carries top logprobs; every
 json answer the grammar completed parses (one cut by max_tokens is cut JSON).
 """
 

@@ -1,11 +1,12 @@
 """Structured output: a request's constraint compiled to a grammar, a matcher per sample.
 
 The grammar engine is llguidance, chosen by measurement (``benchmarks/bench_grammar.py``, see
-``benchmarks/RESULTS.md``): its per-token mask is within tens of µs of xgrammar's and
-outlines-core's at 49K and 152K tokens, while it compiles a schema in 1-8 ms (xgrammar 25-143
-ms, outlines-core 0.35-3.2 s), so the first request with a new schema is not held up; it names
-the JSON-schema keywords it does not implement, and its Lark grammars embed JSON schemas (used
-for tool calls).
+``benchmarks/RESULTS.md``): per token, xgrammar's mask is faster (mean 16 vs 36 µs at 49K
+tokens, 52 vs 86 µs at 152K), but llguidance compiles a new schema in 1-11 ms against
+xgrammar's 38-133 ms (outlines-core: 0.9-3 s), so for a schema not seen before it costs less
+up to a few thousand output tokens, and either is far below a decode step (milliseconds). It
+also names the JSON-schema keywords it does not implement (a 400 that says which), and its
+Lark grammars embed JSON schemas.
 
 A sample's matcher is advanced with every token the sample accepts; before each step the
 matchers of the batch fill one int32 bitmask ``[rows, ceil(vocab / 32)]`` together (llguidance's
