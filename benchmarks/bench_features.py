@@ -14,8 +14,9 @@ clients. Variants: ``plain``; ``logprobs`` (``logprobs: 5``); ``penalties``
 ``json`` (``guided_json``: a five-field object; an answer ends when the grammar completes, or
 at ``--max-tokens``: the ``stopped`` column says how many completed). Reported per variant
 (median over rounds): output tokens/s, **ms of round wall time per output token** and its
-ratio to plain (the cost of the feature per token, sampling and streaming included). Checked: every logprobs event carries top logprobs; every
-json answer the grammar completed parses (one cut by max_tokens is cut JSON).
+ratio to plain (the cost of the feature per token, sampling and streaming included).
+Checked: every logprobs event carries top logprobs; every json answer the grammar completed
+parses (one cut by max_tokens is cut JSON).
 """
 
 from __future__ import annotations

@@ -232,7 +232,9 @@ class LLMEngine:
         ids = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
         bad = [t for t in ids if t >= vocab]
         if bad:
-            raise InvalidRequestError(f"token ids outside [0, {vocab}) in logit_bias: {bad[:5]}")
+            raise InvalidRequestError(
+                f"token ids outside [0, {vocab}) in logit_bias or stop_token_ids: {bad[:5]}"
+            )
         if params.prompt_logprobs is not None and params.n > 1:
             raise InvalidRequestError("prompt_logprobs with n > 1 is not supported")
         if params.structured_outputs is None:
