@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -184,3 +186,60 @@ def test_seeded_draws_do_not_depend_on_batch_mates() -> None:
 def test_invalid_new_sampling_values_raise(kw: dict[str, object]) -> None:
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def test_an_unsampleable_sequence_fails_alone_in_its_batch() -> None:
+    logits = torch.randn(3, VOCAB)
+    logits[1, 4] = float("nan")
+    nothing = torch.zeros((VOCAB + 31) // 32, dtype=torch.int32)  # a mask allowing no token
+    entries = [
+        SampleInput(logits[0:1], SamplingParams(seed=1), make_generator(1, CPU)),
+        SampleInput(logits[1:2], SamplingParams(seed=2), make_generator(2, CPU)),
+        SampleInput(logits[2:3], SamplingParams(), make_generator(3, CPU), bitmask=nothing),
+    ]
+    ok, nan, empty = sample_batch(entries)
+    assert ok.error is None
+    assert len(ok.token_ids) == 1
+    assert nan.error is not None
+    assert "finite" in nan.error
+    assert nan.token_ids == []
+    assert empty.error is not None
+    assert "no token is allowed" in empty.error
+    alone = sample_batch([SampleInput(logits[0:1], SamplingParams(seed=1), make_generator(1, CPU))])
+    assert ok.token_ids == alone[0].token_ids  # the failures did not disturb it
+
+
+def test_engine_fails_only_the_request_with_broken_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: the runner returns NaN logits for one request; it finishes with
+    ``error``, its batch-mate runs to completion and no block leaks."""
+    from pagedkv.engine.engine_config import EngineConfig
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.tiny import write_tiny_model
+
+    engine = LLMEngine.from_model_dir(
+        str(write_tiny_model(tmp_path / "m", eos_token_id=None)), EngineConfig(num_blocks=64)
+    )
+    real = engine.runner.execute
+
+    def poisoned(batch: Any) -> Any:
+        out = real(batch)
+        if "bad" in out:
+            out["bad"] = torch.full_like(out["bad"], float("nan"))
+        return out
+
+    monkeypatch.setattr(engine.runner, "execute", poisoned)
+    params = SamplingParams(max_tokens=5, temperature=0.8)
+    engine.add_request("good", [5, 6, 7], params)
+    engine.add_request("bad", [8, 9], params)
+    final: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["bad"].outputs[0].finish_reason == "error"
+    assert final["good"].outputs[0].finish_reason == "length"
+    assert len(final["good"].outputs[0].token_ids) == 5
+    assert engine.scheduler.manager.pool.num_used_blocks == 0
+    engine.check_invariants()

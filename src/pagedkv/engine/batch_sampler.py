@@ -52,10 +52,13 @@ class SampleInput:
 
 @dataclass(frozen=True, slots=True)
 class SampleOutput:
-    """One token per row; ``logprobs`` (one per row) when the params asked for them."""
+    """One token per row; ``logprobs`` (one per row) when the params asked for them. A
+    sequence whose processed logits allow no token, or are not finite, gets ``error`` and no
+    tokens: it fails alone, its batch-mates are sampled as usual."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
 
 
 def sample_batch(inputs: Sequence[SampleInput]) -> list[SampleOutput]:
@@ -68,9 +71,36 @@ def sample_batch(inputs: Sequence[SampleInput]) -> list[SampleOutput]:
         starts.append(starts[-1] + c)
     raw = inputs[0].logits if len(inputs) == 1 else torch.cat([e.logits for e in inputs])
     x = _processed(raw, inputs, starts)
+    errors = _unsampleable(x, starts, counts)
+    if any(errors):
+        x = x.clone() if x is raw else x
+        for i, err in enumerate(errors):
+            if err is not None:  # a neutral row so the batch's draw goes on
+                x[starts[i] : starts[i] + counts[i]] = 0.0
     tokens = _draw(x, inputs, starts, counts)
     logprobs = _logprobs(raw, inputs, starts, counts, tokens)
-    return [SampleOutput(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
+    return [
+        SampleOutput(t, lp) if err is None else SampleOutput([], None, err)
+        for t, lp, err in zip(tokens, logprobs, errors, strict=True)
+    ]
+
+
+def _unsampleable(x: torch.Tensor, starts: list[int], counts: list[int]) -> list[str | None]:
+    """Per sequence: why no token can be drawn from its rows (None: one can)."""
+    bad_rows = torch.isnan(x).any(dim=-1) | torch.isposinf(x).any(dim=-1)
+    empty_rows = torch.isneginf(x).all(dim=-1)
+    if not bool((bad_rows | empty_rows).any()):
+        return [None] * len(starts)
+    bad, empty = bad_rows.tolist(), empty_rows.tolist()
+    out: list[str | None] = []
+    for s, c in zip(starts, counts, strict=True):
+        if any(bad[s : s + c]):
+            out.append("the logits are not finite")
+        elif any(empty[s : s + c]):
+            out.append("no token is allowed (grammar mask, bias and min_tokens exclude all)")
+        else:
+            out.append(None)
+    return out
 
 
 # ---------------------------------------------------------------------- processors

@@ -298,7 +298,7 @@ class LLMEngine:
             return self._fail_step([s.request_id for s in out.scheduled])
         if self.runner.prompt_logits_ids:
             self._take_prompt_logprobs(out.scheduled, logits)
-        sampled = self._sample(out.scheduled, logits)
+        sampled, unsampled = self._sample(out.scheduled, logits)
         to_store: list[tuple[int, bytes]] = []
         if self.tier_io is not None:
             accepted = {
@@ -307,6 +307,7 @@ class LLMEngine:
                 if sr.num_draft_tokens and sr.request_id in sampled
             }
             to_store = self.tier_io.blocks_to_store(sched, out.scheduled, accepted)
+        failed_outputs = self._fail_step(unsampled) if unsampled else []  # those fail alone
         results = sched.update(out, sampled, failed_loads=failed_loads)
         if self.tier_io is not None and to_store:
             self.tier_io.store(self.runner.kv_cache, to_store)
@@ -338,13 +339,14 @@ class LLMEngine:
             if r.finished and smp.finish_reason is None:
                 smp.finish_reason = r.finish_reason
             self._release_text(group, smp)
-        return [self._emit(g, now) for g in changed.values()]
+        return [*failed_outputs, *(self._emit(g, now) for g in changed.values())]
 
     # ------------------------------------------------------------------ internals
     def _sample(
         self, scheduled: Sequence[ScheduledRequest], logits: dict[str, torch.Tensor]
-    ) -> dict[str, list[int]]:
-        """Sample every sampling sequence of the step in one batch; verify drafts."""
+    ) -> tuple[dict[str, list[int]], list[str]]:
+        """Sample every sampling sequence of the step in one batch; verify drafts. Returns
+        the accepted tokens and the sequences no token could be drawn for."""
         sampled: dict[str, list[int]] = {}
         todo: list[tuple[ScheduledRequest, SampleState]] = []
         for sr in scheduled:
@@ -376,7 +378,12 @@ class LLMEngine:
                     mask,
                 )
             )
+        unsampled: list[str] = []
         for (sr, smp), res in zip(todo, sample_batch(inputs), strict=True):
+            if res.error is not None:
+                logger.error("request %s cannot be sampled: %s", sr.request_id, res.error)
+                unsampled.append(sr.request_id)
+                continue
             toks = res.token_ids
             if sr.num_draft_tokens:
                 drafts = sr.token_ids[1:]
@@ -385,7 +392,7 @@ class LLMEngine:
                 self.num_accepted_draft_tokens += len(toks) - 1
             sampled[sr.request_id] = toks
             smp.pending_logprobs = [] if res.logprobs is None else res.logprobs[: len(toks)]
-        return sampled
+        return sampled, unsampled
 
     def _take_prompt_logprobs(
         self, scheduled: Sequence[ScheduledRequest], logits: dict[str, torch.Tensor]
