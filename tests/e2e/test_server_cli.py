@@ -24,6 +24,19 @@ def test_parser_binds_loopback_by_default() -> None:
     assert args.api_key is None  # the environment variable is read by main(), not here
 
 
+def test_tool_call_flags_are_vllms_and_auto_needs_a_parser() -> None:
+    from pagedkv.server.cli import main
+
+    args = build_parser().parse_args(
+        ["--model", "d", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    )
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "llama3_json")
+    with pytest.raises(SystemExit, match="needs --tool-call-parser"):  # before loading a model
+        main(["--model", "/nonexistent", "--enable-auto-tool-choice"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "d", "--tool-call-parser", "mistral"])
+
+
 def _listening_addresses(port: int) -> set[str]:
     """Local IPv4/IPv6 addresses (hex, as the kernel writes them) listening on ``port``."""
     found = set()

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("pagedkv serve: --enable-auto-tool-choice needs --tool-call-parser")
     import uvicorn
 
     from pagedkv.engine.engine_config import EngineConfig
@@ -94,8 +96,6 @@ def main(argv: list[str]) -> int:
     engine = LLMEngine.from_model_dir(args.model, cfg)
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or env_str("PAGEDKV_API_KEY")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise SystemExit("pagedkv serve: --enable-auto-tool-choice needs --tool-call-parser")
     app = build_app(
         AsyncEngine(engine, max_pending=args.max_pending, model_name=name),
         api_key=api_key,
