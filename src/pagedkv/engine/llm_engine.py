@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.core.config import CacheConfig
-from pagedkv.engine.batch_sampler import SampleInput, sample_batch, token_logprobs
+from pagedkv.engine.batch_sampler import SampleInput, sample_batch
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.host_alloc import tune_host_allocator
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
@@ -408,18 +408,7 @@ class LLMEngine:
             if sr.samples:
                 logits[rid] = rows[-1:]
                 self.runner.prompt_logits_ids.discard(rid)  # the prompt is complete
-            group = self._samples[rid][0]
-            recorded = group.prompt_logprobs
-            assert recorded is not None  # set with prompt_logits_ids in add_request
-            ids = group.prompt_token_ids
-            first = len(recorded) - 1  # the first position not yet recorded
-            last = min(sr.start_position + sr.num_tokens, len(ids) - 1)  # exclusive
-            if last <= max(first, sr.start_position):
-                continue
-            lo = max(first, sr.start_position)
-            part = rows[lo - sr.start_position : last - sr.start_position]
-            k = group.params.prompt_logprobs or 0
-            recorded.extend(token_logprobs(part, ids[lo + 1 : last + 1], k))
+            self._samples[rid][0].record_prompt_logprobs(sr.start_position, rows)
 
     def _new_sample(
         self, group: RequestGroup, index: int, force_token: int | None = None
@@ -499,7 +488,9 @@ class LLMEngine:
             smp.delta_logprobs.extend(got)
             smp.pending_logprobs = []
         if smp.grammar is not None:
-            self._advance_grammar(smp, new_ids)
+            reason = smp.advance_grammar(new_ids, self.eos_token_ids)
+            if reason is not None:
+                self._finish_running(smp.seq_id, reason)
         if smp.detok is None:
             return
         delta = smp.detok.add(new_ids)
@@ -518,22 +509,6 @@ class LLMEngine:
             smp.finish_reason = FinishReason.STOP
             self._finish_running(smp.seq_id, FinishReason.STOP)
         smp.text = text
-
-    def _advance_grammar(self, smp: SampleState, new_ids: Sequence[int]) -> None:
-        """Advance the sample's matcher; a complete grammar finishes the sample (stop)."""
-        assert smp.grammar is not None
-        for t in new_ids:
-            if t in self.eos_token_ids and smp.grammar.is_finished:
-                continue  # the end-of-sequence the completed grammar allowed
-            if not smp.grammar.accept(t):  # the mask forbids this; a forced or stale token
-                err = smp.grammar.error
-                logger.error("sample %s: token %d broke its grammar: %s", smp.seq_id, t, err)
-                smp.finish_reason = FinishReason.ERROR
-                self._finish_running(smp.seq_id, FinishReason.ERROR)
-                return
-        if smp.grammar.is_finished and smp.finish_reason is None:
-            smp.finish_reason = FinishReason.STOP
-            self._finish_running(smp.seq_id, FinishReason.STOP)
 
     def _finish_running(self, seq_id: str, reason: FinishReason) -> None:
         req = self.scheduler.requests.get(seq_id)
