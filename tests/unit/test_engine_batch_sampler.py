@@ -243,3 +243,47 @@ def test_engine_fails_only_the_request_with_broken_logits(
     assert len(final["good"].outputs[0].token_ids) == 5
     assert engine.scheduler.manager.pool.num_used_blocks == 0
     engine.check_invariants()
+
+
+def _run(engine: Any, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Any]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    final: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def test_speculation_skips_history_dependent_requests_and_keeps_greedy_tokens(
+    tmp_path: Path,
+) -> None:
+    """With prompt-lookup drafting on, a penalised and a grammar-constrained request decode in
+    the same batches as a plain one: the plain one gets drafts (and its greedy tokens do not
+    change), the others get none and keep their semantics (penalties = the non-speculative
+    run's tokens; the JSON parses)."""
+    import json
+
+    from pagedkv.engine.engine_config import EngineConfig
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.sampler import StructuredOutputsParams
+    from pagedkv.engine.tiny import write_tiny_model
+
+    model = str(write_tiny_model(tmp_path / "m", eos_token_id=None))
+    loop = [5, 6, 7, 8] * 6  # a repetitive prompt: the n-gram proposer drafts from it
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    penalised = SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=1.0)
+    schema = {"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"]}
+    guided = SamplingParams(
+        max_tokens=60, seed=3, structured_outputs=StructuredOutputsParams.from_schema(schema)
+    )
+    reqs = {"plain": (loop, greedy), "pen": (loop, penalised), "json": ([9, 10], guided)}
+    spec = LLMEngine.from_model_dir(model, EngineConfig(num_blocks=64, num_speculative_tokens=3))
+    got = _run(spec, reqs)
+    base = _run(LLMEngine.from_model_dir(model, EngineConfig(num_blocks=64)), reqs)
+    assert spec.num_draft_tokens > 0  # drafting happened (for the plain request)
+    for rid in ("plain", "pen"):
+        assert got[rid].outputs[0].token_ids == base[rid].outputs[0].token_ids, rid
+    assert got["json"].outputs[0].finish_reason == "stop"
+    assert json.loads(got["json"].outputs[0].text)["k"] in ("x", "y")
