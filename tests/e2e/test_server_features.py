@@ -280,6 +280,14 @@ def test_logit_bias_min_tokens_and_stop_token_ids(client: openai.OpenAI, tok: To
     assert stop_at.choices[0].finish_reason == "stop"
     assert stop_at.usage is not None
     assert stop_at.usage.completion_tokens == 1
+    assert stop_at.choices[0].text == ""  # a stop token's text is not shown (vLLM's rule) ...
+    shown = client.completions.create(
+        **kw,
+        temperature=0.0,
+        logit_bias={str(fox): 100},
+        extra_body={"stop_token_ids": [fox], "include_stop_str_in_output": True},
+    )
+    assert shown.choices[0].text == word  # ... unless asked for
     later = client.completions.create(
         **kw,
         temperature=0.0,

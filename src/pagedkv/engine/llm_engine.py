@@ -335,7 +335,9 @@ class LLMEngine:
                 continue
             if group.first_token_s is None:
                 group.first_token_s = now
-            self._append(group, smp, r.new_token_ids)
+            stop_token = r.finish_reason is FinishReason.STOP and bool(r.new_token_ids)
+            stop_token = stop_token and r.new_token_ids[-1] in group.stop_token_ids
+            self._append(group, smp, r.new_token_ids, stop_token=stop_token)
             if r.finished and smp.finish_reason is None:
                 smp.finish_reason = r.finish_reason
             self._release_text(group, smp)
@@ -478,8 +480,17 @@ class LLMEngine:
             room = min(room, self.max_model_len - req.num_tokens - 1)
             req.draft_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
-    def _append(self, group: RequestGroup, smp: SampleState, new_ids: Sequence[int]) -> None:
-        """Add sampled tokens and their text; a stop string cuts the text and finishes."""
+    def _append(
+        self,
+        group: RequestGroup,
+        smp: SampleState,
+        new_ids: Sequence[int],
+        *,
+        stop_token: bool = False,
+    ) -> None:
+        """Add sampled tokens and their text; a stop string cuts the text and finishes. A
+        stop token (``stop_token``: the last id ended the sample) is kept in the token ids but
+        not in the text unless ``include_stop_str_in_output`` (vLLM's rule)."""
         smp.token_ids.extend(new_ids)
         smp.delta_ids.extend(new_ids)
         if smp.logprobs is not None:
@@ -493,8 +504,9 @@ class LLMEngine:
                 self._finish_running(smp.seq_id, reason)
         if smp.detok is None:
             return
-        delta = smp.detok.add(new_ids)
         params = group.params
+        shown = new_ids[:-1] if stop_token and not params.include_stop_str_in_output else new_ids
+        delta = smp.detok.add(shown)
         stops = params.stop
         if not stops or smp.finish_reason is not None or len(smp.token_ids) < params.min_tokens:
             smp.text += delta
