@@ -116,6 +116,8 @@ def running_server(
     min_step_s: float = 0.0,
     stall_timeout_s: float = 60.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> Iterator[ServerHandle]:
     """Serve ``model_dir`` on 127.0.0.1 until the ``with`` block ends. ``min_step_s`` (fault
     injection: a slower model) makes every engine step last at least that long, so a long
@@ -134,7 +136,13 @@ def running_server(
     async_engine = AsyncEngine(
         engine, max_pending=max_pending, model_name=model_name, stall_timeout_s=stall_timeout_s
     )
-    app = build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes)
+    app = build_app(
+        async_engine,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+    )
     port = free_port()
     uv_config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_keep_alive=5

@@ -43,6 +43,20 @@ def test_bad_server_limits_exit_naming_the_flag(
     assert defaults.max_request_bytes == 8 << 20
 
 
+def test_tool_call_flags_are_vllms_and_auto_needs_a_parser() -> None:
+    from pagedkv.server.cli import main
+
+    args = build_parser().parse_args(
+        ["--model", "d", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    )
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "llama3_json")
+    with pytest.raises(SystemExit) as exc:  # a usage error, before loading a model
+        main(["--model", "/nonexistent", "--enable-auto-tool-choice"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "d", "--tool-call-parser", "mistral"])
+
+
 def _listening_addresses(port: int) -> set[str]:
     """Local IPv4/IPv6 addresses (hex, as the kernel writes them) listening on ``port``."""
     found = set()

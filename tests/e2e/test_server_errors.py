@@ -89,9 +89,15 @@ BAD_BODIES = [
     ("completions", _with(CMPL, seed=-1), "seed"),
     ("completions", _with(CMPL, stop=["a", "b", "c", "d", "e"]), "stop"),
     ("completions", _with(CMPL, stop=[""]), "stop"),
-    ("completions", _with(CMPL, logprobs=2), "logprobs"),
-    ("completions", _with(CMPL, echo=True), "echo"),
-    ("completions", _with(CMPL, presence_penalty=0.5), "presence_penalty"),
+    ("completions", _with(CMPL, logprobs=21), "logprobs"),
+    ("completions", _with(CMPL, echo=True, logprobs=1, n=2), "prompt_logprobs"),
+    ("completions", _with(CMPL, presence_penalty=2.5), "presence_penalty"),
+    ("completions", _with(CMPL, logit_bias={"x": 1}), "logit_bias"),
+    ("completions", _with(CMPL, logit_bias={"999999": 1}), "logit_bias"),
+    ("completions", _with(CMPL, min_tokens=20, max_tokens=10), "min_tokens"),
+    ("completions", _with(CMPL, guided_regex="a(b"), "regex"),
+    ("completions", _with(CMPL, guided_json={"type": "object", "if": {}}), "if"),
+    ("completions", _with(CMPL, guided_regex="a", guided_choice=["a"]), "guided_choice"),
     ("completions", _with(CMPL, stream_options={"include_usage": "maybe"}), "include_usage"),
     ("chat/completions", _with(CHAT, messages=...), "messages"),
     ("chat/completions", _with(CHAT, messages=[]), "messages"),
@@ -107,6 +113,31 @@ BAD_BODIES = [
         "max_model_len",
     ),
     ("chat/completions", _with(CHAT, tools=[{"type": "function"}]), "tools"),
+    ("chat/completions", _with(CHAT, top_logprobs=3), "top_logprobs"),
+    ("chat/completions", _with(CHAT, tool_choice="required"), "tool_choice"),
+    (
+        "chat/completions",
+        _with(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]),
+        "auto",  # tool_choice defaults to auto, which needs --enable-auto-tool-choice
+    ),
+    (
+        "chat/completions",
+        _with(
+            CHAT,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "patternProperties": {"a": {}},
+                        "if": {"type": "object"},
+                    },
+                },
+            },
+        ),
+        "if",
+    ),
     ("chat/completions", _with(CHAT, top_p=-1), "top_p"),
     (
         "chat/completions",

@@ -27,7 +27,11 @@ from pagedkv.engine.tokenizer import Tokenizer
 
 
 def encode_chat(
-    tok: Tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    tok: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Prompt ids of ``messages`` under the model's chat template (see the module docstring).
 
@@ -41,13 +45,15 @@ def encode_chat(
         if isinstance(m.get("content"), str) and any(s in m["content"] for s in specials)
     ]
     if not guarded:
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
         return tok.encode(text, add_special_tokens=False)
     nonce = secrets.token_hex(8)
     marked = [dict(m) for m in messages]
     for i in guarded:
         marked[i]["content"] = f"\ue000{nonce}:{i}\ue001"
-    text = tok.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+    text = tok.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tools=tools)
     ids: list[int] = []
     pos = 0
     for match in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", text):

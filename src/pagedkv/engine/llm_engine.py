@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedkv.core.config import CacheConfig
+from pagedkv.engine.batch_sampler import SampleInput, sample_batch
 from pagedkv.engine.chat_template import load_chat_template
 from pagedkv.engine.dtype import resolve_dtype
 from pagedkv.engine.engine_config import EngineConfig
@@ -48,15 +49,17 @@ from pagedkv.engine.model_config import ModelConfig
 from pagedkv.engine.models.llama import LlamaModel
 from pagedkv.engine.outputs import CompletionOutput, GenerationOutput
 from pagedkv.engine.runner import ModelRunner
-from pagedkv.engine.sampler import SamplingParams, make_generator, sample
+from pagedkv.engine.sampler import SamplingParams, make_generator
 from pagedkv.engine.samples import RequestGroup, SampleState
 from pagedkv.engine.spec_decode import DraftProposer, NgramProposer, accept_drafts
 from pagedkv.engine.step_faults import execute_isolating, nonfinite_requests
+from pagedkv.engine.structured_output import StructuredOutputManager
 from pagedkv.engine.tier_io import TierIO
 from pagedkv.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedkv.errors import (
     InvalidRequestError,
     InvariantViolation,
+    ModelExecutionError,
     OverloadedError,
     PromptTooLongError,
     UnknownRequestError,
@@ -65,6 +68,7 @@ from pagedkv.sched import (
     FinishReason,
     Request,
     RequestStatus,
+    ScheduledRequest,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -169,6 +173,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self.generation_defaults = GenerationDefaults()  # from_model_dir reads the checkpoint's
         self._seeds = None if config.seed is None else random.Random(config.seed)
+        self._structured: StructuredOutputManager | None = None  # built on first use
         self._groups: dict[str, RequestGroup] = {}
         self._samples: dict[str, tuple[RequestGroup, SampleState]] = {}  # seq_id -> owner
         self.num_draft_tokens = 0
@@ -279,10 +284,12 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+        grammar = self._check_features(params)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
         group = RequestGroup(request_id, params, ids, tuple(sorted(stops)), time.perf_counter())
+        group.grammar = grammar
         fork = params.n > 1 and len(ids) > 1 and ids[-1] not in stops
         if fork:  # see the module docstring: the last prompt token is "sampled" for sample 0
             sample0 = self._new_sample(group, 0, force_token=ids[-1])
@@ -293,9 +300,39 @@ class LLMEngine:
         self.scheduler.add_request(req)  # may raise PromptTooLongError: nothing registered yet
         self._register(group, sample0)
         self._groups[request_id] = group
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # the first token has no context
+            self.runner.prompt_logits_ids.add(sample0.seq_id)
         if not fork:
             for i in range(1, params.n):
                 self._add_independent(group, i)
+
+    def _check_features(self, params: SamplingParams) -> str | None:
+        """Refuse what this engine cannot honour; return the compiled grammar, if any."""
+        vocab = self.model.config.vocab_size
+        ids = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids outside [0, {vocab}) in logit_bias or stop_token_ids: {bad[:5]}"
+            )
+        if params.prompt_logprobs is not None and params.n > 1:
+            raise InvalidRequestError("prompt_logprobs with n > 1 is not supported")
+        if params.structured_outputs is None:
+            return None
+        return self.structured_outputs().compile(params.structured_outputs)
+
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar engine over this model's tokenizer (built on first use)."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured output needs a tokenizer; this model has none"
+                )
+            self._structured = StructuredOutputManager(
+                self.tokenizer.to_json(), self.model.config.vocab_size, self.eos_token_ids
+            )
+        return self._structured
 
     def abort(self, request_id: str) -> None:
         """Abort a request (all its samples) in any state."""
@@ -304,6 +341,7 @@ class LLMEngine:
             raise UnknownRequestError(f"unknown request {request_id!r}")
         for s in group.samples:
             self._samples.pop(s.seq_id, None)
+            self.runner.prompt_logits_ids.discard(s.seq_id)
             if s.finish_reason is None and s.seq_id in self.scheduler.requests:
                 self.scheduler.abort(s.seq_id)
 
@@ -342,26 +380,13 @@ class LLMEngine:
             self.tier_io.observe_step(out.scheduled, time.perf_counter() - t0)
         logits = ran.logits
         failed = ran.failed | nonfinite_requests(logits)  # only these fail (see step_faults)
-        sampled: dict[str, list[int]] = {}
-        for sr in out.scheduled:
-            if not sr.samples or sr.request_id not in logits or sr.request_id in failed:
-                continue
-            group, smp = self._samples[sr.request_id]
-            if smp.force_token is not None:
-                sampled[sr.request_id] = [smp.force_token]
-                continue
-            try:  # one request's logits or parameters fail that request only
-                toks = sample(logits[sr.request_id], group.params, smp.generator)
-            except Exception as exc:
-                logger.warning("sampling failed for %s: %s", sr.request_id, exc)
-                failed[sr.request_id] = exc
-                continue
-            if sr.num_draft_tokens:
-                drafts = sr.token_ids[1:]
-                toks = accept_drafts(drafts, toks)
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_draft_tokens += len(toks) - 1
-            sampled[sr.request_id] = toks
+        for rid in failed:
+            logits.pop(rid, None)
+        if self.runner.prompt_logits_ids:
+            self._take_prompt_logprobs(out.scheduled, logits)
+        sampled, unsampled = self._sample(out.scheduled, logits)
+        for rid, exc in unsampled.items():  # this request's parameters or mask failed alone
+            failed[rid] = exc
         changed = self._fail_samples(failed)  # finished before update, which then skips them
         to_store: list[tuple[int, bytes]] = []
         if self.tier_io is not None:
@@ -397,7 +422,9 @@ class LLMEngine:
                 continue
             if group.first_token_s is None:
                 group.first_token_s = now
-            self._append(group, smp, r.new_token_ids)
+            stop_token = r.finish_reason is FinishReason.STOP and bool(r.new_token_ids)
+            stop_token = stop_token and r.new_token_ids[-1] in group.stop_token_ids
+            self._append(group, smp, r.new_token_ids, stop_token=stop_token)
             if r.finished and smp.finish_reason is None:
                 smp.finish_reason = r.finish_reason
             self._release_text(group, smp)
@@ -428,6 +455,74 @@ class LLMEngine:
         self.kv_publisher.publish(events)
 
     # ------------------------------------------------------------------ internals
+    def _sample(
+        self, scheduled: Sequence[ScheduledRequest], logits: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, list[int]], dict[str, Exception]]:
+        """Sample every sampling sequence of the step in one batch; verify drafts. Returns
+        the accepted tokens and the sequences no token could be drawn for (with why)."""
+        sampled: dict[str, list[int]] = {}
+        todo: list[tuple[ScheduledRequest, SampleState]] = []
+        for sr in scheduled:
+            if not sr.samples or sr.request_id not in logits:
+                continue
+            group, smp = self._samples[sr.request_id]
+            if smp.force_token is not None:
+                sampled[sr.request_id] = [smp.force_token]
+            else:
+                todo.append((sr, smp))
+        guided = [(smp, smp.grammar) for _, smp in todo if smp.grammar is not None]
+        masks = None
+        if guided:
+            masks = self.structured_outputs().fill_bitmasks([g for _, g in guided])
+        row_of = {id(smp): i for i, (smp, _) in enumerate(guided)}
+        inputs = []
+        for sr, smp in todo:
+            group = self._samples[sr.request_id][0]
+            mask = None if masks is None or smp.grammar is None else masks[row_of[id(smp)]]
+            rows = logits[sr.request_id]
+            inputs.append(
+                SampleInput(
+                    rows,
+                    group.params,
+                    smp.generator,
+                    group.prompt_token_ids,
+                    smp.token_ids,
+                    group.stop_token_ids,
+                    mask,
+                )
+            )
+        unsampled: dict[str, Exception] = {}
+        for (sr, smp), res in zip(todo, sample_batch(inputs), strict=True):
+            if res.error is not None:
+                logger.error("request %s cannot be sampled: %s", sr.request_id, res.error)
+                unsampled[sr.request_id] = ModelExecutionError(res.error)
+                continue
+            toks = res.token_ids
+            if sr.num_draft_tokens:
+                drafts = sr.token_ids[1:]
+                toks = accept_drafts(drafts, toks)
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_draft_tokens += len(toks) - 1
+            sampled[sr.request_id] = toks
+            smp.pending_logprobs = [] if res.logprobs is None else res.logprobs[: len(toks)]
+        return sampled, unsampled
+
+    def _take_prompt_logprobs(
+        self, scheduled: Sequence[ScheduledRequest], logits: dict[str, torch.Tensor]
+    ) -> None:
+        """Record the prompt logprobs of this step's prefill chunks and leave only sampling
+        rows in ``logits``. Position ``p`` predicts prompt token ``p + 1``; positions already
+        recorded (a recompute after preemption) are skipped."""
+        for sr in scheduled:
+            rid = sr.request_id
+            if rid not in self.runner.prompt_logits_ids or rid not in logits:
+                continue
+            rows = logits.pop(rid)
+            if sr.samples:
+                logits[rid] = rows[-1:]
+                self.runner.prompt_logits_ids.discard(rid)  # the prompt is complete
+            self._samples[rid][0].record_prompt_logprobs(sr.start_position, rows)
+
     def _new_sample(
         self, group: RequestGroup, index: int, force_token: int | None = None
     ) -> SampleState:
@@ -438,8 +533,16 @@ class LLMEngine:
         gen = make_generator(None if seed is None else seed + index, self.model.device)
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids)
-        return SampleState(seq_id, index, gen, detok, force_token)
+            skip = group.params.skip_special_tokens
+            detok = IncrementalDetokenizer(
+                self.tokenizer, group.prompt_token_ids, skip_special_tokens=skip
+            )
+        smp = SampleState(seq_id, index, gen, detok, force_token)
+        if group.grammar is not None:
+            smp.grammar = self.structured_outputs().matcher(group.grammar)
+        if group.params.logprobs is not None:
+            smp.logprobs = []
+        return smp
 
     def _register(self, group: RequestGroup, smp: SampleState) -> None:
         group.samples.append(smp)
@@ -448,12 +551,16 @@ class LLMEngine:
     def _make_request(
         self, seq_id: str, ids: list[int], max_tokens: int, group: RequestGroup
     ) -> Request:
+        # prompt logprobs need every prompt position computed: a salt of its own means no
+        # prefix-cache hit can skip one (vLLM skips cache reads for such requests alike)
+        salt = None if group.params.prompt_logprobs is None else f"prompt-logprobs/{seq_id}"
         return Request(
             seq_id,
             ids,
             max_tokens=max_tokens,
             stop_token_ids=group.stop_token_ids,
             arrival_time=group.arrival_s,
+            cache_salt=salt,
         )
 
     def _add_independent(self, group: RequestGroup, index: int) -> None:
@@ -479,32 +586,59 @@ class LLMEngine:
         for req in self.scheduler.running:
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue
+            entry = self._samples.get(req.request_id)
+            if entry is not None and entry[0].params.depends_on_history:
+                continue  # each draft row would need its own history (see batch_sampler)
             room = req.max_tokens - req.num_output_tokens - 1
             room = min(room, self.max_model_len - req.num_tokens - 1)
             req.draft_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
-    def _append(self, group: RequestGroup, smp: SampleState, new_ids: Sequence[int]) -> None:
-        """Add sampled tokens and their text; a stop string cuts the text and finishes."""
+    def _append(
+        self,
+        group: RequestGroup,
+        smp: SampleState,
+        new_ids: Sequence[int],
+        *,
+        stop_token: bool = False,
+    ) -> None:
+        """Add sampled tokens and their text; a stop string cuts the text and finishes. A
+        stop token (``stop_token``: the last id ended the sample) is kept in the token ids but
+        not in the text unless ``include_stop_str_in_output`` (vLLM's rule)."""
         smp.token_ids.extend(new_ids)
         smp.delta_ids.extend(new_ids)
+        if smp.logprobs is not None:
+            got = smp.pending_logprobs[: len(new_ids)]
+            smp.logprobs.extend(got)
+            smp.delta_logprobs.extend(got)
+            smp.pending_logprobs = []
+        if smp.grammar is not None:
+            reason = smp.advance_grammar(new_ids, self.eos_token_ids)
+            if reason is not None:
+                self._finish_running(smp.seq_id, reason)
         if smp.detok is None:
             return
-        delta = smp.detok.add(new_ids)
-        stops = group.params.stop
-        if not stops or smp.finish_reason is not None:
+        params = group.params
+        shown = new_ids[:-1] if stop_token and not params.include_stop_str_in_output else new_ids
+        delta = smp.detok.add(shown)
+        stops = params.stop
+        if not stops or smp.finish_reason is not None or len(smp.token_ids) < params.min_tokens:
             smp.text += delta
             return
         old_len = len(smp.text)
         text = smp.text + delta
         window = max(0, old_len - max(len(s) for s in stops) + 1)
-        hits = [i for i in (text.find(s, window) for s in stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((text.find(s, window), s) for s in stops) if i >= 0]
         if hits:
-            text = text[: min(hits)]
+            at, length = min(hits)
+            text = text[: at + length] if params.include_stop_str_in_output else text[:at]
             smp.finish_reason = FinishReason.STOP
-            req = self.scheduler.requests.get(smp.seq_id)
-            if req is not None and req.status is RequestStatus.RUNNING:
-                self.scheduler.finish(smp.seq_id, FinishReason.STOP)
+            self._finish_running(smp.seq_id, FinishReason.STOP)
         smp.text = text
+
+    def _finish_running(self, seq_id: str, reason: FinishReason) -> None:
+        req = self.scheduler.requests.get(seq_id)
+        if req is not None and req.status is RequestStatus.RUNNING:
+            self.scheduler.finish(seq_id, reason)
 
     @staticmethod
     def _release_text(group: RequestGroup, smp: SampleState) -> None:
@@ -529,16 +663,20 @@ class LLMEngine:
                     s.delta_text,
                     tuple(s.delta_ids),
                     None if s.finish_reason is None else s.finish_reason.value,
+                    None if s.logprobs is None else tuple(s.logprobs),
+                    tuple(s.delta_logprobs),
                 )
             )
             s.delta_ids = []
             s.delta_text = ""
+            s.delta_logprobs = []
         n = group.params.n
         finished = len(group.samples) == n and all(s.finish_reason for s in group.samples)
         if finished:
             del self._groups[group.request_id]
             for s in group.samples:
                 self._samples.pop(s.seq_id, None)
+                self.runner.prompt_logits_ids.discard(s.seq_id)
         ttft = None if group.first_token_s is None else group.first_token_s - group.arrival_s
         return GenerationOutput(
             group.request_id,
@@ -548,6 +686,7 @@ class LLMEngine:
             group.num_cached_tokens,
             ttft,
             now - group.arrival_s,
+            None if group.prompt_logprobs is None else tuple(group.prompt_logprobs),
         )
 
     def _load_tier_blocks(self, out: SchedulerOutput) -> set[str]:

@@ -54,6 +54,8 @@ class ModelRunner:
         self.max_num_blocks = max_num_blocks  # the pool's capacity: tensors never grow past it
         self.decode_kernel = decode_kernel
         self._native_ok = self._check_native(decode_kernel)
+        # sequences that want every prefill position's logits (prompt logprobs)
+        self.prompt_logits_ids: set[str] = set()
 
     def _check_native(self, decode_kernel: str) -> bool:
         """Whether the native decode kernel may run (building it when it may be wanted)."""
@@ -102,7 +104,9 @@ class ModelRunner:
 
     def execute(self, batch: StepBatch) -> dict[str, torch.Tensor]:
         """Run one step; returns ``request_id -> float32 logits [rows, vocab]`` for every
-        sequence that samples (1 row, or 1 + num_draft_tokens rows for a speculative decode)."""
+        sequence that samples (1 row, or 1 + num_draft_tokens rows for a speculative decode).
+        A prefill of a sequence in ``prompt_logits_ids`` gets a row for every position it
+        computes (the last one the sampling row, when it samples)."""
         # Single-token decodes first, shortest context first (a stable sort, so the rest keep
         # the scheduler's order): attention's length groups are then contiguous row ranges.
         seqs: Sequence[ScheduledRequest] = sorted(
@@ -129,7 +133,10 @@ class ModelRunner:
                 )
             ids.extend(s.token_ids)
             offset += s.num_tokens
-            if s.samples:
+            if s.is_prefill and s.request_id in self.prompt_logits_ids:
+                rows.extend(range(offset - s.num_tokens, offset))
+                owners.append((s.request_id, s.num_tokens))
+            elif s.samples:
                 k = s.num_draft_tokens
                 rows.extend(range(offset - 1 - k, offset))
                 owners.append((s.request_id, k + 1))

@@ -4,6 +4,7 @@ detokenization for streaming."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -99,6 +100,22 @@ class Tokenizer:
             self._max_token_chars = max(1, *(len(p) for p in pieces))
         return self._max_token_chars
 
+    def to_json(self) -> str:
+        """The serialized ``tokenizer.json`` (for the structured-output grammar engine)."""
+        return str(self._tok.to_str())
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, which may be part of a UTF-8 character (OpenAI's logprobs
+        ``bytes``): a byte-level BPE piece is mapped back through GPT-2's byte alphabet."""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.id_to_token(token_id) or ""
+        table = _byte_alphabet()
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode()
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
@@ -161,6 +178,24 @@ def check_utf8(text: str) -> None:
         ) from None
 
 
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte (byte-level BPE pieces), reversed."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    table = {chr(b): b for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def _raise(message: str) -> None:
+    raise InvalidRequestError(f"chat template rejected the messages: {message}")
+
+
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas without re-decoding everything.
 
@@ -168,8 +203,15 @@ class IncrementalDetokenizer:
     text of the window, holding back while the tail is an incomplete UTF-8 sequence (U+FFFD).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self.token_ids: list[int] = list(prompt_token_ids)
         self._prefix_offset = max(0, len(self.token_ids) - 5)
         self._read_offset = len(self.token_ids)
@@ -178,8 +220,10 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the new text they complete (maybe empty)."""
         self.token_ids.extend(token_ids)
-        prefix = self._tok.decode(self.token_ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self.token_ids[self._prefix_offset :])
+        skip = self._skip
+        window = self.token_ids[self._prefix_offset : self._read_offset]
+        prefix = self._tok.decode(window, skip_special_tokens=skip)
+        full = self._tok.decode(self.token_ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self._prefix_offset = self._read_offset

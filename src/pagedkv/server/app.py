@@ -20,6 +20,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -27,16 +28,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import GenerationOutput
-from pagedkv.engine.sampler import SamplingParams
-from pagedkv.errors import CacheBusyError, OverloadedError, PagedKVError
+from pagedkv.errors import CacheBusyError, InvalidRequestError, OverloadedError, PagedKVError
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.choices import ChoiceShape
 from pagedkv.server.kv_events_api import add_kv_events_api
+from pagedkv.server.logprobs import LogprobFormatter
 from pagedkv.server.middleware import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, StatusCounter
 from pagedkv.server.prompts import chat_messages, chat_prompt_ids, text_prompt_ids
 from pagedkv.server.responses import completion_body, error_response, sse_completion
+from pagedkv.server.sampling import sampling_params
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pagedkv.server.tool_calls import TOOL_CALL_PARSERS, ToolPlan, plan_tools
 from pagedkv.server.utility_routes import ModelNotFoundError, add_utility_routes, check_model
 
 logger = logging.getLogger(__name__)
@@ -56,8 +59,18 @@ def build_app(
     *,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
-    """The FastAPI application serving ``engine``; starts and stops its step thread."""
+    """The FastAPI application serving ``engine``; starts and stops its step thread.
+    ``tool_call_parser`` (``hermes``, ``llama3_json``) reads tool calls from the text when
+    ``enable_auto_tool_choice`` lets requests use ``tool_choice: auto`` (vLLM's flags)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise InvalidRequestError(
+            f"unknown tool call parser {tool_call_parser!r}; choose {', '.join(TOOL_CALL_PARSERS)}"
+        )
+    tok_for_logprobs = engine.engine.tokenizer
+    formatter = None if tok_for_logprobs is None else LogprobFormatter(tok_for_logprobs)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -163,9 +176,22 @@ def build_app(
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def serve(
-        request: Request, body: _SamplingFields, prompt_ids: list[int], max_tokens: int, chat: bool
+        request: Request,
+        body: _SamplingFields,
+        prompt_ids: list[int],
+        max_tokens: int,
+        chat: bool,
+        *,
+        echo: str = "",
+        tools: ToolPlan | None = None,
     ) -> Response:
-        params = _sampling(body, max_tokens, engine.engine)
+        params = sampling_params(body, max_tokens, tools, engine.engine.generation_defaults)
+        if echo and params.logprobs is not None:
+            params = replace(params, prompt_logprobs=params.logprobs)
+        wants_logprobs = params.logprobs is not None
+        if wants_logprobs and formatter is None:
+            raise InvalidRequestError("logprobs need a tokenizer; this model has none")
+        shape = ChoiceShape(chat, params.stop, formatter if wants_logprobs else None, echo, tools)
         rid = engine.new_request_id("chatcmpl" if chat else "cmpl")
         stream = engine.generate(rid, prompt_ids, params)
         # typed errors (400, 429) are raised here, before any byte is sent
@@ -174,12 +200,19 @@ def build_app(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 sse_completion(
-                    rid, model_name, first, stream, include_usage, params.stop, chat=chat
+                    rid,
+                    model_name,
+                    first,
+                    stream,
+                    include_usage,
+                    params.stop,
+                    chat=chat,
+                    shape=shape,
                 ),
                 media_type="text/event-stream",
             )
         final = await _unless_disconnected(request, _last(first, stream))
-        return JSONResponse(completion_body(rid, model_name, final, chat=chat))
+        return JSONResponse(completion_body(rid, model_name, final, chat=chat, shape=shape))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -192,20 +225,37 @@ def build_app(
             prompt_ids = list(prompt)
         default = engine.engine.generation_defaults.max_tokens  # max_new_tokens, if set
         max_tokens = body.max_tokens or default or _DEFAULT_COMPLETION_TOKENS
-        return await serve(request, body, prompt_ids, max_tokens, chat=False)
+        echo = ""
+        if body.echo:
+            if isinstance(prompt, str):
+                echo = prompt
+            elif tok is not None:
+                echo = tok.decode(prompt_ids)
+            else:
+                raise InvalidRequestError(
+                    "echo of token ids needs a tokenizer; this model has none"
+                )
+        return await serve(request, body, prompt_ids, max_tokens, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_request(body, model_name)
         max_len = engine.engine.max_model_len
+        tools = plan_tools(
+            body.tools,
+            body.tool_choice,
+            parser=tool_call_parser,
+            enable_auto_tool_choice=enable_auto_tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+        )
         messages = chat_messages(body)
         prompt_ids = await asyncio.to_thread(
-            chat_prompt_ids, engine.engine.tokenizer, messages, max_len
+            chat_prompt_ids, engine.engine.tokenizer, messages, max_len, body.tools
         )
         room = max(1, max_len - len(prompt_ids))
         room = min(room, engine.engine.generation_defaults.max_tokens or room)
         max_tokens = body.max_completion_tokens or body.max_tokens or room
-        return await serve(request, body, prompt_ids, max_tokens, chat=True)
+        return await serve(request, body, prompt_ids, max_tokens, chat=True, tools=tools)
 
     add_kv_events_api(app, engine)
     return app
@@ -214,19 +264,6 @@ def build_app(
 def _check_request(body: _SamplingFields, model_name: str) -> None:
     check_model(body.model, model_name)
     body.check_supported()
-
-
-def _sampling(body: _SamplingFields, max_tokens: int, engine: LLMEngine) -> SamplingParams:
-    """A request's sampling; fields it leaves unset take the checkpoint's defaults."""
-    return engine.default_sampling_params(
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=None if body.top_k is None else max(0, body.top_k),
-        seed=body.seed,
-        n=body.n,
-        stop=tuple(body.stop_strings()),
-    )
 
 
 async def _first(stream: AsyncGenerator[GenerationOutput, None]) -> GenerationOutput:

@@ -66,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill/decode disaggregation through the shared --redis tier (pagedkv router "
         "--prefill URL --engine URL); a prefill engine answers once its KV is stored",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let chat requests use tool_choice "auto" (needs --tool-call-parser)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="how tool calls are read from the model's text (vLLM's parser names)",
+    )
     add_tier_arguments(p)
     return p
 
@@ -106,6 +117,8 @@ def main(argv: list[str]) -> int:
     if args.log_level not in _LOG_LEVELS:
         parser.error(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {args.log_level!r}")
     check_server_limits(parser, args)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     from pagedkv.server.roles import add_prefill_role, check_role
 
     try:
@@ -141,7 +154,13 @@ def main(argv: list[str]) -> int:
         model_name=name,
         stall_timeout_s=args.health_stall_timeout,
     )
-    app = build_app(async_engine, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    app = build_app(
+        async_engine,
+        api_key=api_key,
+        max_request_bytes=args.max_request_bytes,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+    )
     if args.role == "prefill":
         add_prefill_role(app, async_engine)
     serve_on(

@@ -13,6 +13,7 @@ so special tokens written in it are parsed, as in vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedkv.engine.chat_encoding import encode_chat
@@ -59,11 +60,13 @@ def chat_prompt_ids(
     tok: Tokenizer | None,
     messages: list[dict[str, Any]],
     max_model_len: int,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     *,
     add_generation_prompt: bool = True,
 ) -> list[int]:
-    """The ids of a chat under the model's template. Blocking: run in a thread."""
+    """The ids of a chat (and its ``tools``, for the template) under the model's template.
+    Blocking: run in a thread."""
     t = require_tokenizer(tok, "chat needs one")
     num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     check_text_length(t, num_chars, max_model_len)
-    return encode_chat(t, messages, add_generation_prompt=add_generation_prompt)
+    return encode_chat(t, messages, add_generation_prompt=add_generation_prompt, tools=tools)

@@ -1,8 +1,9 @@
 """OpenAI response bodies: errors, usage, completions and their server-sent-event stream.
 
 Streaming works from each sample's cumulative ``text``: a tail that could be the start of a stop
-string is held back while the sample runs (the next token may complete the stop and the text is
-then cut before it), so a streamed answer never shows text the final answer does not have.
+string (or of a tool call) is held back while the sample runs (the next token may complete the
+stop and the text is then cut before it), so a streamed answer never shows text the final
+answer does not have. The choices themselves are rendered by :mod:`pagedkv.server.choices`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.errors import PagedKVError
+from pagedkv.server.choices import ChoiceShape, ChoiceStream, stop_prefix_len
+
+__all__ = ["completion_body", "error_body", "error_response", "sse_completion", "stop_prefix_len"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,23 +56,17 @@ def usage(out: GenerationOutput) -> dict[str, Any]:
     }
 
 
-def completion_body(rid: str, model: str, out: GenerationOutput, *, chat: bool) -> dict[str, Any]:
+def completion_body(
+    rid: str, model: str, out: GenerationOutput, *, chat: bool, shape: ChoiceShape | None = None
+) -> dict[str, Any]:
     """The non-streaming answer: ``chat.completion`` or ``text_completion``."""
-    choices: list[dict[str, Any]] = []
-    for c in out.outputs:
-        choice: dict[str, Any] = {"index": c.index}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
-        else:
-            choice["text"] = c.text
-        choice.update(finish_reason=c.finish_reason, logprobs=None)
-        choices.append(choice)
+    shape = shape or ChoiceShape(chat)
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": choices,
+        "choices": [shape.final(c, out) for c in out.outputs],
         "usage": usage(out),
     }
 
@@ -82,6 +80,7 @@ async def sse_completion(
     stops: tuple[str, ...],
     *,
     chat: bool,
+    shape: ChoiceShape | None = None,
 ) -> AsyncIterator[bytes]:
     """The streamed answer: one ``data:`` event per step that added text, ``[DONE]`` last.
 
@@ -109,12 +108,11 @@ async def sse_completion(
             [{"index": c.index, "delta": role, "finish_reason": None} for c in first.outputs]
         )
     last = first
-    reported: set[int] = set()  # samples whose finish_reason was sent
-    sent: dict[int, int] = {}  # sample index -> characters of its text sent so far
+    progress = ChoiceStream(shape or ChoiceShape(chat, stops))
     try:
         out: GenerationOutput | None = first
         while out is not None:
-            choices = _choices(out, sent, reported, stops, chat=chat)
+            choices = progress.choices(out)
             if choices:
                 yield event(choices)
             last = out
@@ -131,46 +129,3 @@ async def sse_completion(
     if include_usage:
         yield event([], usage(last))
     yield b"data: [DONE]\n\n"
-
-
-def _choices(
-    out: GenerationOutput,
-    sent: dict[int, int],
-    reported: set[int],
-    stops: tuple[str, ...],
-    *,
-    chat: bool,
-) -> list[dict[str, Any]]:
-    """Each sample's text since the last event (stop-string prefixes held back)."""
-    choices: list[dict[str, Any]] = []
-    for c in out.outputs:
-        if c.index in reported:
-            continue
-        start = sent.get(c.index, 0)
-        end = len(c.text)
-        if c.finish_reason is None:
-            end -= stop_prefix_len(c.text, stops)
-        delta = c.text[start:end] if end > start else ""
-        if not delta and c.finish_reason is None:
-            continue
-        sent[c.index] = max(start, end)
-        if c.finish_reason is not None:
-            reported.add(c.index)
-        choice: dict[str, Any] = {"index": c.index}
-        if chat:
-            choice["delta"] = {"content": delta} if delta else {}
-        else:
-            choice.update(text=delta, logprobs=None)
-        choice["finish_reason"] = c.finish_reason
-        choices.append(choice)
-    return choices
-
-
-def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-    longest = min(len(text), max((len(s) for s in stops), default=1) - 1)
-    for k in range(longest, 0, -1):
-        tail = text[-k:]
-        if any(len(s) > k and s.startswith(tail) for s in stops):
-            return k
-    return 0

@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible API (pydantic models) and their validation.
 
-Fields the server does not implement (``logprobs``, ``tools``, ...) are accepted and ignored when
-absent, null or set to the value that asks for the default (``response_format={"type": "text"}``,
-``best_of=1``, ``service_tier="auto"``, ``parallel_tool_calls``), and rejected with a 400 naming
-the parameter otherwise, so a client never silently gets less than it asked for.
+Fields the server does not implement are accepted and ignored when absent, null or set to the
+value that asks for the default (``response_format={"type": "text"}``, ``best_of=1``,
+``service_tier="auto"``, ``parallel_tool_calls``), and rejected with a 400 naming the parameter
+otherwise, so a client never silently gets less than it asked for. vLLM's extra sampling fields
+(``min_tokens``, ``guided_json``, ...) come through the body, as the ``openai`` client's
+``extra_body`` sends them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -54,6 +71,21 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # request features (OpenAI, then vLLM's extras)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # None: checkpoint's
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -90,6 +122,8 @@ class CompletionRequest(_SamplingFields):
     refused (send one request per prompt)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
@@ -148,3 +182,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
