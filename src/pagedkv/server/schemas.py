@@ -50,8 +50,9 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
-    "json_schema": {"name", "schema", "strict"}}``."""
+    "json_schema": {"name", "schema", "strict"}}``. An unknown key is refused, never ignored."""
 
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
