@@ -160,7 +160,8 @@ def test_streaming_chat_and_auth_pass_through(cluster: dict[str, Any]) -> None:
         headers={"Authorization": f"Bearer {API_KEY}"},
         timeout=10,
     )
-    assert bad.status_code == 400  # the engine's verdict, passed through
+    assert bad.status_code == 404  # the engine's verdict (model_not_found), passed through
+    assert bad.json()["error"]["code"] == "model_not_found"
     assert "does not exist" in bad.json()["error"]["message"]
 
 
