@@ -18,6 +18,7 @@ Hierarchy::
     ├── TierUnavailableError(ConnectionError) a storage tier cannot be reached
     ├── ModelLoadError(ValueError)           missing files or unsupported architecture
     ├── OverloadedError(RuntimeError)        a queue is full (the server answers 429)
+    ├── SimulationLimitError(RuntimeError)   a simulation passed a user-set limit (max_steps)
     └── InvariantViolation(RuntimeError)     an internal invariant broke: a bug, never user error
 """
 
@@ -73,6 +74,13 @@ class ModelLoadError(PagedKVError, ValueError):
 
 class OverloadedError(PagedKVError, RuntimeError):
     """A bounded queue is full; the caller should retry later."""
+
+
+class SimulationLimitError(PagedKVError, RuntimeError):
+    """A simulation reached a limit its caller set (``max_steps``) before every request finished.
+
+    Not a bug: the workload needs more steps than allowed; raise the limit or shrink the workload.
+    """
 
 
 class InvariantViolation(PagedKVError, RuntimeError):  # noqa: N818  (the name STYLE.md gives)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.config import CacheConfig, ReservationPolicy
-from pagedkv.errors import PagedKVError
+from pagedkv.errors import InvalidRequestError, PagedKVError
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sim.cost_model import CostModel
 from pagedkv.sim.generators import DEFAULT_MAX_CONTEXT, WORKLOADS, make_workload
@@ -28,6 +28,8 @@ from pagedkv.sim.variants import KEYS
 from pagedkv.sim.workload import Workload
 
 _D = CostModel()
+DEFAULT_NUM_REQUESTS = 600
+DEFAULT_RATE = 10.0
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -63,13 +65,23 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--workload", choices=WORKLOADS, default="mixed", help="built-in workload")
     src.add_argument("--trace", metavar="FILE.jsonl", help="replay a trace (docs/trace-format.md)")
     w.add_argument("--seed", type=int, default=0, help="workload and token seed")
-    w.add_argument("--num-requests", type=int, default=600, help="built-in workload size (about)")
-    w.add_argument("--rate", type=float, default=10.0, help="new requests per simulated second")
+    w.add_argument(
+        "--num-requests",
+        type=int,
+        help=f"built-in workload size (about; default {DEFAULT_NUM_REQUESTS}); with --trace: "
+        "replay only its first N requests",
+    )
+    w.add_argument(
+        "--rate",
+        type=float,
+        help=f"new requests per simulated second (default {DEFAULT_RATE:g}); with --trace: "
+        "scale the trace's arrival times to this mean rate",
+    )
     w.add_argument(
         "--max-context",
         type=int,
-        default=DEFAULT_MAX_CONTEXT,
-        help="longest prompt + output a built-in workload makes",
+        help=f"longest prompt + output a built-in workload makes (default {DEFAULT_MAX_CONTEXT}; "
+        "refused with --trace: cut a trace with --max-model-len)",
     )
     w.add_argument("--save-trace", metavar="PATH", help="also write the workload as a JSONL trace")
 
@@ -173,14 +185,25 @@ def _base_config(a: argparse.Namespace) -> SimConfig:
 
 
 def _load_workload(a: argparse.Namespace) -> Workload:
+    """The built-in workload, or the trace with ``--num-requests`` and ``--rate`` applied."""
     if a.trace:
-        return load_trace(a.trace, seed=a.seed)
+        if a.max_context is not None:
+            raise InvalidRequestError(
+                "--max-context shapes the built-in workloads only; a trace's lengths are its "
+                "own (use --max-model-len to cut long requests of a trace)"
+            )
+        workload = load_trace(a.trace, seed=a.seed)
+        if a.num_requests is not None:
+            workload = workload.head(a.num_requests)
+        if a.rate is not None:
+            workload = workload.scaled_to_rate(a.rate)
+        return workload
     return make_workload(
         a.workload,
         seed=a.seed,
-        num_requests=a.num_requests,
-        rate=a.rate,
-        max_context=a.max_context,
+        num_requests=DEFAULT_NUM_REQUESTS if a.num_requests is None else a.num_requests,
+        rate=DEFAULT_RATE if a.rate is None else a.rate,
+        max_context=DEFAULT_MAX_CONTEXT if a.max_context is None else a.max_context,
     )
 
 

@@ -39,6 +39,7 @@ from pagedkv.errors import (
     InvariantViolation,
     OverloadedError,
     PromptTooLongError,
+    SimulationLimitError,
 )
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sched.request import Request
@@ -154,7 +155,8 @@ def simulate(
 ) -> SimReport:
     """Run ``workload`` through a fresh scheduler built from ``config`` and report what happened.
 
-    Raises InvariantViolation if the scheduler stops making progress with requests left.
+    Raises SimulationLimitError when ``config.max_steps`` steps pass with requests left (a limit
+    the caller chose), InvariantViolation if the scheduler stops making progress (a bug).
     """
     cfg = config or SimConfig()
     wall0 = time.perf_counter()
@@ -286,7 +288,11 @@ def simulate(
             continue
         step += 1
         if step > cfg.max_steps:
-            raise InvariantViolation(f"simulation passed max_steps={cfg.max_steps}")
+            raise SimulationLimitError(
+                f"the simulation passed max_steps={cfg.max_steps:,} at simulated t={clock:,.1f}s "
+                f"with {len(tracks):,} requests unfinished and {len(arrivals):,} yet to arrive; "
+                "raise max_steps or simulate fewer requests"
+            )
 
         c0, w0 = cpu_ns(), wall_ns()
         out = sched.schedule()

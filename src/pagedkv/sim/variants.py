@@ -1,7 +1,8 @@
 """``--compare KEY=V1,V2``: named settings a comparison varies, and their cross product.
 
 Each key sets one field of the scheduler or cache config (``block_size`` also rescales
-``num_blocks`` so every variant has the same KV memory; a ``num_blocks`` given after it wins).
+``num_blocks`` so every variant has the same usable KV memory, the null block counted apart; a
+``num_blocks`` given after it wins).
 Several ``--compare`` options combine as a cross product (``caching=on,off`` x
 ``num_blocks=2048,8192`` is four variants), capped at :data:`MAX_VARIANTS` so a typo cannot
 start an hour-long run.
@@ -63,9 +64,17 @@ def _set_spec(cfg: SimConfig, k: int) -> SimConfig:
 
 
 def _set_block_size(cfg: SimConfig, block_size: int) -> SimConfig:
-    """Same KV memory, other block size: keep num_blocks * block_size (the null block aside)."""
-    tokens = cfg.cache.num_blocks * cfg.cache.block_size
-    return _set_cache(cfg, block_size=block_size, num_blocks=max(2, tokens // block_size))
+    """The same usable KV memory with another block size.
+
+    The null block (block 0, never allocated) is not capacity, so what is kept is
+    ``(num_blocks - null) * block_size``, rounded to the nearest whole block; the null block
+    is then added back. (Keeping ``num_blocks * block_size`` instead lost one large block to
+    the null block: 1 of 4 usable blocks at block_size=256 over a 1,024-token pool.)
+    """
+    null = 1 if cfg.cache.use_null_block else 0
+    usable_tokens = (cfg.cache.num_blocks - null) * cfg.cache.block_size
+    usable_blocks = max(1, (usable_tokens + block_size // 2) // block_size)
+    return _set_cache(cfg, block_size=block_size, num_blocks=usable_blocks + null)
 
 
 def _float(value: str) -> float:

@@ -13,7 +13,9 @@ run and its full blocks hash alike.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,6 +120,46 @@ class Workload:
     def max_total_tokens(self) -> int:
         """The longest prompt + output: max_model_len must exceed it for nothing to be cut."""
         return max((r.num_prompt_tokens + r.output_len for r in self.requests), default=0)
+
+    @property
+    def mean_rate(self) -> float:
+        """Requests per second over the span of arrival times: ``(n - 1) / (last - first)``
+        (0.0 when fewer than two requests or every request arrives at once)."""
+        if len(self.requests) < 2:
+            return 0.0
+        span = self.requests[-1].arrival_s - self.requests[0].arrival_s
+        return (len(self.requests) - 1) / span if span > 0 else 0.0
+
+    def head(self, num_requests: int) -> Workload:
+        """The first ``num_requests`` requests by arrival (W2 keeps every ``follows`` inside)."""
+        if num_requests <= 0:
+            raise InvalidRequestError(f"num_requests must be positive, got {num_requests}")
+        if num_requests >= len(self.requests):
+            return self
+        return Workload(self.name, self.requests[:num_requests])
+
+    def scaled_to_rate(self, rate: float) -> Workload:
+        """The same requests with arrival times stretched about the first so that
+        :attr:`mean_rate` is ``rate``. Think times are kept: a user's reading time is not load.
+
+        Raises InvalidRequestError when the rate is not positive or the workload has no span
+        to scale (one request, or all arriving at once).
+        """
+        if not (rate > 0.0 and math.isfinite(rate)):
+            raise InvalidRequestError(f"rate must be positive (requests per second), got {rate}")
+        current = self.mean_rate
+        if current == 0.0:
+            raise InvalidRequestError(
+                f"{self.name}: cannot scale to {rate:g} requests/s: its {len(self.requests)} "
+                "request(s) all arrive at the same time"
+            )
+        factor = current / rate
+        t0 = self.requests[0].arrival_s
+        scaled = tuple(
+            dataclasses.replace(r, arrival_s=t0 + (r.arrival_s - t0) * factor)
+            for r in self.requests
+        )
+        return Workload(self.name, scaled)
 
     def check_invariants(self) -> None:
         from pagedkv.errors import InvariantViolation
