@@ -19,7 +19,7 @@ from typing import Any
 from pagedkv.core.config import CacheConfig, ReservationPolicy
 from pagedkv.errors import InvalidRequestError, PagedKVError
 from pagedkv.sched.config import SchedulerConfig
-from pagedkv.sim.cost_model import CostModel
+from pagedkv.sim.cost_args import DEFAULT_NUM_BLOCKS, add_cost_arguments, resolve_cost
 from pagedkv.sim.generators import DEFAULT_MAX_CONTEXT, WORKLOADS, make_workload
 from pagedkv.sim.report import Percentiles, SimReport
 from pagedkv.sim.simulator import Progress, SimConfig, simulate
@@ -27,7 +27,6 @@ from pagedkv.sim.trace import load_trace, save_trace
 from pagedkv.sim.variants import KEYS
 from pagedkv.sim.workload import Workload
 
-_D = CostModel()
 DEFAULT_NUM_REQUESTS = 600
 DEFAULT_RATE = 10.0
 
@@ -86,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--save-trace", metavar="PATH", help="also write the workload as a JSONL trace")
 
     c = p.add_argument_group("KV cache and scheduler (the base every variant starts from)")
-    c.add_argument("--num-blocks", type=int, default=4096, help="pool size in blocks")
+    c.add_argument(
+        "--num-blocks",
+        type=int,
+        help=f"pool size in blocks (default: sized from --model-config, else {DEFAULT_NUM_BLOCKS})",
+    )
     c.add_argument("--block-size", type=int, default=16, help="tokens per block")
     c.add_argument(
         "--watermark", type=float, default=0.01, help="fraction of the pool kept free at admission"
@@ -113,33 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="probability that each draft is the true next token",
     )
 
-    m = p.add_argument_group(
-        "step cost model (defaults: a 7-8B model on one H100-class GPU; see pagedkv.sim.cost_model)"
-    )
-    m.add_argument(
-        "--per-step-ms",
-        type=float,
-        default=round(_D.per_step_s * 1e3, 6),
-        help="fixed cost of every step (weights read once)",
-    )
-    m.add_argument(
-        "--per-prefill-token-us",
-        type=float,
-        default=round(_D.per_prefill_token_s * 1e6, 6),
-        help="cost of each prefill token",
-    )
-    m.add_argument(
-        "--per-decode-seq-us",
-        type=float,
-        default=round(_D.per_decode_seq_s * 1e6, 6),
-        help="cost of each decoding sequence",
-    )
-    m.add_argument(
-        "--per-context-token-ns",
-        type=float,
-        default=round(_D.per_context_token_s * 1e9, 6),
-        help="attention cost per context token read by a scheduled request",
-    )
+    add_cost_arguments(p)
 
     o = p.add_argument_group("comparison and output")
     o.add_argument(
@@ -155,8 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _base_config(a: argparse.Namespace) -> SimConfig:
-    return SimConfig(
+def _base_config(a: argparse.Namespace) -> tuple[SimConfig, str]:
+    """The base config every variant starts from, and a line on where its costs came from."""
+    choice = resolve_cost(
+        a,
+        block_size=a.block_size,
+        max_num_batched_tokens=a.max_batched_tokens,
+        max_num_seqs=a.max_num_seqs,
+    )
+    cfg = SimConfig(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=a.max_batched_tokens,
             max_num_seqs=a.max_num_seqs,
@@ -166,22 +150,18 @@ def _base_config(a: argparse.Namespace) -> SimConfig:
         ),
         cache=CacheConfig(
             block_size=a.block_size,
-            num_blocks=a.num_blocks,
+            num_blocks=choice.num_blocks,
             enable_prefix_caching=True,  # --compare caching=off turns it off
             watermark=a.watermark,
             reservation=ReservationPolicy(a.reservation),
             model_id="sim",
         ),
-        cost=CostModel(
-            per_step_s=a.per_step_ms * 1e-3,
-            per_prefill_token_s=a.per_prefill_token_us * 1e-6,
-            per_decode_seq_s=a.per_decode_seq_us * 1e-6,
-            per_context_token_s=a.per_context_token_ns * 1e-9,
-        ),
+        cost=choice.cost,
         seed=a.seed,
         num_draft_tokens=a.spec_k,
         draft_acceptance=a.draft_acceptance,
     )
+    return cfg, choice.note
 
 
 def _load_workload(a: argparse.Namespace) -> Workload:
@@ -252,7 +232,9 @@ def _tag_cell(report: SimReport, tag: str) -> str:
     return "-"
 
 
-def print_table(reports: Sequence[SimReport], workload: Workload, base: SimConfig) -> None:
+def print_table(
+    reports: Sequence[SimReport], workload: Workload, base: SimConfig, note: str = ""
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -279,6 +261,8 @@ def print_table(reports: Sequence[SimReport], workload: Workload, base: SimConfi
             table.add_row(f"{tag}: TTFT p50 / p99 (ms), hit", *(_tag_cell(r, tag) for r in reports))
     console = Console(width=max(100, min(200, 34 + 26 * len(reports))))
     console.print(table)
+    if note:
+        console.print(note[:1].upper() + note[1:] + ".")
     console.print(
         "Times are simulated (the step cost model, see --help), except the CPU/wall rows: "
         "this machine's cost of the real scheduler per step (CPU = thread time, robust to other "
@@ -319,7 +303,7 @@ def main(argv: list[str]) -> int:
         workload = _load_workload(a)
         from pagedkv.sim.variants import build_variants
 
-        base = _base_config(a)
+        base, cost_note = _base_config(a)
         variants = build_variants(base, a.compare or ["caching=on,off"])
         if a.save_trace:
             save_trace(workload, a.save_trace)
@@ -334,7 +318,7 @@ def main(argv: list[str]) -> int:
         with _progress_bar(show, len(workload), [v.label for v in variants]) as callbacks:
             for cfg, cb in zip(variants, callbacks, strict=True):
                 reports.append(simulate(workload, cfg, progress=cb))
-        print_table(reports, workload, base)
+        print_table(reports, workload, base, cost_note)
         if a.json:
             doc = {
                 "command": ["pagedkv", "simulate", *argv],
@@ -357,14 +341,14 @@ def main(argv: list[str]) -> int:
 
 
 def _describe(cfg: SimConfig) -> dict[str, Any]:
-    def plain(obj: Any) -> Any:
+    def plain(obj: Any) -> dict[str, Any]:
         d = dataclasses.asdict(obj)
         return {k: getattr(v, "value", v) for k, v in d.items()}
 
     return {
         "scheduler": plain(cfg.scheduler),
         "cache": plain(cfg.cache),
-        "cost": plain(cfg.cost),
+        "cost": {"kind": type(cfg.cost).__name__, **plain(cfg.cost)},
         "seed": cfg.seed,
         "num_draft_tokens": cfg.num_draft_tokens,
         "draft_acceptance": cfg.draft_acceptance,

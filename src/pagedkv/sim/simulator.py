@@ -44,7 +44,7 @@ from pagedkv.errors import (
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sched.request import Request
 from pagedkv.sched.scheduler import Scheduler
-from pagedkv.sim.cost_model import CostModel
+from pagedkv.sim.cost_model import CostModel, StepCost, step_totals
 from pagedkv.sim.report import (
     Percentiles,
     RequestRecord,
@@ -75,7 +75,7 @@ class SimConfig:
 
     scheduler: SchedulerConfig = field(default_factory=_default_scheduler)
     cache: CacheConfig = field(default_factory=_default_cache)
-    cost: CostModel = field(default_factory=CostModel)
+    cost: StepCost = field(default_factory=CostModel)  # CostModel, RooflineCost, a fitted one
     seed: int = 0
     label: str = "default"
     params: tuple[tuple[str, str], ...] = ()
@@ -314,7 +314,7 @@ def simulate(
                 f"requests unfinished ({sched.num_running} running, {sched.num_waiting} waiting)"
             )
         usage = mgr.usage
-        dt = cost.step_time_of(out)
+        dt = cost.step_time(*step_totals(out))
         clock += dt
         sampled: dict[str, list[int]] = {}
         for sr in out.scheduled:
