@@ -20,7 +20,7 @@ from pagedkv.core.config import CacheConfig, ReservationPolicy
 from pagedkv.errors import InvalidRequestError, PagedKVError
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sim.cost_args import DEFAULT_NUM_BLOCKS, add_cost_arguments, resolve_cost
-from pagedkv.sim.generators import DEFAULT_MAX_CONTEXT, WORKLOADS, make_workload
+from pagedkv.sim.generators import DEFAULT_MAX_CONTEXT, MAX_TOKENS_MODES, WORKLOADS, make_workload
 from pagedkv.sim.report import Percentiles, SimReport
 from pagedkv.sim.simulator import Progress, SimConfig, simulate
 from pagedkv.sim.trace import load_trace, save_trace
@@ -82,6 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"longest prompt + output a built-in workload makes (default {DEFAULT_MAX_CONTEXT}; "
         "refused with --trace: cut a trace with --max-model-len)",
     )
+    w.add_argument(
+        "--burstiness",
+        type=float,
+        help="arrival gaps: 1 = Poisson (default), below 1 burstier, above more regular (gamma)",
+    )
+    w.add_argument(
+        "--max-tokens-mode",
+        choices=MAX_TOKENS_MODES,
+        help="drawn (default): each request asks for a client max_tokens above what it "
+        "generates; oracle: max_tokens is the true length",
+    )
     w.add_argument("--save-trace", metavar="PATH", help="also write the workload as a JSONL trace")
 
     c = p.add_argument_group("KV cache and scheduler (the base every variant starts from)")
@@ -129,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", metavar="PATH", help="write every report as JSON")
     o.add_argument("--plot", metavar="FILE.png", help="draw usage, queues and latency over time")
     o.add_argument("--quiet", action="store_true", help="no progress bar (none off a TTY either)")
+    o.add_argument("--slo-ttft-ms", type=float, help="TTFT target: adds a goodput row")
+    o.add_argument("--slo-tpot-ms", type=float, help="TPOT target: adds a goodput row")
     return p
 
 
@@ -172,6 +185,15 @@ def _load_workload(a: argparse.Namespace) -> Workload:
                 "--max-context shapes the built-in workloads only; a trace's lengths are its "
                 "own (use --max-model-len to cut long requests of a trace)"
             )
+        for flag, value in (
+            ("--burstiness", a.burstiness),
+            ("--max-tokens-mode", a.max_tokens_mode),
+        ):
+            if value is not None:
+                raise InvalidRequestError(
+                    f"{flag} shapes the built-in workloads only; a trace gives its own arrivals "
+                    "and max_tokens"
+                )
         workload = load_trace(a.trace, seed=a.seed)
         if a.num_requests is not None:
             workload = workload.head(a.num_requests)
@@ -184,11 +206,17 @@ def _load_workload(a: argparse.Namespace) -> Workload:
         num_requests=DEFAULT_NUM_REQUESTS if a.num_requests is None else a.num_requests,
         rate=DEFAULT_RATE if a.rate is None else a.rate,
         max_context=DEFAULT_MAX_CONTEXT if a.max_context is None else a.max_context,
+        burstiness=1.0 if a.burstiness is None else a.burstiness,
+        max_tokens=a.max_tokens_mode or "drawn",
     )
 
 
 def _ms(p: Percentiles) -> str:
     return f"{p.p50 * 1e3:,.1f} / {p.p90 * 1e3:,.1f} / {p.p99 * 1e3:,.1f}"
+
+
+def _batch(p: Percentiles) -> str:
+    return f"{p.mean:,.1f} / {p.p50:,.0f} / {p.max:,.0f}"
 
 
 def _us(p: Percentiles) -> str:
@@ -215,8 +243,19 @@ _ROWS: list[tuple[str, Callable[[SimReport], str]]] = [
             + (f" ({r.draft_acceptance_rate:.0%})" if r.num_draft_tokens else "")
         ),
     ),
+    ("KV pool (usable tokens)", lambda r: f"{r.kv_capacity_tokens:,}"),
     ("peak / mean KV usage", lambda r: f"{r.peak_usage:.1%} / {r.mean_usage:.1%}"),
+    (
+        "mean KV allocated / tokens, waste",
+        lambda r: f"{r.mean_allocated_usage:.1%} / {r.mean_token_usage:.1%}, {r.kv_waste:.0%}",
+    ),
     ("peak running / waiting", lambda r: f"{r.peak_running} / {r.peak_waiting}"),
+    ("batch size mean / p50 / max", lambda r: _batch(r.batch_size)),
+    (
+        "queueing delay p50 / p99 (ms)",
+        lambda r: f"{r.queue_s.p50 * 1e3:,.1f} / {r.queue_s.p99 * 1e3:,.1f}",
+    ),
+    ("normalized latency mean (ms/token)", lambda r: f"{r.normalized_latency_s.mean * 1e3:,.1f}"),
     ("steps", lambda r: f"{r.num_steps:,}"),
     ("schedule() CPU p50 / p99 (µs)", lambda r: _us(r.wall.schedule_cpu_us)),
     ("update() CPU p50 / p99 (µs)", lambda r: _us(r.wall.update_cpu_us)),
@@ -233,7 +272,11 @@ def _tag_cell(report: SimReport, tag: str) -> str:
 
 
 def print_table(
-    reports: Sequence[SimReport], workload: Workload, base: SimConfig, note: str = ""
+    reports: Sequence[SimReport],
+    workload: Workload,
+    base: SimConfig,
+    note: str = "",
+    slo: tuple[float, float] | None = None,
 ) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -254,6 +297,11 @@ def print_table(
         if name.startswith("drafts") and not speculating:
             continue
         table.add_row(name, *(cell(r) for r in reports))
+    if slo is not None:
+        table.add_row(
+            f"goodput (req/s, TTFT <= {slo[0] * 1e3:g} ms, TPOT <= {slo[1] * 1e3:g} ms)",
+            *(f"{r.goodput(*slo):,.2f}" for r in reports),
+        )
     tags = sorted({t.tag for r in reports for t in r.by_tag})
     if len(tags) > 1:  # a mixed workload: which class gained what
         table.add_section()
@@ -318,7 +366,7 @@ def main(argv: list[str]) -> int:
         with _progress_bar(show, len(workload), [v.label for v in variants]) as callbacks:
             for cfg, cb in zip(variants, callbacks, strict=True):
                 reports.append(simulate(workload, cfg, progress=cb))
-        print_table(reports, workload, base, cost_note)
+        print_table(reports, workload, base, cost_note, slo_of(a))
         if a.json:
             doc = {
                 "command": ["pagedkv", "simulate", *argv],
@@ -338,6 +386,19 @@ def main(argv: list[str]) -> int:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def slo_of(a: argparse.Namespace) -> tuple[float, float] | None:
+    """``(ttft_s, tpot_s)`` from ``--slo-ttft-ms``/``--slo-tpot-ms`` (an absent one: no limit)."""
+    if a.slo_ttft_ms is None and a.slo_tpot_ms is None:
+        return None
+    for flag, v in (("--slo-ttft-ms", a.slo_ttft_ms), ("--slo-tpot-ms", a.slo_tpot_ms)):
+        if v is not None and not v > 0:
+            raise InvalidRequestError(f"{flag} must be positive, got {v}")
+    inf = float("inf")
+    ttft = inf if a.slo_ttft_ms is None else a.slo_ttft_ms * 1e-3
+    tpot = inf if a.slo_tpot_ms is None else a.slo_tpot_ms * 1e-3
+    return ttft, tpot
 
 
 def _describe(cfg: SimConfig) -> dict[str, Any]:

@@ -13,7 +13,10 @@ A request that ``follows`` another arrives ``think_s`` after that one finishes. 
 token of output position ``i`` is ``output_token_ids[i]`` when the workload gives them (a chat's
 next turn re-sends exactly these), otherwise the ``i``-th draw of a generator seeded by the
 simulation seed and the request id, so every variant of a comparison produces the same tokens.
-Requests never stop early: max_tokens is the output length and there are no stop tokens.
+A request whose ``max_tokens`` exceeds its output length ends with a stop token at that length
+(the output's last token is replaced by it), as a model stops at EOS; the scheduler's own stop
+check ends it. ``allocator`` picks paged blocks or a contiguous reservation baseline
+(:mod:`pagedkv.sim.allocators`).
 
 Speculative decoding (``num_draft_tokens = k > 0``): after each step a decoding request gets k
 drafts, each the true next token with probability ``draft_acceptance`` (independently, from a
@@ -28,7 +31,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,21 +45,25 @@ from pagedkv.errors import (
     SimulationLimitError,
 )
 from pagedkv.sched.config import SchedulerConfig
+from pagedkv.sched.output import ScheduledRequest
 from pagedkv.sched.request import Request
 from pagedkv.sched.scheduler import Scheduler
+from pagedkv.sim.allocators import Allocator, reserved_max_tokens
 from pagedkv.sim.cost_model import CostModel, StepCost, step_totals
-from pagedkv.sim.report import (
-    Percentiles,
-    RequestRecord,
-    SimReport,
-    WallTimings,
-    bucket_series,
-    summarize_tags,
+from pagedkv.sim.recorder import Recorder
+from pagedkv.sim.report import RequestRecord, SimReport
+from pagedkv.sim.workload import (
+    EOS_TOKEN_ID,
+    VOCAB_HIGH,
+    VOCAB_LOW,
+    SimRequest,
+    Workload,
+    stable_seed,
 )
-from pagedkv.sim.workload import VOCAB_HIGH, VOCAB_LOW, SimRequest, Workload, stable_seed
 
 logger = logging.getLogger(__name__)
 
+Sampled = dict[str, list[int]]
 Progress = Callable[[int, int, float], None]
 """``progress(num_done, num_requests, clock_s)``: called every few hundred steps and at the end."""
 
@@ -83,6 +90,7 @@ class SimConfig:
     max_steps: int = 10_000_000  # a guard against a scheduler that never finishes
     num_draft_tokens: int = 0  # speculative drafts per decode step (0: off)
     draft_acceptance: float = 0.7  # probability that each draft is the true next token
+    allocator: Allocator = Allocator.PAGED  # or a contiguous baseline (pagedkv.sim.allocators)
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -104,7 +112,7 @@ class SimConfig:
 class _Track:
     """What the simulator remembers of one admitted request (a hot mutable record)."""
 
-    __slots__ = ("arrival_s", "draft_rng", "first_s", "last_s", "output", "req", "sim")
+    __slots__ = ("arrival_s", "draft_rng", "first_s", "last_s", "output", "req", "sched_s", "sim")
 
     def __init__(self, sim: SimRequest, req: Request, arrival_s: float, output: list[int]) -> None:
         self.sim = sim
@@ -112,6 +120,7 @@ class _Track:
         self.arrival_s = arrival_s
         self.first_s = -1.0  # no token yet
         self.last_s = -1.0
+        self.sched_s = -1.0  # not scheduled yet
         self.output = output
         self.draft_rng: np.random.Generator | None = None  # made on the first draft
 
@@ -143,11 +152,259 @@ def _accepted(tr: _Track, drafts: list[int]) -> list[int]:
     return out[n : n + a + 1]
 
 
-def _output_tokens(sim: SimRequest, seed: int) -> list[int]:
+def _output_tokens(sim: SimRequest, seed: int, stops: bool) -> list[int]:
+    """The tokens the simulated model samples; the last is the stop token when ``stops``."""
     if sim.output_token_ids is not None:
-        return list(sim.output_token_ids)
-    rng = np.random.default_rng(stable_seed(seed, "output", sim.request_id))
-    return rng.integers(VOCAB_LOW, VOCAB_HIGH, size=sim.output_len).tolist()  # type: ignore[no-any-return]
+        out = list(sim.output_token_ids)
+    else:
+        rng = np.random.default_rng(stable_seed(seed, "output", sim.request_id))
+        out = rng.integers(VOCAB_LOW, VOCAB_HIGH, size=sim.output_len).tolist()
+    if stops:
+        out[-1] = EOS_TOKEN_ID
+    return out
+
+
+class _Run:
+    """One simulation: the scheduler, the virtual clock, the requests in flight (``tracks``)
+    and those yet to arrive (a heap, plus followers waiting for the request they follow).
+
+    Invariant: a request id is in at most one of ``arrivals``, ``followers`` (as a child) and
+    ``tracks``; ``num_done`` counts those that left all three.
+    """
+
+    def __init__(self, workload: Workload, cfg: SimConfig, progress: Progress | None) -> None:
+        self.cfg = cfg
+        self.workload = workload
+        self.progress = progress
+        self.sched = Scheduler(cfg.scheduler, cfg.cache)
+        self.rec = Recorder()
+        self.followers: dict[str, list[SimRequest]] = {}
+        self.arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
+        for order, r in enumerate(workload.requests):
+            if r.follows is None:
+                self.arrivals.append((r.arrival_s, order, r))
+            else:
+                self.followers.setdefault(r.follows, []).append(r)
+        heapq.heapify(self.arrivals)
+        self.order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
+        self.tracks: dict[str, _Track] = {}
+        self.num_done = self.num_rejected = self.num_truncated = 0
+        self.num_prompt = self.num_output = self.prefill_computed = 0
+        self.num_drafts = self.num_accepted = 0
+        first = workload.requests[0].arrival_s if workload.requests else 0.0
+        self.first_arrival = self.clock = self.last_finish = first
+        self.step = 0
+        pool = self.sched.manager.pool
+        self.capacity_tokens = pool.capacity_blocks * cfg.cache.block_size
+        self.max_len = cfg.scheduler.max_model_len
+        self.block_size = cfg.cache.block_size
+
+    # -------------------------------------------------------------- arrivals and finishes
+    def release(self, rid: str, at: float) -> None:
+        for child in self.followers.pop(rid, ()):
+            when = max(child.arrival_s, at + child.think_s)
+            heapq.heappush(self.arrivals, (when, self.order_of[child.request_id], child))
+
+    def admit_arrivals(self) -> None:
+        """Add every request whose arrival time has come (rejections are counted, not raised)."""
+        arrivals, cfg = self.arrivals, self.cfg
+        while arrivals and arrivals[0][0] <= self.clock:
+            at, _, sim = heapq.heappop(arrivals)
+            limit = sim.max_tokens_limit
+            if cfg.allocator.is_contiguous:
+                limit = reserved_max_tokens(
+                    cfg.allocator, sim.num_prompt_tokens, sim.output_len, limit, self.max_len
+                )
+            stops = limit > sim.output_len
+            req = Request(
+                sim.request_id,
+                sim.prompt_token_ids,
+                max_tokens=limit,
+                stop_token_ids=(EOS_TOKEN_ID,) if stops else (),
+                priority=sim.priority,
+                arrival_time=at,
+                cache_salt=sim.cache_salt,
+            )
+            try:
+                self.sched.add_request(req)
+            except (PromptTooLongError, OverloadedError) as exc:
+                logger.debug("request %s rejected: %s", sim.request_id, exc)
+                self.reject(sim, at)
+                continue
+            self.tracks[sim.request_id] = _Track(sim, req, at, _output_tokens(sim, cfg.seed, stops))
+            self.num_prompt += sim.num_prompt_tokens
+
+    def reject(self, sim: SimRequest, at: float) -> None:
+        self.num_rejected += 1
+        self.num_done += 1
+        rec = RequestRecord(
+            sim.request_id, sim.session_id, sim.tag, at, None, None,
+            sim.num_prompt_tokens, 0, 0, 0, rejected=True,
+        )  # fmt: skip
+        self.rec.on_finish(rec, -1.0, -1.0)
+        self.release(sim.request_id, self.clock)
+
+    def finish(self, rid: str, at: float) -> None:
+        tr = self.tracks.pop(rid)
+        self.num_done += 1
+        req = tr.req
+        produced = req.num_output_tokens
+        self.num_output += produced
+        if produced < tr.sim.output_len:
+            self.num_truncated += 1
+        rec = RequestRecord(
+            rid, tr.sim.session_id, tr.sim.tag, tr.arrival_s,
+            tr.first_s if tr.first_s >= 0.0 else None, at,
+            req.num_prompt_tokens, produced, req.num_cached_tokens, req.num_preemptions,
+        )  # fmt: skip
+        queue = tr.sched_s - tr.arrival_s if tr.sched_s >= 0.0 else -1.0
+        self.rec.on_finish(rec, tr.last_s, queue)
+        self.last_finish = max(self.last_finish, at)
+        self.release(rid, at)
+
+    # ---------------------------------------------------------------------- one step
+    def run_step(self) -> None:
+        """Schedule, advance the clock by the step's cost, feed the sampled tokens back."""
+        sched, tracks, rec = self.sched, self.tracks, self.rec
+        cpu_ns, wall_ns = time.thread_time_ns, time.perf_counter_ns
+        c0, w0 = cpu_ns(), wall_ns()
+        out = sched.schedule()
+        w1, c1 = wall_ns(), cpu_ns()
+        for rid in out.finished_ids:  # finished by the scheduler itself (pool too small)
+            if rid in tracks:
+                self.finish(rid, self.clock)
+        if out.is_empty:
+            rec.on_wall((c1 - c0, w1 - w0), (0, 0), sched.last_step.admission_s)
+            self.idle(out.preempted_ids or out.finished_ids, out.step)
+            return
+        mgr = sched.manager
+        usage = mgr.usage
+        allocated = usage
+        if self.cfg.allocator.is_contiguous:
+            allocated = usage + mgr.running_claim_blocks / mgr.pool.capacity_blocks
+        totals = step_totals(out)
+        dt = self.cfg.cost.step_time(*totals)
+        start = self.clock
+        self.clock = clock = start + dt
+        sampled, empty_slots = self.sampled_tokens(out.scheduled, start)
+        c2, w2 = cpu_ns(), wall_ns()
+        results = sched.update(out, sampled)
+        w3, c3 = wall_ns(), cpu_ns()
+        rec.on_wall((c1 - c0, w1 - w0), (c3 - c2, w3 - w2), sched.last_step.admission_s)
+        spec_k = self.cfg.num_draft_tokens
+        for res in results:
+            tr = tracks[res.request_id]
+            if tr.first_s < 0.0:
+                tr.first_s = clock
+                rec.on_first_token(tr.sim.tag, clock, tr.arrival_s)
+            else:
+                rec.on_token(tr.sim.tag, clock - tr.last_s)
+            tr.last_s = clock
+            if res.finished:
+                self.finish(res.request_id, clock)
+            elif spec_k:
+                _propose_drafts(tr, spec_k, self.cfg.draft_acceptance, self.cfg.seed)
+        counts = (sched.num_running, sched.num_waiting, len(out.scheduled))
+        token_usage = max(0.0, usage - empty_slots / self.capacity_tokens)
+        rec.on_step(clock, dt, usage, allocated, token_usage, counts)
+
+    def sampled_tokens(
+        self, scheduled: Iterable[ScheduledRequest], start: float
+    ) -> tuple[Sampled, int]:
+        """The token(s) each sampling request gets this step, and the empty slots in the step's
+        requests' last blocks (internal fragmentation); marks first-scheduled times."""
+        tracks = self.tracks
+        sampled: Sampled = {}
+        bs = self.block_size
+        empty = 0
+        for sr in scheduled:
+            empty += -(sr.start_position + sr.num_tokens) % bs
+            tr = tracks[sr.request_id]
+            if tr.sched_s < 0.0:
+                tr.sched_s = start
+            if sr.is_prefill:
+                self.prefill_computed += sr.num_tokens
+            if sr.samples:
+                if sr.num_draft_tokens:
+                    toks = _accepted(tr, sr.token_ids[1:])
+                    self.num_drafts += sr.num_draft_tokens
+                    self.num_accepted += len(toks) - 1
+                    sampled[sr.request_id] = toks
+                else:
+                    sampled[sr.request_id] = [tr.output[tr.req.num_output_tokens]]
+        return sampled, empty
+
+    def idle(self, changed: object, step: int) -> None:
+        """An empty step: the state changed, or the clock jumps to the next arrival."""
+        if changed:
+            return  # the next step can admit again
+        if self.arrivals and not self.sched.num_running:
+            self.clock = max(self.clock, self.arrivals[0][0])
+            return
+        raise InvariantViolation(
+            f"the scheduler scheduled nothing at step {step} with {len(self.tracks)} "
+            f"requests unfinished ({self.sched.num_running} running, "
+            f"{self.sched.num_waiting} waiting)"
+        )
+
+    # ---------------------------------------------------------------------- the loop
+    def run(self) -> SimReport:
+        wall0 = time.perf_counter()
+        cfg, n = self.cfg, len(self.workload)
+        while self.arrivals or self.tracks:
+            self.admit_arrivals()
+            if not self.tracks:
+                if self.arrivals:
+                    self.clock = max(self.clock, self.arrivals[0][0])
+                continue
+            self.step += 1
+            if self.step > cfg.max_steps:
+                raise SimulationLimitError(
+                    f"the simulation passed max_steps={cfg.max_steps:,} at simulated "
+                    f"t={self.clock:,.1f}s with {len(self.tracks):,} requests unfinished and "
+                    f"{len(self.arrivals):,} yet to arrive; raise max_steps or simulate fewer "
+                    "requests"
+                )
+            self.run_step()
+            if self.progress is not None and self.step % 256 == 0:
+                self.progress(self.num_done, n, self.clock)
+        if self.progress is not None:
+            self.progress(self.num_done, n, self.clock)
+        return self.report(time.perf_counter() - wall0)
+
+    def report(self, wall_s: float) -> SimReport:
+        cfg, sched = self.cfg, self.sched
+        kv = sched.manager.stats()
+        makespan = max(self.last_finish - self.first_arrival, 0.0)
+        per_s = 1.0 / makespan if makespan > 0 else 0.0
+        finished = self.num_done - self.num_rejected
+        return self.rec.build(
+            cfg.max_series_points,
+            label=cfg.label,
+            workload=self.workload.name,
+            seed=cfg.seed,
+            params=cfg.params,
+            num_requests=len(self.workload),
+            num_finished=finished,
+            num_truncated=self.num_truncated,
+            num_rejected=self.num_rejected,
+            num_steps=len(self.rec.t),
+            makespan_s=makespan,
+            num_draft_tokens=self.num_drafts,
+            num_accepted_draft_tokens=self.num_accepted,
+            num_prompt_tokens=self.num_prompt,
+            num_output_tokens=self.num_output,
+            num_prefill_tokens_computed=self.prefill_computed,
+            output_tokens_per_s=self.num_output * per_s,
+            total_tokens_per_s=(self.num_prompt + self.num_output) * per_s,
+            requests_per_s=finished * per_s,
+            prefix_hit_rate=kv.prefix.hit_rate,
+            prefix_block_hit_rate=kv.prefix.block_hit_rate,
+            num_preemptions=sched.num_preemptions,
+            kv_capacity_tokens=self.capacity_tokens,
+            allocator=cfg.allocator.value,
+            wall=self.rec.wall_timings(wall_s),
+        )
 
 
 def simulate(
@@ -158,261 +415,4 @@ def simulate(
     Raises SimulationLimitError when ``config.max_steps`` steps pass with requests left (a limit
     the caller chose), InvariantViolation if the scheduler stops making progress (a bug).
     """
-    cfg = config or SimConfig()
-    wall0 = time.perf_counter()
-    sched = Scheduler(cfg.scheduler, cfg.cache)
-    mgr = sched.manager
-    cost = cfg.cost
-
-    followers: dict[str, list[SimRequest]] = {}
-    arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
-    for order, r in enumerate(workload.requests):
-        if r.follows is None:
-            arrivals.append((r.arrival_s, order, r))
-        else:
-            followers.setdefault(r.follows, []).append(r)
-    heapq.heapify(arrivals)
-    order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
-
-    tracks: dict[str, _Track] = {}
-    records: list[RequestRecord] = []
-    num_done = num_rejected = num_truncated = 0
-    num_prompt = num_output = 0
-    ttft: list[float] = []
-    ttft_at: list[float] = []
-    itl: list[float] = []
-    e2e: list[float] = []
-    tpot: list[float] = []
-    by_tag: dict[str, tuple[list[float], list[float], list[float]]] = {}  # ttft, itl, e2e
-    series_t: list[float] = []
-    series_usage: list[float] = []
-    series_running: list[int] = []
-    series_waiting: list[int] = []
-    series_step: list[float] = []
-    sched_cpu: list[int] = []  # ns
-    sched_wall: list[int] = []
-    admit_wall: list[float] = []  # s
-    update_cpu: list[int] = []
-    update_wall: list[int] = []
-    cpu_ns = time.thread_time_ns
-    wall_ns = time.perf_counter_ns
-    first_arrival = workload.requests[0].arrival_s if workload.requests else 0.0
-    clock = first_arrival
-    last_finish = first_arrival
-    prefill_computed = 0
-    num_drafts = num_accepted = 0
-    spec_k = cfg.num_draft_tokens
-
-    def release(rid: str, at: float) -> None:
-        for child in followers.pop(rid, ()):
-            when = max(child.arrival_s, at + child.think_s)
-            heapq.heappush(arrivals, (when, order_of[child.request_id], child))
-
-    def tag_lists(tag: str) -> tuple[list[float], list[float], list[float]]:
-        lists = by_tag.get(tag)
-        if lists is None:
-            lists = by_tag[tag] = ([], [], [])
-        return lists
-
-    def finish(rid: str, at: float) -> None:
-        nonlocal num_done, num_truncated, last_finish, num_output
-        tr = tracks.pop(rid)
-        num_done += 1
-        produced = tr.req.num_output_tokens
-        num_output += produced
-        if produced < tr.sim.output_len:
-            num_truncated += 1
-        if tr.last_s >= 0.0:
-            e2e.append(tr.last_s - tr.arrival_s)
-            if produced > 1:
-                tpot.append((tr.last_s - tr.first_s) / (produced - 1))
-            tag_lists(tr.sim.tag)[2].append(tr.last_s - tr.arrival_s)
-        req = tr.req
-        records.append(
-            RequestRecord(
-                rid,
-                tr.sim.session_id,
-                tr.sim.tag,
-                tr.arrival_s,
-                tr.first_s if tr.first_s >= 0.0 else None,
-                at,
-                req.num_prompt_tokens,
-                produced,
-                req.num_cached_tokens,
-                req.num_preemptions,
-            )
-        )
-        last_finish = max(last_finish, at)
-        release(rid, at)
-
-    step = 0
-    while arrivals or tracks:
-        while arrivals and arrivals[0][0] <= clock:
-            at, _, sim = heapq.heappop(arrivals)
-            req = Request(
-                sim.request_id,
-                sim.prompt_token_ids,
-                max_tokens=sim.output_len,
-                priority=sim.priority,
-                arrival_time=at,
-                cache_salt=sim.cache_salt,
-            )
-            try:
-                sched.add_request(req)
-            except (PromptTooLongError, OverloadedError) as exc:
-                logger.debug("request %s rejected: %s", sim.request_id, exc)
-                num_rejected += 1
-                num_done += 1
-                records.append(
-                    RequestRecord(
-                        sim.request_id,
-                        sim.session_id,
-                        sim.tag,
-                        at,
-                        None,
-                        None,
-                        sim.num_prompt_tokens,
-                        0,
-                        0,
-                        0,
-                        rejected=True,
-                    )
-                )
-                release(sim.request_id, clock)
-                continue
-            tracks[sim.request_id] = _Track(sim, req, at, _output_tokens(sim, cfg.seed))
-            num_prompt += sim.num_prompt_tokens
-        if not tracks:
-            if arrivals:
-                clock = max(clock, arrivals[0][0])
-            continue
-        step += 1
-        if step > cfg.max_steps:
-            raise SimulationLimitError(
-                f"the simulation passed max_steps={cfg.max_steps:,} at simulated t={clock:,.1f}s "
-                f"with {len(tracks):,} requests unfinished and {len(arrivals):,} yet to arrive; "
-                "raise max_steps or simulate fewer requests"
-            )
-
-        c0, w0 = cpu_ns(), wall_ns()
-        out = sched.schedule()
-        w1, c1 = wall_ns(), cpu_ns()
-        sched_cpu.append(c1 - c0)
-        sched_wall.append(w1 - w0)
-        admit_wall.append(sched.last_step.admission_s)
-        for rid in out.finished_ids:  # finished by the scheduler itself (pool too small)
-            if rid in tracks:
-                finish(rid, clock)
-        if out.is_empty:
-            if out.preempted_ids or out.finished_ids:
-                continue  # the state changed; the next step can admit again
-            if arrivals and not sched.num_running:
-                clock = max(clock, arrivals[0][0])
-                continue
-            raise InvariantViolation(
-                f"the scheduler scheduled nothing at step {out.step} with {len(tracks)} "
-                f"requests unfinished ({sched.num_running} running, {sched.num_waiting} waiting)"
-            )
-        usage = mgr.usage
-        dt = cost.step_time(*step_totals(out))
-        clock += dt
-        sampled: dict[str, list[int]] = {}
-        for sr in out.scheduled:
-            if sr.is_prefill:
-                prefill_computed += sr.num_tokens
-            if sr.samples:
-                tr = tracks[sr.request_id]
-                if sr.num_draft_tokens:
-                    toks = _accepted(tr, sr.token_ids[1:])
-                    num_drafts += sr.num_draft_tokens
-                    num_accepted += len(toks) - 1
-                    sampled[sr.request_id] = toks
-                else:
-                    sampled[sr.request_id] = [tr.output[tr.req.num_output_tokens]]
-        c2, w2 = cpu_ns(), wall_ns()
-        results = sched.update(out, sampled)
-        w3, c3 = wall_ns(), cpu_ns()
-        update_cpu.append(c3 - c2)
-        update_wall.append(w3 - w2)
-        for res in results:
-            tr = tracks[res.request_id]
-            if tr.first_s < 0.0:
-                tr.first_s = clock
-                ttft.append(clock - tr.arrival_s)
-                ttft_at.append(clock)
-                tag_lists(tr.sim.tag)[0].append(clock - tr.arrival_s)
-            else:
-                itl.append(clock - tr.last_s)
-                tag_lists(tr.sim.tag)[1].append(clock - tr.last_s)
-            tr.last_s = clock
-            if res.finished:
-                finish(res.request_id, clock)
-            elif spec_k:
-                _propose_drafts(tr, spec_k, cfg.draft_acceptance, cfg.seed)
-        series_t.append(clock)
-        series_usage.append(usage)
-        series_running.append(sched.num_running)
-        series_waiting.append(sched.num_waiting)
-        series_step.append(dt)
-        if progress is not None and step % 256 == 0:
-            progress(num_done, len(workload), clock)
-
-    if progress is not None:
-        progress(num_done, len(workload), clock)
-    kv = mgr.stats()
-    makespan = max(last_finish - first_arrival, 0.0)
-    steps_dt = np.asarray(series_step)
-    per_s = 1.0 / makespan if makespan > 0 else 0.0
-    return SimReport(
-        label=cfg.label,
-        workload=workload.name,
-        seed=cfg.seed,
-        params=cfg.params,
-        num_requests=len(workload),
-        num_finished=num_done - num_rejected,
-        num_truncated=num_truncated,
-        num_rejected=num_rejected,
-        num_steps=step,
-        makespan_s=makespan,
-        ttft_s=Percentiles.of(ttft),
-        itl_s=Percentiles.of(itl),
-        e2e_s=Percentiles.of(e2e),
-        tpot_s=Percentiles.of(tpot),
-        num_draft_tokens=num_drafts,
-        num_accepted_draft_tokens=num_accepted,
-        num_prompt_tokens=num_prompt,
-        num_output_tokens=num_output,
-        num_prefill_tokens_computed=prefill_computed,
-        output_tokens_per_s=num_output * per_s,
-        total_tokens_per_s=(num_prompt + num_output) * per_s,
-        requests_per_s=(num_done - num_rejected) * per_s,
-        prefix_hit_rate=kv.prefix.hit_rate,
-        prefix_block_hit_rate=kv.prefix.block_hit_rate,
-        num_preemptions=sched.num_preemptions,
-        peak_usage=max(series_usage, default=0.0),
-        mean_usage=(
-            float(np.dot(series_usage, steps_dt) / steps_dt.sum()) if steps_dt.sum() > 0 else 0.0
-        ),
-        peak_running=max(series_running, default=0),
-        peak_waiting=max(series_waiting, default=0),
-        series=bucket_series(
-            cfg.max_series_points,
-            series_t,
-            series_usage,
-            series_running,
-            series_waiting,
-            series_step,
-            ttft_at,
-            ttft,
-        ),
-        records=tuple(records),
-        by_tag=summarize_tags(by_tag, records),
-        wall=WallTimings(
-            total_s=time.perf_counter() - wall0,
-            schedule_cpu_us=Percentiles.of(sched_cpu).scaled(1e-3),
-            schedule_wall_us=Percentiles.of(sched_wall).scaled(1e-3),
-            admission_wall_us=Percentiles.of(admit_wall).scaled(1e6),
-            update_cpu_us=Percentiles.of(update_cpu).scaled(1e-3),
-            update_wall_us=Percentiles.of(update_wall).scaled(1e-3),
-        ),
-    )
+    return _Run(workload, config or SimConfig(), progress).run()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 from pagedkv.core.config import ReservationPolicy
 from pagedkv.errors import InvalidRequestError
+from pagedkv.sim.allocators import Allocator
 from pagedkv.sim.simulator import SimConfig
 
 MAX_VARIANTS = 16
@@ -77,6 +78,21 @@ def _set_block_size(cfg: SimConfig, block_size: int) -> SimConfig:
     return _set_cache(cfg, block_size=block_size, num_blocks=usable_blocks + null)
 
 
+def _set_allocator(cfg: SimConfig, value: str) -> SimConfig:
+    """Paged blocks, or a contiguous baseline: 1-token blocks over the same usable tokens,
+    admission reserving the allocator's length, no prefix sharing (pagedkv.sim.allocators)."""
+    try:
+        allocator = Allocator(value.strip().lower())
+    except ValueError:
+        known = ", ".join(a.value for a in Allocator)
+        raise InvalidRequestError(f"unknown allocator {value!r}; known: {known}") from None
+    cfg = dataclasses.replace(cfg, allocator=allocator)
+    if not allocator.is_contiguous:
+        return cfg
+    cfg = _set_block_size(cfg, 1)
+    return _set_cache(cfg, enable_prefix_caching=False, reservation=ReservationPolicy.MAX_TOKENS)
+
+
 def _float(value: str) -> float:
     try:
         return float(value)
@@ -122,6 +138,10 @@ KEYS: dict[str, tuple[str, Callable[[SimConfig, str], SimConfig]]] = {
     "draft_acceptance": (
         "probability that each draft is right",
         lambda c, v: dataclasses.replace(c, draft_acceptance=_float(v)),
+    ),
+    "allocator": (
+        "paged, or a contiguous baseline reserving max/pow2/oracle length (PagedAttention paper)",
+        _set_allocator,
     ),
     "chunked_prefill": (
         "chunked prefill on/off",

@@ -23,6 +23,7 @@ import numpy as np
 from pagedkv.errors import InvalidRequestError
 
 VOCAB_LOW = 100  # ids below this are left for special tokens
+EOS_TOKEN_ID = 2  # the stop token a request ends with when it stops before max_tokens
 VOCAB_HIGH = 32_000  # a Llama-2-sized vocabulary
 _CHUNK_TOKENS = (
     256  # token_run draws its ids in chunks so a shorter run is a prefix of a longer one
@@ -35,7 +36,9 @@ class SimRequest:
 
     ``arrival_s`` is in simulated seconds from the start. With ``follows`` set, the request
     arrives ``think_s`` after the named (earlier) request finishes, and never before
-    ``arrival_s``. ``output_len`` tokens are generated (the simulator sets max_tokens to it);
+    ``arrival_s``. ``output_len`` tokens are generated; ``max_tokens`` is what the client asked
+    for (at least ``output_len``; ``None``: exactly ``output_len``, an oracle): when it is more,
+    the simulated model stops the request with a stop token at ``output_len``, as at EOS;
     lower ``priority`` is served first under the priority policy; ``cache_salt`` separates
     tenants' prefix caches; ``tag`` names the request's class (``chat``, ``rag``, ...) and the
     report breaks latencies down by it.
@@ -52,6 +55,7 @@ class SimRequest:
     think_s: float = 0.0
     output_token_ids: tuple[int, ...] | None = None
     tag: str = ""
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         rid = self.request_id
@@ -65,6 +69,10 @@ class SimRequest:
             raise InvalidRequestError(f"{rid}: the prompt is empty")
         if self.output_len <= 0:
             raise InvalidRequestError(f"{rid}: output_len must be positive, got {self.output_len}")
+        if self.max_tokens is not None and self.max_tokens < self.output_len:
+            raise InvalidRequestError(
+                f"{rid}: max_tokens {self.max_tokens} is below output_len {self.output_len}"
+            )
         out = self.output_token_ids
         if out is not None and len(out) != self.output_len:
             raise InvalidRequestError(
@@ -76,6 +84,11 @@ class SimRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def max_tokens_limit(self) -> int:
+        """``max_tokens``, or ``output_len`` when the request gives none."""
+        return self.output_len if self.max_tokens is None else self.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
