@@ -31,7 +31,7 @@ DEFAULT_NUM_REQUESTS = 600
 DEFAULT_RATE = 10.0
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
+class Formatter(argparse.RawDescriptionHelpFormatter):
     """Keep the epilog's line breaks; show each default that is a value (not None or False)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
@@ -42,23 +42,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pagedkv simulate",
-        description=(
-            "Replay a workload through the real scheduler and KV cache manager with a step-time "
-            "cost model. Without arguments: the built-in mixed workload, prefix caching on vs off."
-        ),
-        formatter_class=_Formatter,
-        epilog=(
-            "--compare keys:\n"
-            + "\n".join(f"  {k:<19} {h}" for k, (h, _) in KEYS.items())
-            + "\n\nThe default pool (4,096 blocks x 16 tokens = 65,536 tokens) is ~8 GiB of KV\n"
-            "for Llama-3-8B (128 KiB per token in bf16).\n\nexample:\n  pagedkv simulate "
-            "--workload chat --compare caching=on,off \\\n      --compare num_blocks=2048,8192 "
-            "--plot sim.png"
-        ),
-    )
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload options (shared with ``pagedkv plan``)."""
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--workload", choices=WORKLOADS, default="mixed", help="built-in workload")
@@ -95,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--save-trace", metavar="PATH", help="also write the workload as a JSONL trace")
 
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The KV cache and scheduler options (shared with ``pagedkv plan``)."""
     c = p.add_argument_group("KV cache and scheduler (the base every variant starts from)")
     c.add_argument(
         "--num-blocks",
@@ -127,6 +115,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="probability that each draft is the true next token",
     )
 
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagedkv simulate",
+        description=(
+            "Replay a workload through the real scheduler and KV cache manager with a step-time "
+            "cost model. Without arguments: the built-in mixed workload, prefix caching on vs off."
+        ),
+        formatter_class=Formatter,
+        epilog=(
+            "--compare keys:\n"
+            + "\n".join(f"  {k:<19} {h}" for k, (h, _) in KEYS.items())
+            + "\n\nThe default pool (4,096 blocks x 16 tokens = 65,536 tokens) is ~8 GiB of KV\n"
+            "for Llama-3-8B (128 KiB per token in bf16).\n\nexample:\n  pagedkv simulate "
+            "--workload chat --compare caching=on,off \\\n      --compare num_blocks=2048,8192 "
+            "--plot sim.png"
+        ),
+    )
+    add_workload_arguments(p)
+    add_engine_arguments(p)
     add_cost_arguments(p)
 
     o = p.add_argument_group("comparison and output")
@@ -145,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _base_config(a: argparse.Namespace) -> tuple[SimConfig, str]:
+def base_config(a: argparse.Namespace) -> tuple[SimConfig, str]:
     """The base config every variant starts from, and a line on where its costs came from."""
     choice = resolve_cost(
         a,
@@ -177,7 +185,7 @@ def _base_config(a: argparse.Namespace) -> tuple[SimConfig, str]:
     return cfg, choice.note
 
 
-def _load_workload(a: argparse.Namespace) -> Workload:
+def load_workload(a: argparse.Namespace) -> Workload:
     """The built-in workload, or the trace with ``--num-requests`` and ``--rate`` applied."""
     if a.trace:
         if a.max_context is not None:
@@ -348,10 +356,10 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
-        workload = _load_workload(a)
+        workload = load_workload(a)
         from pagedkv.sim.variants import build_variants
 
-        base, cost_note = _base_config(a)
+        base, cost_note = base_config(a)
         variants = build_variants(base, a.compare or ["caching=on,off"])
         if a.save_trace:
             save_trace(workload, a.save_trace)
