@@ -34,8 +34,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from pagedkv.core.config import CacheConfig
 from pagedkv.errors import (
     InvalidRequestError,
@@ -52,13 +50,11 @@ from pagedkv.sim.allocators import Allocator, reserved_max_tokens
 from pagedkv.sim.cost_model import CostModel, StepCost, step_totals
 from pagedkv.sim.recorder import Recorder
 from pagedkv.sim.report import RequestRecord, SimReport
+from pagedkv.sim.tracks import Track, accepted_tokens, output_tokens, propose_drafts
 from pagedkv.sim.workload import (
     EOS_TOKEN_ID,
-    VOCAB_HIGH,
-    VOCAB_LOW,
     SimRequest,
     Workload,
-    stable_seed,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,61 +105,6 @@ class SimConfig:
             )
 
 
-class _Track:
-    """What the simulator remembers of one admitted request (a hot mutable record)."""
-
-    __slots__ = ("arrival_s", "draft_rng", "first_s", "last_s", "output", "req", "sched_s", "sim")
-
-    def __init__(self, sim: SimRequest, req: Request, arrival_s: float, output: list[int]) -> None:
-        self.sim = sim
-        self.req = req
-        self.arrival_s = arrival_s
-        self.first_s = -1.0  # no token yet
-        self.last_s = -1.0
-        self.sched_s = -1.0  # not scheduled yet
-        self.output = output
-        self.draft_rng: np.random.Generator | None = None  # made on the first draft
-
-
-def _propose_drafts(tr: _Track, k: int, p: float, seed: int) -> None:
-    """Set ``k`` drafts for the next step: each the true next token with probability ``p``."""
-    req = tr.req
-    n = req.num_output_tokens
-    true_next = tr.output[n : n + k]
-    if not true_next:
-        return
-    if tr.draft_rng is None:
-        tr.draft_rng = np.random.default_rng(stable_seed(seed, "draft", tr.sim.request_id))
-    right = tr.draft_rng.random(len(true_next)) < p
-    req.draft_token_ids = [
-        t if ok else (t + 1 if t + 1 < VOCAB_HIGH else VOCAB_LOW)
-        for t, ok in zip(true_next, right.tolist(), strict=True)
-    ]
-
-
-def _accepted(tr: _Track, drafts: list[int]) -> list[int]:
-    """What the simulated model emits after verifying ``drafts``: the drafts up to the first
-    wrong one, then the true token at that position."""
-    n = tr.req.num_output_tokens
-    out = tr.output
-    a = 0
-    while a < len(drafts) and drafts[a] == out[n + a]:
-        a += 1
-    return out[n : n + a + 1]
-
-
-def _output_tokens(sim: SimRequest, seed: int, stops: bool) -> list[int]:
-    """The tokens the simulated model samples; the last is the stop token when ``stops``."""
-    if sim.output_token_ids is not None:
-        out = list(sim.output_token_ids)
-    else:
-        rng = np.random.default_rng(stable_seed(seed, "output", sim.request_id))
-        out = rng.integers(VOCAB_LOW, VOCAB_HIGH, size=sim.output_len).tolist()
-    if stops:
-        out[-1] = EOS_TOKEN_ID
-    return out
-
-
 class _Run:
     """One simulation: the scheduler, the virtual clock, the requests in flight (``tracks``)
     and those yet to arrive (a heap, plus followers waiting for the request they follow).
@@ -187,7 +128,7 @@ class _Run:
                 self.followers.setdefault(r.follows, []).append(r)
         heapq.heapify(self.arrivals)
         self.order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
-        self.tracks: dict[str, _Track] = {}
+        self.tracks: dict[str, Track] = {}
         self.num_done = self.num_rejected = self.num_truncated = 0
         self.num_prompt = self.num_output = self.prefill_computed = 0
         self.num_drafts = self.num_accepted = 0
@@ -231,7 +172,8 @@ class _Run:
                 logger.debug("request %s rejected: %s", sim.request_id, exc)
                 self.reject(sim, at)
                 continue
-            self.tracks[sim.request_id] = _Track(sim, req, at, _output_tokens(sim, cfg.seed, stops))
+            output = output_tokens(sim, cfg.seed, stops)
+            self.tracks[sim.request_id] = Track(sim, req, at, output, self.rec.tag(sim.tag).itl)
             self.num_prompt += sim.num_prompt_tokens
 
     def reject(self, sim: SimRequest, at: float) -> None:
@@ -292,18 +234,21 @@ class _Run:
         w3, c3 = wall_ns(), cpu_ns()
         rec.on_wall((c1 - c0, w1 - w0), (c3 - c2, w3 - w2), sched.last_step.admission_s)
         spec_k = self.cfg.num_draft_tokens
+        itl = rec.itl
         for res in results:
             tr = tracks[res.request_id]
             if tr.first_s < 0.0:
                 tr.first_s = clock
                 rec.on_first_token(tr.sim.tag, clock, tr.arrival_s)
-            else:
-                rec.on_token(tr.sim.tag, clock - tr.last_s)
+            else:  # Recorder.on_token, inlined: once per generated token
+                gap = clock - tr.last_s
+                itl.append(gap)
+                tr.tag_itl.append(gap)
             tr.last_s = clock
             if res.finished:
                 self.finish(res.request_id, clock)
             elif spec_k:
-                _propose_drafts(tr, spec_k, self.cfg.draft_acceptance, self.cfg.seed)
+                propose_drafts(tr, spec_k, self.cfg.draft_acceptance, self.cfg.seed)
         counts = (sched.num_running, sched.num_waiting, len(out.scheduled))
         token_usage = max(0.0, usage - empty_slots / self.capacity_tokens)
         rec.on_step(clock, dt, usage, allocated, token_usage, counts)
@@ -326,7 +271,7 @@ class _Run:
                 self.prefill_computed += sr.num_tokens
             if sr.samples:
                 if sr.num_draft_tokens:
-                    toks = _accepted(tr, sr.token_ids[1:])
+                    toks = accepted_tokens(tr, sr.token_ids[1:])
                     self.num_drafts += sr.num_draft_tokens
                     self.num_accepted += len(toks) - 1
                     sampled[sr.request_id] = toks
