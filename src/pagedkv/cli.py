@@ -16,6 +16,7 @@ from pagedkv.errors import PagedKVError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("pagedkv.sim.cli:main", "replay a workload through the scheduler and cache"),
     "plan": ("pagedkv.sim.plan_cli:main", "find the highest request rate meeting latency SLOs"),
+    "profile": ("pagedkv.engine.profile_cli:main", "measure engine steps for simulate --profile"),
     "bench-core": ("pagedkv.core.bench_cli:main", "run the core benchmarks (benchmarks/)"),
     "demo": ("pagedkv.engine.cli:demo_main", "run a small random-weight model end to end"),
     "generate": ("pagedkv.engine.cli:generate_main", "generate text from a local model folder"),
