@@ -175,3 +175,16 @@ def test_cli_sizes_the_pool_from_the_model_and_device(
     # (40 GiB * 0.9 - 15 GiB weights - activations - 1 GiB) / 2 MiB per 16-token block
     assert 9_000 < num_blocks < 10_500
     assert doc["base"]["cost"]["kind"] == "RooflineCost"
+
+
+def test_throughput_saturates_at_the_capacity_the_cost_model_implies() -> None:
+    from pagedkv.sim import SimConfig
+
+    cfg = SimConfig(cost=RooflineCost(MODEL_PRESETS["llama-3-8b"], DEVICE_PRESETS["L4"]))
+    tput = {}
+    for rate in (0.5, 20.0, 80.0):
+        w = make_workload("system", num_requests=80, rate=rate, max_tokens="oracle")
+        tput[rate] = simulate(w, cfg).requests_per_s
+    assert tput[0.5] == pytest.approx(0.5, rel=0.35)  # below capacity: throughput = load
+    assert tput[20.0] < 20.0 * 0.8  # past it: the engine, not the load, sets the pace
+    assert tput[80.0] == pytest.approx(tput[20.0], rel=0.15)  # and more load adds nothing
