@@ -188,3 +188,26 @@ def test_throughput_saturates_at_the_capacity_the_cost_model_implies() -> None:
     assert tput[0.5] == pytest.approx(0.5, rel=0.35)  # below capacity: throughput = load
     assert tput[20.0] < 20.0 * 0.8  # past it: the engine, not the load, sets the pace
     assert tput[80.0] == pytest.approx(tput[20.0], rel=0.15)  # and more load adds nothing
+
+
+def test_device_and_tp_variants_resize_a_memory_sized_pool() -> None:
+    from pagedkv.sim import SimConfig, build_variants
+    from pagedkv.sim.roofline import MemoryPool
+
+    llama = MODEL_PRESETS["llama-3-8b"]
+    roof = RooflineCost(llama, DEVICE_PRESETS["H100"])
+    base = SimConfig(cost=roof, memory_pool=MemoryPool(roof, 0.9))
+    vs = build_variants(base, ["device=H100,A100-40", "block_size=16,64"])
+    blocks = {(v.cost.device.name, v.cache.block_size): v.cache.num_blocks for v in vs}  # type: ignore[attr-defined]
+    for (device, bs), n in blocks.items():
+        want = size_pool(RooflineCost(llama, DEVICE_PRESETS[device]), block_size=bs)
+        assert n == want.num_blocks  # the same bytes, as an engine sizes it
+    assert blocks[("H100", 16)] > 2 * blocks[("A100-40", 16)]
+    (tp2,) = build_variants(base, ["tensor_parallel_size=2"])
+    assert tp2.cache.num_blocks > 2 * blocks[("H100", 16)]  # half the weights and KV per GPU
+    with pytest.raises(InvalidRequestError, match="give --model-config"):
+        build_variants(SimConfig(), ["device=L4"])
+    roof70 = RooflineCost(MODEL_PRESETS["llama-3-70b"], DEVICE_PRESETS["H100"], 4)
+    tp4 = SimConfig(cost=roof70, memory_pool=MemoryPool(roof70))
+    with pytest.raises(InvalidRequestError, match="no room for the KV cache"):
+        build_variants(tp4, ["tensor_parallel_size=1"])  # 140 GB of weights on one H100

@@ -178,6 +178,7 @@ def base_config(a: argparse.Namespace) -> tuple[SimConfig, str]:
             model_id="sim",
         ),
         cost=choice.cost,
+        memory_pool=choice.memory_pool,
         seed=a.seed,
         num_draft_tokens=a.spec_k,
         draft_acceptance=a.draft_acceptance,

@@ -21,7 +21,7 @@ from pagedkv.errors import InvalidRequestError
 from pagedkv.sim.cost_model import CostModel, StepCost
 from pagedkv.sim.hardware import DEVICE_PRESETS, MODEL_PRESETS, GiB, device_spec, model_spec
 from pagedkv.sim.profile import load_profile
-from pagedkv.sim.roofline import RooflineCost, size_pool
+from pagedkv.sim.roofline import MemoryPool, RooflineCost, size_pool
 
 DEFAULT_NUM_BLOCKS = 4096
 _CONSTANT = {  # flag -> (CostModel field, unit to seconds)
@@ -39,6 +39,7 @@ class CostChoice:
     cost: StepCost
     num_blocks: int
     note: str
+    memory_pool: MemoryPool | None = None  # when num_blocks was sized from device memory
 
 
 def add_cost_arguments(p: argparse.ArgumentParser) -> None:
@@ -138,4 +139,4 @@ def resolve_cost(
         f"GiB weights, {sizing.activation_bytes / GiB:.2f} GiB activations, "
         f"{sizing.runtime_bytes / GiB:.1f} GiB runtime)"
     )
-    return CostChoice(cost, sizing.num_blocks, note)
+    return CostChoice(cost, sizing.num_blocks, note, MemoryPool(roofline, util))

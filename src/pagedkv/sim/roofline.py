@@ -161,3 +161,22 @@ def size_pool(
     return PoolSizing(
         num_blocks, device, usable, weights, activations, runtime_bytes, kv, block_bytes
     )
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPool:
+    """A pool sized from device memory: the model and device it was sized for (``roofline``)
+    and the share of memory given to the engine. Variants that change the device, the tensor
+    parallelism, the block size or the step budget size their pool again from it."""
+
+    roofline: RooflineCost
+    gpu_memory_utilization: float = 0.9
+
+    def num_blocks(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        return size_pool(
+            self.roofline,
+            block_size=block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        ).num_blocks

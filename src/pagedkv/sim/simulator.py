@@ -50,6 +50,7 @@ from pagedkv.sim.allocators import Allocator, reserved_max_tokens
 from pagedkv.sim.cost_model import CostModel, StepCost, step_totals
 from pagedkv.sim.recorder import Recorder
 from pagedkv.sim.report import RequestRecord, SimReport
+from pagedkv.sim.roofline import MemoryPool
 from pagedkv.sim.tracks import Track, accepted_tokens, output_tokens, propose_drafts
 from pagedkv.sim.workload import (
     EOS_TOKEN_ID,
@@ -87,6 +88,7 @@ class SimConfig:
     num_draft_tokens: int = 0  # speculative drafts per decode step (0: off)
     draft_acceptance: float = 0.7  # probability that each draft is the true next token
     allocator: Allocator = Allocator.PAGED  # or a contiguous baseline (pagedkv.sim.allocators)
+    memory_pool: MemoryPool | None = None  # set when cache.num_blocks was sized from memory
 
     def __post_init__(self) -> None:
         if self.seed < 0:
