@@ -5,6 +5,7 @@ goodput numbers."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -136,3 +137,28 @@ def test_cli_refuses_workload_shaping_flags_with_a_trace(
     assert "--burstiness shapes the built-in workloads only" in capsys.readouterr().err
     assert main(["--num-requests", "8", "--burstiness", "0", "--quiet"]) == 2
     assert "burstiness must be a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--burstiness", "0.3"],
+        ["--max-tokens-mode", "drawn", "--reservation", "none"],
+        ["--compare", "allocator=pow2"],
+        ["--model-config", "qwen2.5-7b", "--device", "A100-80", "--tensor-parallel-size", "2"],
+        ["--slo-ttft-ms", "200", "--slo-tpot-ms", "20"],
+    ],
+)
+def test_every_new_option_is_deterministic(tmp_path: Path, extra: list[str]) -> None:
+    argv = ["--workload", "mixed", "--num-requests", "30", "--rate", "6", "--quiet", *extra]
+    if "--compare" not in extra:
+        argv += ["--compare", "caching=on"]
+    docs = []
+    for name in ("a.json", "b.json"):
+        assert main([*argv, "--json", str(tmp_path / name)]) == 0
+        doc = json.loads((tmp_path / name).read_text())
+        del doc["command"]  # names the JSON file
+        for r in doc["reports"]:
+            del r["wall"], r["requests_per_wall_s"]  # this machine's timings
+        docs.append(doc)
+    assert docs[0] == docs[1]
