@@ -89,13 +89,25 @@ class Recorder:
         self.waiting.append(counts[1])
         self.batch.append(counts[2])
 
-    def on_wall(self, sched: tuple[int, int], update: tuple[int, int], admit_s: float) -> None:
-        """CPU and wall nanoseconds of one schedule() and update(), and the admission seconds."""
-        self.sched_cpu.append(sched[0])
-        self.sched_wall.append(sched[1])
-        self.update_cpu.append(update[0])
-        self.update_wall.append(update[1])
+    def on_wall(
+        self,
+        sched_ns: int,
+        update_ns: int | None,
+        admit_s: float,
+        sched_cpu_ns: int,
+        update_cpu_ns: int | None,
+    ) -> None:
+        """Wall nanoseconds of one schedule() and update() (``None``: not called), the
+        admission seconds, and CPU nanoseconds; a CPU time of 0 means the step was not
+        CPU-timed (sampled steps only) and is left out."""
+        self.sched_wall.append(sched_ns)
         self.admit_wall.append(admit_s)
+        if sched_cpu_ns:
+            self.sched_cpu.append(sched_cpu_ns)
+        if update_ns is not None:
+            self.update_wall.append(update_ns)
+            if update_cpu_ns:
+                self.update_cpu.append(update_cpu_ns)
 
     def on_first_token(self, tag: str, clock: float, arrival_s: float) -> None:
         self.ttft.append(clock - arrival_s)
