@@ -129,11 +129,11 @@ def test_exceeding_max_steps_is_a_typed_limit_not_a_bug() -> None:
 def test_cpu_timings_sample_every_nth_step_and_wall_timings_every_step() -> None:
     w = make_workload("chat", num_requests=20)
     r = simulate(w, dataclasses.replace(SimConfig(), cpu_timing_stride=4))
-    assert r.wall.schedule_wall_us.count >= r.num_steps  # every schedule() call (idle ones too)
-    assert r.wall.update_wall_us.count == r.num_steps  # update() runs once per step with work
-    assert r.wall.schedule_cpu_us.count == pytest.approx(r.wall.schedule_wall_us.count / 4, abs=2)
+    assert r.wall.schedule_wall_us.count == r.num_steps  # every schedule() call
+    assert r.wall.update_wall_us.count <= r.num_steps  # update() after a step with work only
+    assert r.wall.schedule_cpu_us.count == r.num_steps // 4
     every = simulate(w, dataclasses.replace(SimConfig(), cpu_timing_stride=1))
-    assert every.wall.update_cpu_us.count == every.num_steps
+    assert every.wall.schedule_cpu_us.count == every.num_steps
     assert every == r  # sampling the clock changes no simulated number
     with pytest.raises(InvalidRequestError, match="cpu_timing_stride"):
         SimConfig(cpu_timing_stride=0)

@@ -347,7 +347,7 @@ class _Run:
             num_finished=finished,
             num_truncated=self.num_truncated,
             num_rejected=self.num_rejected,
-            num_steps=len(self.rec.t),
+            num_steps=self.step,  # schedule() calls, an idle one included
             makespan_s=makespan,
             num_draft_tokens=self.num_drafts,
             num_accepted_draft_tokens=self.num_accepted,
