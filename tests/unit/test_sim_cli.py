@@ -109,6 +109,9 @@ def test_trace_replay_matches_the_generated_run(tmp_path: Path) -> None:
         (["--per-step-ms", "-1"], "per_step_s"),
         (["--spec-k", "-1"], "num_draft_tokens"),
         (["--compare", "spec_k=-2"], ">= 0"),
+        (["--compare", "allocator=buddy"], "unknown allocator 'buddy'"),
+        (["--compare", "device=L4"], "give --model-config"),
+        (["--slo-ttft-ms", "-5"], "--slo-ttft-ms must be positive"),
     ],
 )
 def test_user_errors_exit_2_with_a_message(
