@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sim import SimConfig, make_workload, simulate
-from pagedkv.sim.plan import SLO, PlanPoint, max_rate, min_blocks
+from pagedkv.sim.plan import SLO, PlanPoint, max_rate, min_count
 from pagedkv.sim.plan_cli import main
 
 
@@ -43,10 +43,10 @@ def test_max_rate_reports_none_or_the_cap() -> None:
 
 
 def test_min_blocks_finds_the_smallest_pool_to_one_percent() -> None:
-    r = min_blocks(lambda n: _point(n, n >= 1234), low=16, high=4096)
+    r = min_count(lambda n: _point(n, n >= 1234), low=16, high=4096)
     assert r.best is not None
     assert 1234 <= r.best <= 1234 * 1.01 + 1
-    assert min_blocks(lambda n: _point(n, False), low=16, high=64).best is None
+    assert min_count(lambda n: _point(n, False), low=16, high=64).best is None
 
 
 def test_slo_p99_and_attainment_criteria() -> None:
@@ -87,6 +87,18 @@ def test_plan_command_finds_a_rate_writes_json_and_plot(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main([*argv, "--json", str(tmp_path / "q.json")]) == 0
     assert json.loads((tmp_path / "q.json").read_text())["result"] == result  # deterministic
+
+
+def test_plan_fewest_replicas_at_a_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "--workload", "system", "--num-requests", "40", "--rate", "30", "--search", "replicas",
+        "--max-num-seqs", "4", "--max-replicas", "8", "--slo-ttft-ms", "3000", "--quiet",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fewest replicas:" in out
+    n = int(out.split("fewest replicas:")[1].split()[0])
+    assert 1 < n <= 8
 
 
 def test_plan_smallest_pool_at_a_rate(capsys: pytest.CaptureFixture[str]) -> None:

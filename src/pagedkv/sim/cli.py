@@ -105,6 +105,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--policy", choices=("fcfs", "priority"), default="fcfs", help="waiting-queue order"
     )
+    c.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
+    c.add_argument(
+        "--router",
+        choices=("round_robin", "least_load"),
+        default="round_robin",
+        help="how arrivals are spread over --replicas (a chat's next turn stays on its replica)",
+    )
     c.add_argument(
         "--spec-k", type=int, default=0, help="speculative drafts per decode step (0: off)"
     )
@@ -179,6 +186,8 @@ def base_config(a: argparse.Namespace) -> tuple[SimConfig, str]:
         ),
         cost=choice.cost,
         memory_pool=choice.memory_pool,
+        num_replicas=a.replicas,
+        router=a.router,
         seed=a.seed,
         num_draft_tokens=a.spec_k,
         draft_acceptance=a.draft_acceptance,
@@ -422,4 +431,6 @@ def _describe(cfg: SimConfig) -> dict[str, Any]:
         "seed": cfg.seed,
         "num_draft_tokens": cfg.num_draft_tokens,
         "draft_acceptance": cfg.draft_acceptance,
+        "num_replicas": cfg.num_replicas,
+        "router": cfg.router,
     }

@@ -1,5 +1,5 @@
 """Capacity planning over the deterministic simulator: the highest request rate that meets
-latency targets, or the smallest KV pool that does at a given rate.
+latency targets, or the smallest KV pool (or the fewest replicas) that does at a given rate.
 
 Both are bisections. They assume the targets are met on one side of a threshold only (more
 load never helps, more KV blocks never hurts), which holds for the simulator up to the noise of
@@ -133,10 +133,13 @@ def max_rate(
     return result(good, False)
 
 
-def min_blocks(run: Callable[[int], PlanPoint], *, low: int, high: int) -> PlanResult:
-    """The fewest blocks in ``[low, high]`` whose point meets the SLO (integer bisection)."""
-    if not 2 <= low < high:
-        raise InvalidRequestError(f"need 2 <= blocks low < high, got {low} and {high}")
+def min_count(
+    run: Callable[[int], PlanPoint], *, low: int, high: int, searched: str = "num_blocks"
+) -> PlanResult:
+    """The fewest blocks (or replicas) in ``[low, high]`` whose point meets the SLO: integer
+    bisection, to 1% of the answer (exact below 100)."""
+    if not 1 <= low < high:
+        raise InvalidRequestError(f"need 1 <= {searched} low < high, got {low} and {high}")
     points: dict[int, PlanPoint] = {}
 
     def meets(n: int) -> bool:
@@ -145,7 +148,7 @@ def min_blocks(run: Callable[[int], PlanPoint], *, low: int, high: int) -> PlanR
         return points[n].meets
 
     def result(best: float | None, capped: bool) -> PlanResult:
-        return PlanResult("num_blocks", best, capped, tuple(points[k] for k in sorted(points)))
+        return PlanResult(searched, best, capped, tuple(points[k] for k in sorted(points)))
 
     if not meets(high):
         return result(None, False)

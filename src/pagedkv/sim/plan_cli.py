@@ -24,7 +24,7 @@ from pagedkv.sim.cli import (
     load_workload,
 )
 from pagedkv.sim.cost_args import add_cost_arguments
-from pagedkv.sim.plan import SLO, PlanPoint, PlanResult, evaluate, max_rate, min_blocks
+from pagedkv.sim.plan import SLO, PlanPoint, PlanResult, evaluate, max_rate, min_count
 from pagedkv.sim.simulator import SimConfig, simulate
 from pagedkv.sim.workload import Workload
 
@@ -51,13 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--search",
-        choices=("rate", "num_blocks"),
+        choices=("rate", "num_blocks", "replicas"),
         default="rate",
-        help="highest rate, or fewest KV blocks at --rate",
+        help="highest rate, or fewest KV blocks or replicas at --rate",
     )
     s.add_argument("--rate-min", type=float, default=0.25, help="lowest rate tried (req/s)")
     s.add_argument("--rate-max", type=float, default=1000.0, help="highest rate tried (req/s)")
     s.add_argument("--min-blocks", type=int, default=16, help="smallest pool tried")
+    s.add_argument("--max-replicas", type=int, default=16, help="most replicas tried")
     s.add_argument("--tolerance", type=float, default=0.05, help="relative precision of a rate")
     s.add_argument("--json", metavar="PATH", help="write every evaluated point as JSON")
     s.add_argument("--plot", metavar="FILE.png", help="p99 latency against the searched value")
@@ -104,11 +105,20 @@ def run_search(a: argparse.Namespace, slo: SLO) -> tuple[PlanResult, SimConfig]:
         return max_rate(at_rate, low=a.rate_min, high=a.rate_max, rel_tol=a.tolerance), base
     workload = load_workload(argparse.Namespace(**{**vars(a), "rate": a.rate or DEFAULT_RATE}))
 
+    if a.search == "replicas":
+
+        def with_replicas(n: int) -> PlanPoint:
+            cfg = dataclasses.replace(base, num_replicas=n)
+            return _log(a, "replicas", evaluate(n, simulate(workload, cfg), slo))
+
+        high = a.max_replicas
+        return min_count(with_replicas, low=1, high=high, searched="replicas"), base
+
     def with_blocks(n: int) -> PlanPoint:
         cfg = dataclasses.replace(base, cache=dataclasses.replace(base.cache, num_blocks=n))
         return _log(a, "num_blocks", evaluate(n, simulate(workload, cfg), slo))
 
-    return min_blocks(with_blocks, low=a.min_blocks, high=base.cache.num_blocks), base
+    return min_count(with_blocks, low=a.min_blocks, high=base.cache.num_blocks), base
 
 
 def print_result(result: PlanResult, slo: SLO, unit: str) -> None:
@@ -136,7 +146,9 @@ def print_result(result: PlanResult, slo: SLO, unit: str) -> None:
         )
     console = Console()
     console.print(table)
-    verb = "highest sustainable rate" if result.searched == "rate" else "smallest KV pool"
+    verb = {"rate": "highest sustainable rate", "num_blocks": "smallest KV pool"}.get(
+        result.searched, "fewest replicas"
+    )
     if result.best is None:
         console.print(f"No {result.searched} in the searched range meets the SLO.")
     else:
@@ -182,7 +194,8 @@ def main(argv: list[str]) -> int:
             a.slo_attainment,
         )
         result, _ = run_search(a, slo)
-        print_result(result, slo, "requests/s" if result.searched == "rate" else "blocks")
+        unit = {"rate": "requests/s", "num_blocks": "blocks"}.get(result.searched, "replicas")
+        print_result(result, slo, unit)
         if a.json:
             doc = {
                 "command": ["pagedkv", "plan", *argv],

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from pagedkv.sim.workload import (
 
 logger = logging.getLogger(__name__)
 
+ROUTERS = ("round_robin", "least_load")
 Sampled = dict[str, list[int]]
 Progress = Callable[[int, int, float], None]
 """``progress(num_done, num_requests, clock_s)``: called every few hundred steps and at the end."""
@@ -90,6 +92,8 @@ class SimConfig:
     allocator: Allocator = Allocator.PAGED  # or a contiguous baseline (pagedkv.sim.allocators)
     memory_pool: MemoryPool | None = None  # set when cache.num_blocks was sized from memory
     cpu_timing_stride: int = 4  # CPU-time schedule()/update() every n-th step (a syscall each)
+    num_replicas: int = 1  # engines behind a router (pagedkv.sim.replicas)
+    router: str = "round_robin"  # or "least_load"
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -97,6 +101,12 @@ class SimConfig:
         if self.max_series_points < 2:
             raise InvalidRequestError(
                 f"max_series_points must be >= 2, got {self.max_series_points}"
+            )
+        if self.num_replicas <= 0:
+            raise InvalidRequestError(f"num_replicas must be positive, got {self.num_replicas}")
+        if self.router not in ROUTERS:
+            raise InvalidRequestError(
+                f"unknown router {self.router!r}; known: {', '.join(ROUTERS)}"
             )
         if self.cpu_timing_stride <= 0:
             raise InvalidRequestError(
@@ -125,21 +135,38 @@ class _Run:
     ``tracks``; ``num_done`` counts those that left all three.
     """
 
-    def __init__(self, workload: Workload, cfg: SimConfig, progress: Progress | None) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        cfg: SimConfig,
+        progress: Progress | None,
+        *,
+        replica_of: _Run | None = None,
+    ) -> None:
+        """A run over ``workload``; with ``replica_of``, one more replica of that run: it shares
+        its recorder and followers and starts with no arrivals (a router feeds them)."""
         self.cfg = cfg
         self.workload = workload
         self.progress = progress
         self.sched = Scheduler(cfg.scheduler, cfg.cache)
-        self.rec = Recorder()
-        self.followers: dict[str, list[SimRequest]] = {}
         self.arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
-        for order, r in enumerate(workload.requests):
-            if r.follows is None:
-                self.arrivals.append((r.arrival_s, order, r))
-            else:
-                self.followers.setdefault(r.follows, []).append(r)
-        heapq.heapify(self.arrivals)
-        self.order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
+        self.rec: Recorder
+        self.followers: dict[str, list[SimRequest]]
+        self.order_of: dict[str, int]
+        if replica_of is not None:
+            self.rec = replica_of.rec
+            self.followers = replica_of.followers  # shared: a child is released once, anywhere
+            self.order_of = replica_of.order_of
+        else:
+            self.rec = Recorder()
+            self.followers = {}
+            for order, r in enumerate(workload.requests):
+                if r.follows is None:
+                    self.arrivals.append((r.arrival_s, order, r))
+                else:
+                    self.followers.setdefault(r.follows, []).append(r)
+            heapq.heapify(self.arrivals)
+            self.order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
         self.tracks: dict[str, Track] = {}
         self.num_done = self.num_rejected = self.num_truncated = 0
         self.num_prompt = self.num_output = self.prefill_computed = 0
@@ -307,63 +334,84 @@ class _Run:
         )
 
     # ---------------------------------------------------------------------- the loop
+    def next_event_s(self) -> float:
+        """When this run next acts: now if it holds requests, else its next arrival."""
+        if self.tracks:
+            return self.clock
+        return self.arrivals[0][0] if self.arrivals else math.inf
+
+    def advance(self) -> None:
+        """Admit what has arrived, then run one step (or jump the clock to the next arrival)."""
+        self.admit_arrivals()
+        if not self.tracks:
+            if self.arrivals:
+                self.clock = max(self.clock, self.arrivals[0][0])
+            return
+        self.step += 1
+        cfg = self.cfg
+        if self.step > cfg.max_steps:
+            raise SimulationLimitError(
+                f"the simulation passed max_steps={cfg.max_steps:,} at simulated "
+                f"t={self.clock:,.1f}s with {len(self.tracks):,} requests unfinished and "
+                f"{len(self.arrivals):,} yet to arrive; raise max_steps or simulate fewer "
+                "requests"
+            )
+        self.run_step()
+        if self.progress is not None and self.step % 256 == 0:
+            self.progress(self.num_done, len(self.workload), self.clock)
+
     def run(self) -> SimReport:
         wall0 = time.perf_counter()
-        cfg, n = self.cfg, len(self.workload)
         while self.arrivals or self.tracks:
-            self.admit_arrivals()
-            if not self.tracks:
-                if self.arrivals:
-                    self.clock = max(self.clock, self.arrivals[0][0])
-                continue
-            self.step += 1
-            if self.step > cfg.max_steps:
-                raise SimulationLimitError(
-                    f"the simulation passed max_steps={cfg.max_steps:,} at simulated "
-                    f"t={self.clock:,.1f}s with {len(self.tracks):,} requests unfinished and "
-                    f"{len(self.arrivals):,} yet to arrive; raise max_steps or simulate fewer "
-                    "requests"
-                )
-            self.run_step()
-            if self.progress is not None and self.step % 256 == 0:
-                self.progress(self.num_done, n, self.clock)
+            self.advance()
         if self.progress is not None:
-            self.progress(self.num_done, n, self.clock)
-        return self.report(time.perf_counter() - wall0)
+            self.progress(self.num_done, len(self.workload), self.clock)
+        return build_report([self], time.perf_counter() - wall0)
 
-    def report(self, wall_s: float) -> SimReport:
-        cfg, sched = self.cfg, self.sched
-        kv = sched.manager.stats()
-        makespan = max(self.last_finish - self.first_arrival, 0.0)
-        per_s = 1.0 / makespan if makespan > 0 else 0.0
-        finished = self.num_done - self.num_rejected
-        return self.rec.build(
-            cfg.max_series_points,
-            label=cfg.label,
-            workload=self.workload.name,
-            seed=cfg.seed,
-            params=cfg.params,
-            num_requests=len(self.workload),
-            num_finished=finished,
-            num_truncated=self.num_truncated,
-            num_rejected=self.num_rejected,
-            num_steps=self.step,  # schedule() calls, an idle one included
-            makespan_s=makespan,
-            num_draft_tokens=self.num_drafts,
-            num_accepted_draft_tokens=self.num_accepted,
-            num_prompt_tokens=self.num_prompt,
-            num_output_tokens=self.num_output,
-            num_prefill_tokens_computed=self.prefill_computed,
-            output_tokens_per_s=self.num_output * per_s,
-            total_tokens_per_s=(self.num_prompt + self.num_output) * per_s,
-            requests_per_s=finished * per_s,
-            prefix_hit_rate=kv.prefix.hit_rate,
-            prefix_block_hit_rate=kv.prefix.block_hit_rate,
-            num_preemptions=sched.num_preemptions,
-            kv_capacity_tokens=self.capacity_tokens,
-            allocator=cfg.allocator.value,
-            wall=self.rec.wall_timings(wall_s),
-        )
+
+def build_report(runs: list[_Run], wall_s: float) -> SimReport:
+    """The report of one run, or of replicas sharing one recorder (counters summed)."""
+    head = runs[0]
+    cfg = head.cfg
+    snaps = [r.sched.manager.stats().prefix for r in runs]
+    query_tokens = sum(p.query_tokens for p in snaps)
+    query_blocks = sum(p.cacheable_query_blocks for p in snaps)
+    first = min(r.first_arrival for r in runs)
+    makespan = max(max(r.last_finish for r in runs) - first, 0.0)
+    per_s = 1.0 / makespan if makespan > 0 else 0.0
+    rejected = sum(r.num_rejected for r in runs)
+    finished = sum(r.num_done for r in runs) - rejected
+    prompt = sum(r.num_prompt for r in runs)
+    output = sum(r.num_output for r in runs)
+    return head.rec.build(
+        cfg.max_series_points,
+        label=cfg.label,
+        workload=head.workload.name,
+        seed=cfg.seed,
+        params=cfg.params,
+        num_requests=len(head.workload),
+        num_finished=finished,
+        num_truncated=sum(r.num_truncated for r in runs),
+        num_rejected=rejected,
+        num_steps=sum(r.step for r in runs),  # schedule() calls, idle ones included
+        makespan_s=makespan,
+        num_draft_tokens=sum(r.num_drafts for r in runs),
+        num_accepted_draft_tokens=sum(r.num_accepted for r in runs),
+        num_prompt_tokens=prompt,
+        num_output_tokens=output,
+        num_prefill_tokens_computed=sum(r.prefill_computed for r in runs),
+        output_tokens_per_s=output * per_s,
+        total_tokens_per_s=(prompt + output) * per_s,
+        requests_per_s=finished * per_s,
+        prefix_hit_rate=sum(p.hit_tokens for p in snaps) / query_tokens if query_tokens else 0.0,
+        prefix_block_hit_rate=(
+            sum(p.hit_blocks for p in snaps) / query_blocks if query_blocks else 0.0
+        ),
+        num_preemptions=sum(r.sched.num_preemptions for r in runs),
+        kv_capacity_tokens=sum(r.capacity_tokens for r in runs),
+        allocator=cfg.allocator.value,
+        wall=head.rec.wall_timings(wall_s),
+    )
 
 
 def simulate(
@@ -374,4 +422,9 @@ def simulate(
     Raises SimulationLimitError when ``config.max_steps`` steps pass with requests left (a limit
     the caller chose), InvariantViolation if the scheduler stops making progress (a bug).
     """
-    return _Run(workload, config or SimConfig(), progress).run()
+    cfg = config or SimConfig()
+    if cfg.num_replicas > 1:
+        from pagedkv.sim.replicas import simulate_replicas
+
+        return simulate_replicas(workload, cfg, progress)
+    return _Run(workload, cfg, progress).run()

@@ -177,6 +177,14 @@ KEYS: dict[str, tuple[str, Callable[[SimConfig, str], SimConfig]]] = {
         "GPUs per replica for the roofline (and the memory-sized pool)",
         lambda c, v: _set_hardware(c, "tensor_parallel_size", v),
     ),
+    "replicas": (
+        "engine replicas behind the router (each with the whole pool)",
+        lambda c, v: dataclasses.replace(c, num_replicas=_positive_int(v)),
+    ),
+    "router": (
+        "round_robin or least_load, over the replicas",
+        lambda c, v: dataclasses.replace(c, router=v.strip()),
+    ),
     "allocator": (
         "paged, or a contiguous baseline reserving max/pow2/oracle length (PagedAttention paper)",
         _set_allocator,
