@@ -8,8 +8,9 @@ in tens of MB. Each ``on_*`` method is called by the simulator's loop at one eve
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -17,10 +18,26 @@ from pagedkv.sim.report import (
     Percentiles,
     RequestRecord,
     SimReport,
+    TimeSeries,
     WallTimings,
     bucket_series,
     summarize_tags,
 )
+
+_N = TypeVar("_N", int, float)
+
+
+def _order(t: np.ndarray) -> np.ndarray | None:
+    """A stable sort order of ``t``, or None when it is already sorted (a single run)."""
+    if t.size > 1 and bool((np.diff(t) < 0).any()):
+        return np.argsort(t, kind="stable")
+    return None
+
+
+def _take(col: Sequence[_N], order: np.ndarray | None) -> Sequence[_N]:
+    if order is None:
+        return col
+    return [col[int(i)] for i in order]
 
 
 def _floats() -> array[float]:
@@ -159,6 +176,25 @@ class Recorder:
             update_wall_us=Percentiles.of(self.update_wall).scaled(1e-3),
         )
 
+    def _series(self, max_points: int) -> TimeSeries:
+        """The bucketed series in time order (replicas interleave their steps: sorted here,
+        stably, so a single run's order is kept; a bucket's maxima are then the busiest
+        replica's)."""
+        t, ttft_at = np.frombuffer(self.t), np.frombuffer(self.ttft_at)
+        step = _order(t)
+        first = _order(ttft_at)
+        return bucket_series(
+            max_points,
+            _take(self.t, step),
+            _take(self.usage, step),
+            _take(self.running, step),
+            _take(self.waiting, step),
+            _take(self.step_s, step),
+            _take(self.ttft_at, first),
+            _take(self.ttft, first),
+            _take(self.tokens, step),
+        )
+
     def build(self, max_points: int, **fields: Any) -> SimReport:
         """The report: these samples plus the run's counters in ``fields``."""
         tags = {k: (v.ttft, v.itl, v.e2e) for k, v in self.by_tag.items()}
@@ -172,17 +208,7 @@ class Recorder:
             batch_size=Percentiles.of(self.batch),
             peak_running=max(self.running, default=0),
             peak_waiting=max(self.waiting, default=0),
-            series=bucket_series(
-                max_points,
-                self.t,
-                self.usage,
-                self.running,
-                self.waiting,
-                self.step_s,
-                self.ttft_at,
-                self.ttft,
-                self.tokens,
-            ),
+            series=self._series(max_points),
             records=tuple(self.records),
             by_tag=summarize_tags(tags, self.records),
             **self.usage_summary(),
