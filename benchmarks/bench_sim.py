@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in FIXTURES:
         if name not in only:
             continue
-        workload = make_workload(name, seed=0, num_requests=num_requests, rate=RATE)
+        workload = make_workload(  # max_tokens the true length: comparable with older rows
+            name, seed=0, num_requests=num_requests, rate=RATE, max_tokens="oracle"
+        )
         cases.append(_case(name, workload, True, args.quick, last))
         if name == "mixed":
             cases.append(_case(name, workload, False, args.quick, last))

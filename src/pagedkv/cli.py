@@ -17,6 +17,8 @@ from pagedkv.errors import PagedKVError
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("pagedkv.sim.cli:main", "replay a workload through the scheduler and cache"),
+    "plan": ("pagedkv.sim.plan_cli:main", "find the highest request rate meeting latency SLOs"),
+    "profile": ("pagedkv.engine.profile_cli:main", "measure engine steps for simulate --profile"),
     "bench-core": ("pagedkv.core.bench_cli:main", "run the core benchmarks (benchmarks/)"),
     "demo": ("pagedkv.engine.demo:demo_main", "run a real chat model end to end (--tiny: random)"),
     "generate": (

@@ -20,6 +20,7 @@ Hierarchy::
     ├── ModelLoadError(ValueError)           missing files or unsupported architecture
     ├── OverloadedError(RuntimeError)        a queue is full (the server answers 429)
     ├── ModelExecutionError(RuntimeError)    the model step or sampling failed for one request
+    ├── SimulationLimitError(RuntimeError)   a simulation passed a user-set limit (max_steps)
     └── InvariantViolation(RuntimeError)     an internal invariant broke: a bug, never user error
 """
 
@@ -93,6 +94,13 @@ class OverloadedError(PagedKVError, RuntimeError):
 class ModelExecutionError(PagedKVError, RuntimeError):
     """The model step or sampling failed for one request (non-finite logits, a kernel error);
     that request finishes with ``finish_reason="error"``, the others go on."""
+
+
+class SimulationLimitError(PagedKVError, RuntimeError):
+    """A simulation reached a limit its caller set (``max_steps``) before every request finished.
+
+    Not a bug: the workload needs more steps than allowed; raise the limit or shrink the workload.
+    """
 
 
 class InvariantViolation(PagedKVError, RuntimeError):  # noqa: N818  (the name STYLE.md gives)

@@ -109,6 +109,9 @@ def test_trace_replay_matches_the_generated_run(tmp_path: Path) -> None:
         (["--per-step-ms", "-1"], "per_step_s"),
         (["--spec-k", "-1"], "num_draft_tokens"),
         (["--compare", "spec_k=-2"], ">= 0"),
+        (["--compare", "allocator=buddy"], "unknown allocator 'buddy'"),
+        (["--compare", "device=L4"], "give --model-config"),
+        (["--slo-ttft-ms", "-5"], "--slo-ttft-ms must be positive"),
     ],
 )
 def test_user_errors_exit_2_with_a_message(
@@ -124,7 +127,7 @@ def test_build_variants_applies_each_setting() -> None:
     base = SimConfig(cache=CacheConfig(block_size=16, num_blocks=100, model_id="x"))
     vs = build_variants(base, ["block_size=16,32", "policy=priority", "reservation=none"])
     assert [v.cache.block_size for v in vs] == [16, 32]
-    assert [v.cache.num_blocks for v in vs] == [100, 50]  # the same KV memory in tokens
+    assert [v.cache.num_blocks for v in vs] == [100, 51]  # the same usable KV tokens (null apart)
     assert all(v.scheduler.policy == "priority" for v in vs)
     assert all(v.cache.reservation.value == "none" for v in vs)
     assert vs[1].label == "block_size=32 policy=priority reservation=none"

@@ -108,7 +108,7 @@ def test_same_seed_same_report_and_wall_times_are_kept_apart() -> None:
     b = simulate(w, _config(seed=3))
     assert a == b  # every field but wall
     assert a.wall.total_s > 0
-    assert a.wall.schedule_cpu_us.count == a.num_steps
+    assert a.wall.schedule_cpu_us.count == a.num_steps // 4  # the CPU clock every 4th step
     assert a.wall.update_wall_us.count == a.num_steps
     assert a.wall.schedule_cpu_us.p50 > 0.0
     assert a.to_dict()["ttft_s"] == b.to_dict()["ttft_s"]

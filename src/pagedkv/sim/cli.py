@@ -17,21 +17,22 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.config import CacheConfig, ReservationPolicy
-from pagedkv.errors import PagedKVError
+from pagedkv.errors import InvalidRequestError, PagedKVError
 from pagedkv.sched.config import SchedulerConfig
-from pagedkv.sim.cost_model import CostModel
-from pagedkv.sim.generators import DEFAULT_MAX_CONTEXT, WORKLOADS, make_workload
-from pagedkv.sim.replicas_cli import add_replica_arguments, replicas_main, wants_replicas
+from pagedkv.sim.cluster_cli import add_cluster_arguments, cluster_main, wants_cluster
+from pagedkv.sim.cost_args import DEFAULT_NUM_BLOCKS, add_cost_arguments, resolve_cost
+from pagedkv.sim.generators import DEFAULT_MAX_CONTEXT, MAX_TOKENS_MODES, WORKLOADS, make_workload
 from pagedkv.sim.report import Percentiles, SimReport
 from pagedkv.sim.simulator import Progress, SimConfig, simulate
 from pagedkv.sim.trace import load_trace, save_trace
 from pagedkv.sim.variants import KEYS
 from pagedkv.sim.workload import Workload
 
-_D = CostModel()
+DEFAULT_NUM_REQUESTS = 600
+DEFAULT_RATE = 10.0
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
+class Formatter(argparse.RawDescriptionHelpFormatter):
     """Keep the epilog's line breaks; show each default that is a value (not None or False)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
@@ -42,40 +43,53 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pagedkv simulate",
-        description=(
-            "Replay a workload through the real scheduler and KV cache manager with a step-time "
-            "cost model. Without arguments: the built-in mixed workload, prefix caching on vs off."
-        ),
-        formatter_class=_Formatter,
-        epilog=(
-            "--compare keys:\n"
-            + "\n".join(f"  {k:<19} {h}" for k, (h, _) in KEYS.items())
-            + "\n\nThe default pool (4,096 blocks x 16 tokens = 65,536 tokens) is ~8 GiB of KV\n"
-            "for Llama-3-8B (128 KiB per token in bf16).\n\nexample:\n  pagedkv simulate "
-            "--workload chat --compare caching=on,off \\\n      --compare num_blocks=2048,8192 "
-            "--plot sim.png"
-        ),
-    )
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload options (shared with ``pagedkv plan``)."""
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--workload", choices=WORKLOADS, default="mixed", help="built-in workload")
     src.add_argument("--trace", metavar="FILE.jsonl", help="replay a trace (docs/trace-format.md)")
     w.add_argument("--seed", type=int, default=0, help="workload and token seed")
-    w.add_argument("--num-requests", type=int, default=600, help="built-in workload size (about)")
-    w.add_argument("--rate", type=float, default=10.0, help="new requests per simulated second")
+    w.add_argument(
+        "--num-requests",
+        type=int,
+        help=f"built-in workload size (about; default {DEFAULT_NUM_REQUESTS}); with --trace: "
+        "replay only its first N requests",
+    )
+    w.add_argument(
+        "--rate",
+        type=float,
+        help=f"new requests per simulated second (default {DEFAULT_RATE:g}); with --trace: "
+        "scale the trace's arrival times to this mean rate",
+    )
     w.add_argument(
         "--max-context",
         type=int,
-        default=DEFAULT_MAX_CONTEXT,
-        help="longest prompt + output a built-in workload makes",
+        help=f"longest prompt + output a built-in workload makes (default {DEFAULT_MAX_CONTEXT}; "
+        "refused with --trace: cut a trace with --max-model-len)",
+    )
+    w.add_argument(
+        "--burstiness",
+        type=float,
+        help="arrival gaps: 1 = Poisson (default), below 1 burstier, above more regular (gamma)",
+    )
+    w.add_argument(
+        "--max-tokens-mode",
+        choices=MAX_TOKENS_MODES,
+        help="drawn (default): each request asks for a client max_tokens above what it "
+        "generates; oracle: max_tokens is the true length",
     )
     w.add_argument("--save-trace", metavar="PATH", help="also write the workload as a JSONL trace")
 
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The KV cache and scheduler options (shared with ``pagedkv plan``)."""
     c = p.add_argument_group("KV cache and scheduler (the base every variant starts from)")
-    c.add_argument("--num-blocks", type=int, default=4096, help="pool size in blocks")
+    c.add_argument(
+        "--num-blocks",
+        type=int,
+        help=f"pool size in blocks (default: sized from --model-config, else {DEFAULT_NUM_BLOCKS})",
+    )
     c.add_argument("--block-size", type=int, default=16, help="tokens per block")
     c.add_argument(
         "--watermark", type=float, default=0.01, help="fraction of the pool kept free at admission"
@@ -92,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--policy", choices=("fcfs", "priority"), default="fcfs", help="waiting-queue order"
     )
+    c.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
+    c.add_argument(
+        "--router",
+        choices=("round_robin", "least_load"),
+        default="round_robin",
+        help="how arrivals are spread over --replicas (a chat's next turn stays on its replica)",
+    )
     c.add_argument(
         "--spec-k", type=int, default=0, help="speculative drafts per decode step (0: off)"
     )
@@ -102,35 +123,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="probability that each draft is the true next token",
     )
 
-    m = p.add_argument_group(
-        "step cost model (defaults: a 7-8B model on one H100-class GPU; see pagedkv.sim.cost_model)"
-    )
-    m.add_argument(
-        "--per-step-ms",
-        type=float,
-        default=round(_D.per_step_s * 1e3, 6),
-        help="fixed cost of every step (weights read once)",
-    )
-    m.add_argument(
-        "--per-prefill-token-us",
-        type=float,
-        default=round(_D.per_prefill_token_s * 1e6, 6),
-        help="cost of each prefill token",
-    )
-    m.add_argument(
-        "--per-decode-seq-us",
-        type=float,
-        default=round(_D.per_decode_seq_s * 1e6, 6),
-        help="cost of each decoding sequence",
-    )
-    m.add_argument(
-        "--per-context-token-ns",
-        type=float,
-        default=round(_D.per_context_token_s * 1e9, 6),
-        help="attention cost per context token read by a scheduled request",
-    )
 
-    add_replica_arguments(p)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagedkv simulate",
+        description=(
+            "Replay a workload through the real scheduler and KV cache manager with a step-time "
+            "cost model. Without arguments: the built-in mixed workload, prefix caching on vs off."
+        ),
+        formatter_class=Formatter,
+        epilog=(
+            "--compare keys:\n"
+            + "\n".join(f"  {k:<19} {h}" for k, (h, _) in KEYS.items())
+            + "\n\nThe default pool (4,096 blocks x 16 tokens = 65,536 tokens) is ~8 GiB of KV\n"
+            "for Llama-3-8B (128 KiB per token in bf16).\n\nexample:\n  pagedkv simulate "
+            "--workload chat --compare caching=on,off \\\n      --compare num_blocks=2048,8192 "
+            "--plot sim.png"
+        ),
+    )
+    add_workload_arguments(p)
+    add_engine_arguments(p)
+    add_cost_arguments(p)
+    add_cluster_arguments(p)
+
     o = p.add_argument_group("comparison and output")
     o.add_argument(
         "--compare",
@@ -142,11 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", metavar="PATH", help="write every report as JSON")
     o.add_argument("--plot", metavar="FILE.png", help="draw usage, queues and latency over time")
     o.add_argument("--quiet", action="store_true", help="no progress bar (none off a TTY either)")
+    o.add_argument("--slo-ttft-ms", type=float, help="TTFT target: adds a goodput row")
+    o.add_argument("--slo-tpot-ms", type=float, help="TPOT target: adds a goodput row")
     return p
 
 
-def _base_config(a: argparse.Namespace) -> SimConfig:
-    return SimConfig(
+def base_config(a: argparse.Namespace) -> tuple[SimConfig, str]:
+    """The base config every variant starts from, and a line on where its costs came from."""
+    choice = resolve_cost(
+        a,
+        block_size=a.block_size,
+        max_num_batched_tokens=a.max_batched_tokens,
+        max_num_seqs=a.max_num_seqs,
+    )
+    cfg = SimConfig(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=a.max_batched_tokens,
             max_num_seqs=a.max_num_seqs,
@@ -156,38 +180,63 @@ def _base_config(a: argparse.Namespace) -> SimConfig:
         ),
         cache=CacheConfig(
             block_size=a.block_size,
-            num_blocks=a.num_blocks,
+            num_blocks=choice.num_blocks,
             enable_prefix_caching=True,  # --compare caching=off turns it off
             watermark=a.watermark,
             reservation=ReservationPolicy(a.reservation),
             model_id="sim",
         ),
-        cost=CostModel(
-            per_step_s=a.per_step_ms * 1e-3,
-            per_prefill_token_s=a.per_prefill_token_us * 1e-6,
-            per_decode_seq_s=a.per_decode_seq_us * 1e-6,
-            per_context_token_s=a.per_context_token_ns * 1e-9,
-        ),
+        cost=choice.cost,
+        memory_pool=choice.memory_pool,
+        num_replicas=a.replicas,
+        router=a.router,
         seed=a.seed,
         num_draft_tokens=a.spec_k,
         draft_acceptance=a.draft_acceptance,
     )
+    return cfg, choice.note
 
 
-def _load_workload(a: argparse.Namespace) -> Workload:
+def load_workload(a: argparse.Namespace) -> Workload:
+    """The built-in workload, or the trace with ``--num-requests`` and ``--rate`` applied."""
     if a.trace:
-        return load_trace(a.trace, seed=a.seed)
+        if a.max_context is not None:
+            raise InvalidRequestError(
+                "--max-context shapes the built-in workloads only; a trace's lengths are its "
+                "own (use --max-model-len to cut long requests of a trace)"
+            )
+        for flag, value in (
+            ("--burstiness", a.burstiness),
+            ("--max-tokens-mode", a.max_tokens_mode),
+        ):
+            if value is not None:
+                raise InvalidRequestError(
+                    f"{flag} shapes the built-in workloads only; a trace gives its own arrivals "
+                    "and max_tokens"
+                )
+        workload = load_trace(a.trace, seed=a.seed)
+        if a.num_requests is not None:
+            workload = workload.head(a.num_requests)
+        if a.rate is not None:
+            workload = workload.scaled_to_rate(a.rate)
+        return workload
     return make_workload(
         a.workload,
         seed=a.seed,
-        num_requests=a.num_requests,
-        rate=a.rate,
-        max_context=a.max_context,
+        num_requests=DEFAULT_NUM_REQUESTS if a.num_requests is None else a.num_requests,
+        rate=DEFAULT_RATE if a.rate is None else a.rate,
+        max_context=DEFAULT_MAX_CONTEXT if a.max_context is None else a.max_context,
+        burstiness=1.0 if a.burstiness is None else a.burstiness,
+        max_tokens=a.max_tokens_mode or "drawn",
     )
 
 
 def _ms(p: Percentiles) -> str:
     return f"{p.p50 * 1e3:,.1f} / {p.p90 * 1e3:,.1f} / {p.p99 * 1e3:,.1f}"
+
+
+def _batch(p: Percentiles) -> str:
+    return f"{p.mean:,.1f} / {p.p50:,.0f} / {p.max:,.0f}"
 
 
 def _us(p: Percentiles) -> str:
@@ -214,8 +263,19 @@ _ROWS: list[tuple[str, Callable[[SimReport], str]]] = [
             + (f" ({r.draft_acceptance_rate:.0%})" if r.num_draft_tokens else "")
         ),
     ),
+    ("KV pool (usable tokens)", lambda r: f"{r.kv_capacity_tokens:,}"),
     ("peak / mean KV usage", lambda r: f"{r.peak_usage:.1%} / {r.mean_usage:.1%}"),
+    (
+        "mean KV allocated / tokens, waste",
+        lambda r: f"{r.mean_allocated_usage:.1%} / {r.mean_token_usage:.1%}, {r.kv_waste:.0%}",
+    ),
     ("peak running / waiting", lambda r: f"{r.peak_running} / {r.peak_waiting}"),
+    ("batch size mean / p50 / max", lambda r: _batch(r.batch_size)),
+    (
+        "queueing delay p50 / p99 (ms)",
+        lambda r: f"{r.queue_s.p50 * 1e3:,.1f} / {r.queue_s.p99 * 1e3:,.1f}",
+    ),
+    ("normalized latency mean (ms/token)", lambda r: f"{r.normalized_latency_s.mean * 1e3:,.1f}"),
     ("steps", lambda r: f"{r.num_steps:,}"),
     ("schedule() CPU p50 / p99 (µs)", lambda r: _us(r.wall.schedule_cpu_us)),
     ("update() CPU p50 / p99 (µs)", lambda r: _us(r.wall.update_cpu_us)),
@@ -231,7 +291,13 @@ def _tag_cell(report: SimReport, tag: str) -> str:
     return "-"
 
 
-def print_table(reports: Sequence[SimReport], workload: Workload, base: SimConfig) -> None:
+def print_table(
+    reports: Sequence[SimReport],
+    workload: Workload,
+    base: SimConfig,
+    note: str = "",
+    slo: tuple[float, float] | None = None,
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -251,6 +317,11 @@ def print_table(reports: Sequence[SimReport], workload: Workload, base: SimConfi
         if name.startswith("drafts") and not speculating:
             continue
         table.add_row(name, *(cell(r) for r in reports))
+    if slo is not None:
+        table.add_row(
+            f"goodput (req/s, TTFT <= {slo[0] * 1e3:g} ms, TPOT <= {slo[1] * 1e3:g} ms)",
+            *(f"{r.goodput(*slo):,.2f}" for r in reports),
+        )
     tags = sorted({t.tag for r in reports for t in r.by_tag})
     if len(tags) > 1:  # a mixed workload: which class gained what
         table.add_section()
@@ -258,6 +329,8 @@ def print_table(reports: Sequence[SimReport], workload: Workload, base: SimConfi
             table.add_row(f"{tag}: TTFT p50 / p99 (ms), hit", *(_tag_cell(r, tag) for r in reports))
     console = Console(width=max(100, min(200, 34 + 26 * len(reports))))
     console.print(table)
+    if note:
+        console.print(note[:1].upper() + note[1:] + ".")
     console.print(
         "Times are simulated (the step cost model, see --help), except the CPU/wall rows: "
         "this machine's cost of the real scheduler per step (CPU = thread time, robust to other "
@@ -295,12 +368,12 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
-        workload = _load_workload(a)
+        workload = load_workload(a)
         from pagedkv.sim.variants import build_variants
 
-        base = _base_config(a)
-        if wants_replicas(a):
-            return replicas_main(a, workload, base)
+        base, cost_note = base_config(a)
+        if wants_cluster(a):
+            return cluster_main(a, workload, base)
         variants = build_variants(base, a.compare or ["caching=on,off"])
         if a.save_trace:
             save_trace(workload, a.save_trace)
@@ -315,7 +388,7 @@ def main(argv: list[str]) -> int:
         with _progress_bar(show, len(workload), [v.label for v in variants]) as callbacks:
             for cfg, cb in zip(variants, callbacks, strict=True):
                 reports.append(simulate(workload, cfg, progress=cb))
-        print_table(reports, workload, base)
+        print_table(reports, workload, base, cost_note, slo_of(a))
         if a.json:
             doc = {
                 "command": ["pagedkv", "simulate", *argv],
@@ -337,16 +410,31 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def slo_of(a: argparse.Namespace) -> tuple[float, float] | None:
+    """``(ttft_s, tpot_s)`` from ``--slo-ttft-ms``/``--slo-tpot-ms`` (an absent one: no limit)."""
+    if a.slo_ttft_ms is None and a.slo_tpot_ms is None:
+        return None
+    for flag, v in (("--slo-ttft-ms", a.slo_ttft_ms), ("--slo-tpot-ms", a.slo_tpot_ms)):
+        if v is not None and not v > 0:
+            raise InvalidRequestError(f"{flag} must be positive, got {v}")
+    inf = float("inf")
+    ttft = inf if a.slo_ttft_ms is None else a.slo_ttft_ms * 1e-3
+    tpot = inf if a.slo_tpot_ms is None else a.slo_tpot_ms * 1e-3
+    return ttft, tpot
+
+
 def _describe(cfg: SimConfig) -> dict[str, Any]:
-    def plain(obj: Any) -> Any:
+    def plain(obj: Any) -> dict[str, Any]:
         d = dataclasses.asdict(obj)
         return {k: getattr(v, "value", v) for k, v in d.items()}
 
     return {
         "scheduler": plain(cfg.scheduler),
         "cache": plain(cfg.cache),
-        "cost": plain(cfg.cost),
+        "cost": {"kind": type(cfg.cost).__name__, **plain(cfg.cost)},
         "seed": cfg.seed,
         "num_draft_tokens": cfg.num_draft_tokens,
         "draft_acceptance": cfg.draft_acceptance,
+        "num_replicas": cfg.num_replicas,
+        "router": cfg.router,
     }

@@ -18,8 +18,12 @@ H100-class GPU, batch sizes up to ~256:
 * ``per_context_token_s = 40 ns``: each context token's K and V are 128 KiB across the layers
   (2 x 8 x 128 x 32 x 2 bytes), read at ~3 TB/s.
 
-These are round numbers of the right magnitude, not measurements; pass your own (``pagedkv
-simulate --per-step-ms ...``) to model another model or GPU. Decoding 64 sequences with 2,000
+These are round numbers of the right magnitude, not measurements (the prefill cost is ~2.5x
+what an H100 reaches; it is closer to an A100): this constant model is kept, as the default
+without ``--model-config``, for reports made with it to stay comparable. Pass your own (``pagedkv
+simulate --per-step-ms ...``), derive costs from the model and device (:mod:`pagedkv.sim.roofline`,
+``--model-config``/``--device``) or fit them to measured steps (:mod:`pagedkv.sim.profile`,
+``--profile``). Decoding 64 sequences with 2,000
 tokens of context each costs 6 + 5.1 + 5.1 = ~16 ms per step with the defaults.
 """
 
@@ -27,9 +31,48 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sched.output import SchedulerOutput
+
+
+class StepCost(Protocol):
+    """Anything that prices a step from its totals (see :func:`step_totals`)."""
+
+    def step_time(
+        self,
+        num_prefill_tokens: int,
+        num_decode_seqs: int,
+        num_context_tokens: int = 0,
+        num_attention_pairs: int = 0,
+        num_logit_rows: int | None = None,
+    ) -> float: ...
+
+
+def step_totals(output: SchedulerOutput) -> tuple[int, int, int, int, int]:
+    """``(prefill tokens, decode seqs, context tokens, attention pairs, logit rows)`` of a step.
+
+    A speculative decode's draft positions count as prefill tokens (they are verified in one
+    forward pass, like a short prefill chunk). Context tokens are each scheduled request's KV
+    read (``start + num_tokens``); attention pairs the (query, key) positions computed, causal:
+    ``n * start + n (n + 1) / 2`` for ``n`` tokens after ``start``; logit rows the positions
+    sampled or verified.
+    """
+    prefill = decodes = context = pairs = rows = 0
+    for sr in output.scheduled:
+        n, start = sr.num_tokens, sr.start_position
+        if sr.is_prefill:
+            prefill += n
+        else:
+            decodes += 1
+            prefill += sr.num_draft_tokens
+            rows += sr.num_draft_tokens
+        if sr.samples:
+            rows += 1
+        context += start + n
+        pairs += n * start + n * (n + 1) // 2
+    return prefill, decodes, context, pairs, rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +103,15 @@ class CostModel:
             raise InvalidRequestError("every cost is 0: simulated time would never advance")
 
     def step_time(
-        self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int = 0
+        self,
+        num_prefill_tokens: int,
+        num_decode_seqs: int,
+        num_context_tokens: int = 0,
+        num_attention_pairs: int = 0,
+        num_logit_rows: int | None = None,
     ) -> float:
-        """Seconds for one step with these totals (an empty step costs nothing)."""
+        """Seconds for one step with these totals (an empty step costs nothing). This linear
+        model ignores ``num_attention_pairs`` and ``num_logit_rows``."""
         if num_prefill_tokens == 0 and num_decode_seqs == 0:
             return 0.0
         return (
@@ -73,19 +122,5 @@ class CostModel:
         )
 
     def step_time_of(self, output: SchedulerOutput) -> float:
-        """Seconds for the step the scheduler described in ``output``.
-
-        A speculative decode's draft positions count as prefill tokens (they are verified in
-        one forward pass, like a short prefill chunk).
-        """
-        prefill = 0
-        decodes = 0
-        context = 0
-        for sr in output.scheduled:
-            if sr.is_prefill:
-                prefill += sr.num_tokens
-            else:
-                decodes += 1
-                prefill += sr.num_draft_tokens
-            context += sr.start_position + sr.num_tokens
-        return self.step_time(prefill, decodes, context)
+        """Seconds for the step the scheduler described in ``output``."""
+        return self.step_time(*step_totals(output))

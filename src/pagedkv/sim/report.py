@@ -8,7 +8,7 @@ Times are simulated seconds unless a name says ``wall``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ class TimeSeries:
     step_s: tuple[float, ...] = ()
     ttft_at_s: tuple[float, ...] = ()
     ttft_s: tuple[float, ...] = ()
+    token_usage: tuple[float, ...] = ()  # bucket maxima of the token-state usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,9 @@ class WallTimings:
 
     ``*_cpu_us`` are the calling thread's CPU time (robust on a shared machine, where a
     descheduled process turns wall-clock tails into 10x outliers); ``*_wall_us`` the wall clock.
-    ``admission_wall_us`` is the scheduler's own timing of its admission loop.
+    ``admission_wall_us`` is the scheduler's own timing of its admission loop. The CPU clock is
+    a system call (~3 µs), so it is read on every ``SimConfig.cpu_timing_stride``-th step only
+    (a systematic sample); the wall clock on every step.
     """
 
     total_s: float = 0.0
@@ -143,10 +146,20 @@ class SimReport:
     prefix_hit_rate: float  # hit tokens / prompt tokens queried at admission
     prefix_block_hit_rate: float  # hit blocks / cacheable full blocks
     num_preemptions: int
-    peak_usage: float
+    peak_usage: float  # pool blocks in use / usable blocks
     mean_usage: float  # time-weighted over steps
+    peak_allocated_usage: float  # what the allocator holds: paged = used blocks; contiguous =
+    mean_allocated_usage: float  # used blocks + the running requests' reservations
+    peak_token_usage: float  # used blocks less the empty slots of the step's requests' last
+    #                          blocks, over usable tokens: the KV that holds tokens
+    mean_token_usage: float
+    kv_capacity_tokens: int  # usable blocks x block size (the null block apart)
+    allocator: str  # paged, max, pow2 or oracle (pagedkv.sim.allocators)
     peak_running: int
     peak_waiting: int
+    batch_size: Percentiles  # requests in a step, over steps
+    queue_s: Percentiles  # arrival to first scheduled (admission wait)
+    normalized_latency_s: Percentiles  # per request: end-to-end / output tokens
     series: TimeSeries
     records: tuple[RequestRecord, ...]  # one per request, in the order they finished
     by_tag: tuple[TagSummary, ...]  # one per tag of the admitted requests, sorted by tag
@@ -160,6 +173,31 @@ class SimReport:
         )
 
     @property
+    def kv_waste(self) -> float:
+        """Share of allocated KV memory holding no token, time-weighted (fragmentation and
+        reservation): ``1 - mean_token_usage / mean_allocated_usage``."""
+        if self.mean_allocated_usage <= 0.0:
+            return 0.0
+        return max(0.0, 1.0 - self.mean_token_usage / self.mean_allocated_usage)
+
+    def goodput(self, ttft_slo_s: float = math.inf, tpot_slo_s: float = math.inf) -> float:
+        """Finished requests per simulated second that met both SLOs (TTFT, and TPOT for those
+        with two or more tokens); rejected and truncated requests never count."""
+        if self.makespan_s <= 0:
+            return 0.0
+        good = 0
+        for r in self.records:
+            if r.rejected or r.first_token_s is None or r.finish_s is None:
+                continue
+            if r.first_token_s - r.arrival_s > ttft_slo_s:
+                continue
+            n = r.num_output_tokens
+            if n > 1 and (r.finish_s - r.first_token_s) / (n - 1) > tpot_slo_s:
+                continue
+            good += 1
+        return good / self.makespan_s
+
+    @property
     def requests_per_wall_s(self) -> float:
         """Simulated requests per second of wall time (the simulator's own speed)."""
         return self.num_requests / self.wall.total_s if self.wall.total_s > 0 else math.inf
@@ -170,11 +208,12 @@ class SimReport:
         out["params"] = dict(self.params)
         out["requests_per_wall_s"] = self.requests_per_wall_s
         out["draft_acceptance_rate"] = self.draft_acceptance_rate
+        out["kv_waste"] = self.kv_waste
         return out
 
 
 def summarize_tags(
-    by_tag: dict[str, tuple[list[float], list[float], list[float]]],
+    by_tag: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float]]],
     records: list[RequestRecord],
 ) -> tuple[TagSummary, ...]:
     """One TagSummary per tag of the admitted requests, from per-tag latency lists."""
@@ -204,26 +243,29 @@ def summarize_tags(
 
 def bucket_series(
     max_points: int,
-    t: list[float],
-    usage: list[float],
-    running: list[int],
-    waiting: list[int],
-    step_s: list[float],
-    ttft_at: list[float],
-    ttft: list[float],
+    t: Sequence[float],
+    usage: Sequence[float],
+    running: Sequence[int],
+    waiting: Sequence[int],
+    step_s: Sequence[float],
+    ttft_at: Sequence[float],
+    ttft: Sequence[float],
+    token_usage: Sequence[float] = (),
 ) -> TimeSeries:
-    """Per-step lists -> at most ``max_points`` buckets (maxima, mean step time)."""
+    """Per-step columns -> at most ``max_points`` buckets (maxima, mean step time)."""
     n = len(t)
     stride = max(1, math.ceil(n / max_points))
     ends = [*range(stride, n, stride), n] if n else []
     starts = [0, *ends[:-1]] if n else []
+    spans = list(zip(starts, ends, strict=True))
     tstride = max(1, math.ceil(len(ttft) / max_points))
     return TimeSeries(
         t_s=tuple(t[e - 1] for e in ends),
-        usage=tuple(max(usage[s:e]) for s, e in zip(starts, ends, strict=True)),
-        num_running=tuple(max(running[s:e]) for s, e in zip(starts, ends, strict=True)),
-        num_waiting=tuple(max(waiting[s:e]) for s, e in zip(starts, ends, strict=True)),
-        step_s=tuple(sum(step_s[s:e]) / (e - s) for s, e in zip(starts, ends, strict=True)),
+        usage=tuple(max(usage[s:e]) for s, e in spans),
+        num_running=tuple(max(running[s:e]) for s, e in spans),
+        num_waiting=tuple(max(waiting[s:e]) for s, e in spans),
+        step_s=tuple(sum(step_s[s:e]) / (e - s) for s, e in spans),
         ttft_at_s=tuple(ttft_at[::tstride]),
         ttft_s=tuple(ttft[::tstride]),
+        token_usage=tuple(max(token_usage[s:e]) for s, e in spans) if token_usage else (),
     )

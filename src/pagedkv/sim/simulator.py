@@ -13,7 +13,10 @@ A request that ``follows`` another arrives ``think_s`` after that one finishes. 
 token of output position ``i`` is ``output_token_ids[i]`` when the workload gives them (a chat's
 next turn re-sends exactly these), otherwise the ``i``-th draw of a generator seeded by the
 simulation seed and the request id, so every variant of a comparison produces the same tokens.
-Requests never stop early: max_tokens is the output length and there are no stop tokens.
+A request whose ``max_tokens`` exceeds its output length ends with a stop token at that length
+(the output's last token is replaced by it), as a model stops at EOS; the scheduler's own stop
+check ends it. ``allocator`` picks paged blocks or a contiguous reservation baseline
+(:mod:`pagedkv.sim.allocators`).
 
 Speculative decoding (``num_draft_tokens = k > 0``): after each step a decoding request gets k
 drafts, each the true next token with probability ``draft_acceptance`` (independently, from a
@@ -27,11 +30,10 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.errors import (
@@ -39,23 +41,28 @@ from pagedkv.errors import (
     InvariantViolation,
     OverloadedError,
     PromptTooLongError,
+    SimulationLimitError,
 )
 from pagedkv.sched.config import SchedulerConfig
+from pagedkv.sched.output import ScheduledRequest
 from pagedkv.sched.request import Request
 from pagedkv.sched.scheduler import Scheduler
-from pagedkv.sim.cost_model import CostModel
-from pagedkv.sim.report import (
-    Percentiles,
-    RequestRecord,
-    SimReport,
-    WallTimings,
-    bucket_series,
-    summarize_tags,
+from pagedkv.sim.allocators import Allocator, reserved_max_tokens
+from pagedkv.sim.cost_model import CostModel, StepCost, step_totals
+from pagedkv.sim.recorder import Recorder
+from pagedkv.sim.report import RequestRecord, SimReport
+from pagedkv.sim.roofline import MemoryPool
+from pagedkv.sim.tracks import Track, accepted_tokens, output_tokens, propose_drafts
+from pagedkv.sim.workload import (
+    EOS_TOKEN_ID,
+    SimRequest,
+    Workload,
 )
-from pagedkv.sim.workload import VOCAB_HIGH, VOCAB_LOW, SimRequest, Workload, stable_seed
 
 logger = logging.getLogger(__name__)
 
+ROUTERS = ("round_robin", "least_load")
+Sampled = dict[str, list[int]]
 Progress = Callable[[int, int, float], None]
 """``progress(num_done, num_requests, clock_s)``: called every few hundred steps and at the end."""
 
@@ -74,7 +81,7 @@ class SimConfig:
 
     scheduler: SchedulerConfig = field(default_factory=_default_scheduler)
     cache: CacheConfig = field(default_factory=_default_cache)
-    cost: CostModel = field(default_factory=CostModel)
+    cost: StepCost = field(default_factory=CostModel)  # CostModel, RooflineCost, a fitted one
     seed: int = 0
     label: str = "default"
     params: tuple[tuple[str, str], ...] = ()
@@ -82,6 +89,11 @@ class SimConfig:
     max_steps: int = 10_000_000  # a guard against a scheduler that never finishes
     num_draft_tokens: int = 0  # speculative drafts per decode step (0: off)
     draft_acceptance: float = 0.7  # probability that each draft is the true next token
+    allocator: Allocator = Allocator.PAGED  # or a contiguous baseline (pagedkv.sim.allocators)
+    memory_pool: MemoryPool | None = None  # set when cache.num_blocks was sized from memory
+    cpu_timing_stride: int = 4  # CPU-time schedule()/update() every n-th step (a syscall each)
+    num_replicas: int = 1  # engines behind a router (pagedkv.sim.replicas)
+    router: str = "round_robin"  # or "least_load"
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -89,6 +101,16 @@ class SimConfig:
         if self.max_series_points < 2:
             raise InvalidRequestError(
                 f"max_series_points must be >= 2, got {self.max_series_points}"
+            )
+        if self.num_replicas <= 0:
+            raise InvalidRequestError(f"num_replicas must be positive, got {self.num_replicas}")
+        if self.router not in ROUTERS:
+            raise InvalidRequestError(
+                f"unknown router {self.router!r}; known: {', '.join(ROUTERS)}"
+            )
+        if self.cpu_timing_stride <= 0:
+            raise InvalidRequestError(
+                f"cpu_timing_stride must be positive, got {self.cpu_timing_stride}"
             )
         if self.max_steps <= 0:
             raise InvalidRequestError(f"max_steps must be positive, got {self.max_steps}")
@@ -100,53 +122,296 @@ class SimConfig:
             )
 
 
-class _Track:
-    """What the simulator remembers of one admitted request (a hot mutable record)."""
-
-    __slots__ = ("arrival_s", "draft_rng", "first_s", "last_s", "output", "req", "sim")
-
-    def __init__(self, sim: SimRequest, req: Request, arrival_s: float, output: list[int]) -> None:
-        self.sim = sim
-        self.req = req
-        self.arrival_s = arrival_s
-        self.first_s = -1.0  # no token yet
-        self.last_s = -1.0
-        self.output = output
-        self.draft_rng: np.random.Generator | None = None  # made on the first draft
+def _no_cpu() -> int:
+    """Stands in for the CPU clock on steps that are not CPU-timed (every difference is 0)."""
+    return -1
 
 
-def _propose_drafts(tr: _Track, k: int, p: float, seed: int) -> None:
-    """Set ``k`` drafts for the next step: each the true next token with probability ``p``."""
-    req = tr.req
-    n = req.num_output_tokens
-    true_next = tr.output[n : n + k]
-    if not true_next:
-        return
-    if tr.draft_rng is None:
-        tr.draft_rng = np.random.default_rng(stable_seed(seed, "draft", tr.sim.request_id))
-    right = tr.draft_rng.random(len(true_next)) < p
-    req.draft_token_ids = [
-        t if ok else (t + 1 if t + 1 < VOCAB_HIGH else VOCAB_LOW)
-        for t, ok in zip(true_next, right.tolist(), strict=True)
-    ]
+class _Run:
+    """One simulation: the scheduler, the virtual clock, the requests in flight (``tracks``)
+    and those yet to arrive (a heap, plus followers waiting for the request they follow).
+
+    Invariant: a request id is in at most one of ``arrivals``, ``followers`` (as a child) and
+    ``tracks``; ``num_done`` counts those that left all three.
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        cfg: SimConfig,
+        progress: Progress | None,
+        *,
+        replica_of: _Run | None = None,
+    ) -> None:
+        """A run over ``workload``; with ``replica_of``, one more replica of that run: it shares
+        its recorder and followers and starts with no arrivals (a router feeds them)."""
+        self.cfg = cfg
+        self.workload = workload
+        self.progress = progress
+        self.sched = Scheduler(cfg.scheduler, cfg.cache)
+        self.arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
+        self.rec: Recorder
+        self.followers: dict[str, list[SimRequest]]
+        self.order_of: dict[str, int]
+        if replica_of is not None:
+            self.rec = replica_of.rec
+            self.followers = replica_of.followers  # shared: a child is released once, anywhere
+            self.order_of = replica_of.order_of
+        else:
+            self.rec = Recorder()
+            self.followers = {}
+            for order, r in enumerate(workload.requests):
+                if r.follows is None:
+                    self.arrivals.append((r.arrival_s, order, r))
+                else:
+                    self.followers.setdefault(r.follows, []).append(r)
+            heapq.heapify(self.arrivals)
+            self.order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
+        self.tracks: dict[str, Track] = {}
+        self.num_done = self.num_rejected = self.num_truncated = 0
+        self.num_prompt = self.num_output = self.prefill_computed = 0
+        self.num_drafts = self.num_accepted = 0
+        first = workload.requests[0].arrival_s if workload.requests else 0.0
+        self.first_arrival = self.clock = self.last_finish = first
+        self.step = 0
+        pool = self.sched.manager.pool
+        self.capacity_tokens = pool.capacity_blocks * cfg.cache.block_size
+        self.max_len = cfg.scheduler.max_model_len
+        self.block_size = cfg.cache.block_size
+
+    # -------------------------------------------------------------- arrivals and finishes
+    def release(self, rid: str, at: float) -> None:
+        for child in self.followers.pop(rid, ()):
+            when = max(child.arrival_s, at + child.think_s)
+            heapq.heappush(self.arrivals, (when, self.order_of[child.request_id], child))
+
+    def admit_arrivals(self) -> None:
+        """Add every request whose arrival time has come (rejections are counted, not raised)."""
+        arrivals, cfg = self.arrivals, self.cfg
+        while arrivals and arrivals[0][0] <= self.clock:
+            at, _, sim = heapq.heappop(arrivals)
+            limit = sim.max_tokens_limit
+            if cfg.allocator.is_contiguous:
+                limit = reserved_max_tokens(
+                    cfg.allocator, sim.num_prompt_tokens, sim.output_len, limit, self.max_len
+                )
+            stops = limit > sim.output_len
+            req = Request(
+                sim.request_id,
+                sim.prompt_token_ids,
+                max_tokens=limit,
+                stop_token_ids=(EOS_TOKEN_ID,) if stops else (),
+                priority=sim.priority,
+                arrival_time=at,
+                cache_salt=sim.cache_salt,
+            )
+            try:
+                self.sched.add_request(req)
+            except (PromptTooLongError, OverloadedError) as exc:
+                logger.debug("request %s rejected: %s", sim.request_id, exc)
+                self.reject(sim, at)
+                continue
+            output = output_tokens(sim, cfg.seed, stops)
+            self.tracks[sim.request_id] = Track(sim, req, at, output, self.rec.tag(sim.tag).itl)
+            self.num_prompt += sim.num_prompt_tokens
+
+    def reject(self, sim: SimRequest, at: float) -> None:
+        self.num_rejected += 1
+        self.num_done += 1
+        rec = RequestRecord(
+            sim.request_id, sim.session_id, sim.tag, at, None, None,
+            sim.num_prompt_tokens, 0, 0, 0, rejected=True,
+        )  # fmt: skip
+        self.rec.on_finish(rec, -1.0, -1.0)
+        self.release(sim.request_id, self.clock)
+
+    def finish(self, rid: str, at: float) -> None:
+        tr = self.tracks.pop(rid)
+        self.num_done += 1
+        req = tr.req
+        produced = req.num_output_tokens
+        self.num_output += produced
+        if produced < tr.sim.output_len:
+            self.num_truncated += 1
+        rec = RequestRecord(
+            rid, tr.sim.session_id, tr.sim.tag, tr.arrival_s,
+            tr.first_s if tr.first_s >= 0.0 else None, at,
+            req.num_prompt_tokens, produced, req.num_cached_tokens, req.num_preemptions,
+        )  # fmt: skip
+        queue = tr.sched_s - tr.arrival_s if tr.sched_s >= 0.0 else -1.0
+        self.rec.on_finish(rec, tr.last_s, queue)
+        self.last_finish = max(self.last_finish, at)
+        self.release(rid, at)
+
+    # ---------------------------------------------------------------------- one step
+    def run_step(self) -> None:
+        """Schedule, advance the clock by the step's cost, feed the sampled tokens back."""
+        sched, tracks, rec = self.sched, self.tracks, self.rec
+        wall_ns = time.perf_counter_ns
+        # the thread CPU clock is a ~3 µs system call: sampled every cpu_timing_stride steps
+        cpu_ns = time.thread_time_ns if self.step % self.cfg.cpu_timing_stride == 0 else _no_cpu
+        c0, w0 = cpu_ns(), wall_ns()
+        out = sched.schedule()
+        w1, c1 = wall_ns(), cpu_ns()
+        for rid in out.finished_ids:  # finished by the scheduler itself (pool too small)
+            if rid in tracks:
+                self.finish(rid, self.clock)
+        if out.is_empty:
+            rec.on_wall(w1 - w0, None, sched.last_step.admission_s, c1 - c0, None)
+            self.idle(out.preempted_ids or out.finished_ids, out.step)
+            return
+        mgr = sched.manager
+        usage = mgr.usage
+        allocated = usage
+        if self.cfg.allocator.is_contiguous:
+            allocated = usage + mgr.running_claim_blocks / mgr.pool.capacity_blocks
+        totals = step_totals(out)
+        dt = self.cfg.cost.step_time(*totals)
+        start = self.clock
+        self.clock = clock = start + dt
+        sampled, empty_slots = self.sampled_tokens(out.scheduled, start)
+        c2, w2 = cpu_ns(), wall_ns()
+        results = sched.update(out, sampled)
+        w3, c3 = wall_ns(), cpu_ns()
+        rec.on_wall(w1 - w0, w3 - w2, sched.last_step.admission_s, c1 - c0, c3 - c2)
+        spec_k = self.cfg.num_draft_tokens
+        itl = rec.itl
+        for res in results:
+            tr = tracks[res.request_id]
+            if tr.first_s < 0.0:
+                tr.first_s = clock
+                rec.on_first_token(tr.sim.tag, clock, tr.arrival_s)
+            else:  # Recorder.on_token, inlined: once per generated token
+                gap = clock - tr.last_s
+                itl.append(gap)
+                tr.tag_itl.append(gap)
+            tr.last_s = clock
+            if res.finished:
+                self.finish(res.request_id, clock)
+            elif spec_k:
+                propose_drafts(tr, spec_k, self.cfg.draft_acceptance, self.cfg.seed)
+        counts = (sched.num_running, sched.num_waiting, len(out.scheduled))
+        token_usage = max(0.0, usage - empty_slots / self.capacity_tokens)
+        rec.on_step(clock, dt, usage, allocated, token_usage, counts)
+
+    def sampled_tokens(
+        self, scheduled: Iterable[ScheduledRequest], start: float
+    ) -> tuple[Sampled, int]:
+        """The token(s) each sampling request gets this step, and the empty slots in the step's
+        requests' last blocks (internal fragmentation); marks first-scheduled times."""
+        tracks = self.tracks
+        sampled: Sampled = {}
+        bs = self.block_size
+        empty = 0
+        for sr in scheduled:
+            empty += -(sr.start_position + sr.num_tokens) % bs
+            tr = tracks[sr.request_id]
+            if tr.sched_s < 0.0:
+                tr.sched_s = start
+            if sr.is_prefill:
+                self.prefill_computed += sr.num_tokens
+            if sr.samples:
+                if sr.num_draft_tokens:
+                    toks = accepted_tokens(tr, sr.token_ids[1:])
+                    self.num_drafts += sr.num_draft_tokens
+                    self.num_accepted += len(toks) - 1
+                    sampled[sr.request_id] = toks
+                else:
+                    sampled[sr.request_id] = [tr.output[tr.req.num_output_tokens]]
+        return sampled, empty
+
+    def idle(self, changed: object, step: int) -> None:
+        """An empty step: the state changed, or the clock jumps to the next arrival."""
+        if changed:
+            return  # the next step can admit again
+        if self.arrivals and not self.sched.num_running:
+            self.clock = max(self.clock, self.arrivals[0][0])
+            return
+        raise InvariantViolation(
+            f"the scheduler scheduled nothing at step {step} with {len(self.tracks)} "
+            f"requests unfinished ({self.sched.num_running} running, "
+            f"{self.sched.num_waiting} waiting)"
+        )
+
+    # ---------------------------------------------------------------------- the loop
+    def next_event_s(self) -> float:
+        """When this run next acts: now if it holds requests, else its next arrival."""
+        if self.tracks:
+            return self.clock
+        return self.arrivals[0][0] if self.arrivals else math.inf
+
+    def advance(self) -> None:
+        """Admit what has arrived, then run one step (or jump the clock to the next arrival)."""
+        self.admit_arrivals()
+        if not self.tracks:
+            if self.arrivals:
+                self.clock = max(self.clock, self.arrivals[0][0])
+            return
+        self.step += 1
+        cfg = self.cfg
+        if self.step > cfg.max_steps:
+            raise SimulationLimitError(
+                f"the simulation passed max_steps={cfg.max_steps:,} at simulated "
+                f"t={self.clock:,.1f}s with {len(self.tracks):,} requests unfinished and "
+                f"{len(self.arrivals):,} yet to arrive; raise max_steps or simulate fewer "
+                "requests"
+            )
+        self.run_step()
+        if self.progress is not None and self.step % 256 == 0:
+            self.progress(self.num_done, len(self.workload), self.clock)
+
+    def run(self) -> SimReport:
+        wall0 = time.perf_counter()
+        while self.arrivals or self.tracks:
+            self.advance()
+        if self.progress is not None:
+            self.progress(self.num_done, len(self.workload), self.clock)
+        return build_report([self], time.perf_counter() - wall0)
 
 
-def _accepted(tr: _Track, drafts: list[int]) -> list[int]:
-    """What the simulated model emits after verifying ``drafts``: the drafts up to the first
-    wrong one, then the true token at that position."""
-    n = tr.req.num_output_tokens
-    out = tr.output
-    a = 0
-    while a < len(drafts) and drafts[a] == out[n + a]:
-        a += 1
-    return out[n : n + a + 1]
-
-
-def _output_tokens(sim: SimRequest, seed: int) -> list[int]:
-    if sim.output_token_ids is not None:
-        return list(sim.output_token_ids)
-    rng = np.random.default_rng(stable_seed(seed, "output", sim.request_id))
-    return rng.integers(VOCAB_LOW, VOCAB_HIGH, size=sim.output_len).tolist()  # type: ignore[no-any-return]
+def build_report(runs: list[_Run], wall_s: float) -> SimReport:
+    """The report of one run, or of replicas sharing one recorder (counters summed)."""
+    head = runs[0]
+    cfg = head.cfg
+    snaps = [r.sched.manager.stats().prefix for r in runs]
+    query_tokens = sum(p.query_tokens for p in snaps)
+    query_blocks = sum(p.cacheable_query_blocks for p in snaps)
+    first = min(r.first_arrival for r in runs)
+    makespan = max(max(r.last_finish for r in runs) - first, 0.0)
+    per_s = 1.0 / makespan if makespan > 0 else 0.0
+    rejected = sum(r.num_rejected for r in runs)
+    finished = sum(r.num_done for r in runs) - rejected
+    prompt = sum(r.num_prompt for r in runs)
+    output = sum(r.num_output for r in runs)
+    return head.rec.build(
+        cfg.max_series_points,
+        label=cfg.label,
+        workload=head.workload.name,
+        seed=cfg.seed,
+        params=cfg.params,
+        num_requests=len(head.workload),
+        num_finished=finished,
+        num_truncated=sum(r.num_truncated for r in runs),
+        num_rejected=rejected,
+        num_steps=sum(r.step for r in runs),  # schedule() calls, idle ones included
+        makespan_s=makespan,
+        num_draft_tokens=sum(r.num_drafts for r in runs),
+        num_accepted_draft_tokens=sum(r.num_accepted for r in runs),
+        num_prompt_tokens=prompt,
+        num_output_tokens=output,
+        num_prefill_tokens_computed=sum(r.prefill_computed for r in runs),
+        output_tokens_per_s=output * per_s,
+        total_tokens_per_s=(prompt + output) * per_s,
+        requests_per_s=finished * per_s,
+        prefix_hit_rate=sum(p.hit_tokens for p in snaps) / query_tokens if query_tokens else 0.0,
+        prefix_block_hit_rate=(
+            sum(p.hit_blocks for p in snaps) / query_blocks if query_blocks else 0.0
+        ),
+        num_preemptions=sum(r.sched.num_preemptions for r in runs),
+        kv_capacity_tokens=sum(r.capacity_tokens for r in runs),
+        allocator=cfg.allocator.value,
+        wall=head.rec.wall_timings(wall_s),
+    )
 
 
 def simulate(
@@ -154,259 +419,12 @@ def simulate(
 ) -> SimReport:
     """Run ``workload`` through a fresh scheduler built from ``config`` and report what happened.
 
-    Raises InvariantViolation if the scheduler stops making progress with requests left.
+    Raises SimulationLimitError when ``config.max_steps`` steps pass with requests left (a limit
+    the caller chose), InvariantViolation if the scheduler stops making progress (a bug).
     """
     cfg = config or SimConfig()
-    wall0 = time.perf_counter()
-    sched = Scheduler(cfg.scheduler, cfg.cache)
-    mgr = sched.manager
-    cost = cfg.cost
+    if cfg.num_replicas > 1:
+        from pagedkv.sim.replicas import simulate_replicas
 
-    followers: dict[str, list[SimRequest]] = {}
-    arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
-    for order, r in enumerate(workload.requests):
-        if r.follows is None:
-            arrivals.append((r.arrival_s, order, r))
-        else:
-            followers.setdefault(r.follows, []).append(r)
-    heapq.heapify(arrivals)
-    order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
-
-    tracks: dict[str, _Track] = {}
-    records: list[RequestRecord] = []
-    num_done = num_rejected = num_truncated = 0
-    num_prompt = num_output = 0
-    ttft: list[float] = []
-    ttft_at: list[float] = []
-    itl: list[float] = []
-    e2e: list[float] = []
-    tpot: list[float] = []
-    by_tag: dict[str, tuple[list[float], list[float], list[float]]] = {}  # ttft, itl, e2e
-    series_t: list[float] = []
-    series_usage: list[float] = []
-    series_running: list[int] = []
-    series_waiting: list[int] = []
-    series_step: list[float] = []
-    sched_cpu: list[int] = []  # ns
-    sched_wall: list[int] = []
-    admit_wall: list[float] = []  # s
-    update_cpu: list[int] = []
-    update_wall: list[int] = []
-    cpu_ns = time.thread_time_ns
-    wall_ns = time.perf_counter_ns
-    first_arrival = workload.requests[0].arrival_s if workload.requests else 0.0
-    clock = first_arrival
-    last_finish = first_arrival
-    prefill_computed = 0
-    num_drafts = num_accepted = 0
-    spec_k = cfg.num_draft_tokens
-
-    def release(rid: str, at: float) -> None:
-        for child in followers.pop(rid, ()):
-            when = max(child.arrival_s, at + child.think_s)
-            heapq.heappush(arrivals, (when, order_of[child.request_id], child))
-
-    def tag_lists(tag: str) -> tuple[list[float], list[float], list[float]]:
-        lists = by_tag.get(tag)
-        if lists is None:
-            lists = by_tag[tag] = ([], [], [])
-        return lists
-
-    def finish(rid: str, at: float) -> None:
-        nonlocal num_done, num_truncated, last_finish, num_output
-        tr = tracks.pop(rid)
-        num_done += 1
-        produced = tr.req.num_output_tokens
-        num_output += produced
-        if produced < tr.sim.output_len:
-            num_truncated += 1
-        if tr.last_s >= 0.0:
-            e2e.append(tr.last_s - tr.arrival_s)
-            if produced > 1:
-                tpot.append((tr.last_s - tr.first_s) / (produced - 1))
-            tag_lists(tr.sim.tag)[2].append(tr.last_s - tr.arrival_s)
-        req = tr.req
-        records.append(
-            RequestRecord(
-                rid,
-                tr.sim.session_id,
-                tr.sim.tag,
-                tr.arrival_s,
-                tr.first_s if tr.first_s >= 0.0 else None,
-                at,
-                req.num_prompt_tokens,
-                produced,
-                req.num_cached_tokens,
-                req.num_preemptions,
-            )
-        )
-        last_finish = max(last_finish, at)
-        release(rid, at)
-
-    step = 0
-    while arrivals or tracks:
-        while arrivals and arrivals[0][0] <= clock:
-            at, _, sim = heapq.heappop(arrivals)
-            req = Request(
-                sim.request_id,
-                sim.prompt_token_ids,
-                max_tokens=sim.output_len,
-                priority=sim.priority,
-                arrival_time=at,
-                cache_salt=sim.cache_salt,
-            )
-            try:
-                sched.add_request(req)
-            except (PromptTooLongError, OverloadedError) as exc:
-                logger.debug("request %s rejected: %s", sim.request_id, exc)
-                num_rejected += 1
-                num_done += 1
-                records.append(
-                    RequestRecord(
-                        sim.request_id,
-                        sim.session_id,
-                        sim.tag,
-                        at,
-                        None,
-                        None,
-                        sim.num_prompt_tokens,
-                        0,
-                        0,
-                        0,
-                        rejected=True,
-                    )
-                )
-                release(sim.request_id, clock)
-                continue
-            tracks[sim.request_id] = _Track(sim, req, at, _output_tokens(sim, cfg.seed))
-            num_prompt += sim.num_prompt_tokens
-        if not tracks:
-            if arrivals:
-                clock = max(clock, arrivals[0][0])
-            continue
-        step += 1
-        if step > cfg.max_steps:
-            raise InvariantViolation(f"simulation passed max_steps={cfg.max_steps}")
-
-        c0, w0 = cpu_ns(), wall_ns()
-        out = sched.schedule()
-        w1, c1 = wall_ns(), cpu_ns()
-        sched_cpu.append(c1 - c0)
-        sched_wall.append(w1 - w0)
-        admit_wall.append(sched.last_step.admission_s)
-        for rid in out.finished_ids:  # finished by the scheduler itself (pool too small)
-            if rid in tracks:
-                finish(rid, clock)
-        if out.is_empty:
-            if out.preempted_ids or out.finished_ids:
-                continue  # the state changed; the next step can admit again
-            if arrivals and not sched.num_running:
-                clock = max(clock, arrivals[0][0])
-                continue
-            raise InvariantViolation(
-                f"the scheduler scheduled nothing at step {out.step} with {len(tracks)} "
-                f"requests unfinished ({sched.num_running} running, {sched.num_waiting} waiting)"
-            )
-        usage = mgr.usage
-        dt = cost.step_time_of(out)
-        clock += dt
-        sampled: dict[str, list[int]] = {}
-        for sr in out.scheduled:
-            if sr.is_prefill:
-                prefill_computed += sr.num_tokens
-            if sr.samples:
-                tr = tracks[sr.request_id]
-                if sr.num_draft_tokens:
-                    toks = _accepted(tr, sr.token_ids[1:])
-                    num_drafts += sr.num_draft_tokens
-                    num_accepted += len(toks) - 1
-                    sampled[sr.request_id] = toks
-                else:
-                    sampled[sr.request_id] = [tr.output[tr.req.num_output_tokens]]
-        c2, w2 = cpu_ns(), wall_ns()
-        results = sched.update(out, sampled)
-        w3, c3 = wall_ns(), cpu_ns()
-        update_cpu.append(c3 - c2)
-        update_wall.append(w3 - w2)
-        for res in results:
-            tr = tracks[res.request_id]
-            if tr.first_s < 0.0:
-                tr.first_s = clock
-                ttft.append(clock - tr.arrival_s)
-                ttft_at.append(clock)
-                tag_lists(tr.sim.tag)[0].append(clock - tr.arrival_s)
-            else:
-                itl.append(clock - tr.last_s)
-                tag_lists(tr.sim.tag)[1].append(clock - tr.last_s)
-            tr.last_s = clock
-            if res.finished:
-                finish(res.request_id, clock)
-            elif spec_k:
-                _propose_drafts(tr, spec_k, cfg.draft_acceptance, cfg.seed)
-        series_t.append(clock)
-        series_usage.append(usage)
-        series_running.append(sched.num_running)
-        series_waiting.append(sched.num_waiting)
-        series_step.append(dt)
-        if progress is not None and step % 256 == 0:
-            progress(num_done, len(workload), clock)
-
-    if progress is not None:
-        progress(num_done, len(workload), clock)
-    kv = mgr.stats()
-    makespan = max(last_finish - first_arrival, 0.0)
-    steps_dt = np.asarray(series_step)
-    per_s = 1.0 / makespan if makespan > 0 else 0.0
-    return SimReport(
-        label=cfg.label,
-        workload=workload.name,
-        seed=cfg.seed,
-        params=cfg.params,
-        num_requests=len(workload),
-        num_finished=num_done - num_rejected,
-        num_truncated=num_truncated,
-        num_rejected=num_rejected,
-        num_steps=step,
-        makespan_s=makespan,
-        ttft_s=Percentiles.of(ttft),
-        itl_s=Percentiles.of(itl),
-        e2e_s=Percentiles.of(e2e),
-        tpot_s=Percentiles.of(tpot),
-        num_draft_tokens=num_drafts,
-        num_accepted_draft_tokens=num_accepted,
-        num_prompt_tokens=num_prompt,
-        num_output_tokens=num_output,
-        num_prefill_tokens_computed=prefill_computed,
-        output_tokens_per_s=num_output * per_s,
-        total_tokens_per_s=(num_prompt + num_output) * per_s,
-        requests_per_s=(num_done - num_rejected) * per_s,
-        prefix_hit_rate=kv.prefix.hit_rate,
-        prefix_block_hit_rate=kv.prefix.block_hit_rate,
-        num_preemptions=sched.num_preemptions,
-        peak_usage=max(series_usage, default=0.0),
-        mean_usage=(
-            float(np.dot(series_usage, steps_dt) / steps_dt.sum()) if steps_dt.sum() > 0 else 0.0
-        ),
-        peak_running=max(series_running, default=0),
-        peak_waiting=max(series_waiting, default=0),
-        series=bucket_series(
-            cfg.max_series_points,
-            series_t,
-            series_usage,
-            series_running,
-            series_waiting,
-            series_step,
-            ttft_at,
-            ttft,
-        ),
-        records=tuple(records),
-        by_tag=summarize_tags(by_tag, records),
-        wall=WallTimings(
-            total_s=time.perf_counter() - wall0,
-            schedule_cpu_us=Percentiles.of(sched_cpu).scaled(1e-3),
-            schedule_wall_us=Percentiles.of(sched_wall).scaled(1e-3),
-            admission_wall_us=Percentiles.of(admit_wall).scaled(1e6),
-            update_cpu_us=Percentiles.of(update_cpu).scaled(1e-3),
-            update_wall_us=Percentiles.of(update_wall).scaled(1e-3),
-        ),
-    )
+        return simulate_replicas(workload, cfg, progress)
+    return _Run(workload, cfg, progress).run()

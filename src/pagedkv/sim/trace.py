@@ -30,6 +30,7 @@ _FIELDS = frozenset(
         "suffix_len",
         "output_len",
         "output_tokens",
+        "max_tokens",
         "session_id",
         "priority",
         "cache_salt",
@@ -117,6 +118,7 @@ def parse_line(obj: Any, default_id: str, seed: int) -> SimRequest:
     output = _tokens(obj, "output_tokens") if "output_tokens" in obj else None
     if output is not None and len(output) != output_len:
         raise _LineError(f"output_tokens has {len(output)} ids but output_len is {output_len}")
+    max_tokens = _int(obj, "max_tokens", minimum=1) if "max_tokens" in obj else None
     priority = obj.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise _LineError(f"priority must be an integer, got {priority!r}")
@@ -132,6 +134,7 @@ def parse_line(obj: Any, default_id: str, seed: int) -> SimRequest:
         think_s=_float(obj, "think_s", default=0.0),
         output_token_ids=output,
         tag=_str(obj, "tag") or "",
+        max_tokens=max_tokens,
     )
 
 
@@ -204,6 +207,8 @@ def request_to_json(req: SimRequest) -> dict[str, Any]:
         obj["think_s"] = req.think_s
     if req.tag:
         obj["tag"] = req.tag
+    if req.max_tokens is not None:
+        obj["max_tokens"] = req.max_tokens
     if req.output_token_ids is not None:
         obj["output_tokens"] = list(req.output_token_ids)
     return obj

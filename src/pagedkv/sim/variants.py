@@ -1,7 +1,10 @@
 """``--compare KEY=V1,V2``: named settings a comparison varies, and their cross product.
 
 Each key sets one field of the scheduler or cache config (``block_size`` also rescales
-``num_blocks`` so every variant has the same KV memory; a ``num_blocks`` given after it wins).
+``num_blocks`` so every variant has the same usable KV memory, the null block counted apart; a
+``num_blocks`` given after it wins). When the pool was sized from device memory
+(``--model-config`` without ``--num-blocks``), every variant's pool is sized again from that
+memory for its own block size, device and step budget, as an engine would size it.
 Several ``--compare`` options combine as a cross product (``caching=on,off`` x
 ``num_blocks=2048,8192`` is four variants), capped at :data:`MAX_VARIANTS` so a typo cannot
 start an hour-long run.
@@ -15,6 +18,9 @@ from collections.abc import Callable, Sequence
 
 from pagedkv.core.config import ReservationPolicy
 from pagedkv.errors import InvalidRequestError
+from pagedkv.sim.allocators import Allocator
+from pagedkv.sim.hardware import device_spec
+from pagedkv.sim.roofline import RooflineCost
 from pagedkv.sim.simulator import SimConfig
 
 MAX_VARIANTS = 16
@@ -63,9 +69,58 @@ def _set_spec(cfg: SimConfig, k: int) -> SimConfig:
 
 
 def _set_block_size(cfg: SimConfig, block_size: int) -> SimConfig:
-    """Same KV memory, other block size: keep num_blocks * block_size (the null block aside)."""
-    tokens = cfg.cache.num_blocks * cfg.cache.block_size
-    return _set_cache(cfg, block_size=block_size, num_blocks=max(2, tokens // block_size))
+    """The same usable KV memory with another block size.
+
+    The null block (block 0, never allocated) is not capacity, so what is kept is
+    ``(num_blocks - null) * block_size``, rounded to the nearest whole block; the null block
+    is then added back. (Keeping ``num_blocks * block_size`` instead lost one large block to
+    the null block: 1 of 4 usable blocks at block_size=256 over a 1,024-token pool.)
+    """
+    null = 1 if cfg.cache.use_null_block else 0
+    usable_tokens = (cfg.cache.num_blocks - null) * cfg.cache.block_size
+    usable_blocks = max(1, (usable_tokens + block_size // 2) // block_size)
+    return _set_cache(cfg, block_size=block_size, num_blocks=usable_blocks + null)
+
+
+def _set_allocator(cfg: SimConfig, value: str) -> SimConfig:
+    """Paged blocks, or a contiguous baseline: 1-token blocks over the same usable tokens,
+    admission reserving the allocator's length, no prefix sharing (pagedkv.sim.allocators)."""
+    try:
+        allocator = Allocator(value.strip().lower())
+    except ValueError:
+        known = ", ".join(a.value for a in Allocator)
+        raise InvalidRequestError(f"unknown allocator {value!r}; known: {known}") from None
+    cfg = dataclasses.replace(cfg, allocator=allocator)
+    if not allocator.is_contiguous:
+        return cfg
+    cfg = _set_block_size(cfg, 1)
+    return _set_cache(cfg, enable_prefix_caching=False, reservation=ReservationPolicy.MAX_TOKENS)
+
+
+def _set_hardware(cfg: SimConfig, key: str, value: str) -> SimConfig:
+    """Another device or tensor-parallel size for the roofline cost (and the memory pool)."""
+    changes: dict[str, object]
+    if key == "device":
+        changes = {"device": device_spec(value)}
+    else:
+        changes = {"tensor_parallel_size": _positive_int(value)}
+    cost = cfg.cost
+    if not isinstance(cost, RooflineCost):
+        raise InvalidRequestError("varies the roofline cost model: give --model-config")
+    pool = cfg.memory_pool
+    if pool is not None:
+        pool = dataclasses.replace(pool, roofline=dataclasses.replace(pool.roofline, **changes))  # type: ignore[arg-type]
+    return dataclasses.replace(cfg, cost=dataclasses.replace(cost, **changes), memory_pool=pool)  # type: ignore[arg-type]
+
+
+def _resize_from_memory(cfg: SimConfig) -> SimConfig:
+    """A pool sized from device memory, sized again for this variant's settings."""
+    pool = cfg.memory_pool
+    if pool is None:
+        return cfg
+    s = cfg.scheduler
+    n = pool.num_blocks(cfg.cache.block_size, s.max_num_batched_tokens, s.max_num_seqs)
+    return _set_cache(cfg, num_blocks=n)
 
 
 def _float(value: str) -> float:
@@ -113,6 +168,26 @@ KEYS: dict[str, tuple[str, Callable[[SimConfig, str], SimConfig]]] = {
     "draft_acceptance": (
         "probability that each draft is right",
         lambda c, v: dataclasses.replace(c, draft_acceptance=_float(v)),
+    ),
+    "device": (
+        "another device for the roofline (and the memory-sized pool): H100, A100-80, L4, ...",
+        lambda c, v: _set_hardware(c, "device", v),
+    ),
+    "tensor_parallel_size": (
+        "GPUs per replica for the roofline (and the memory-sized pool)",
+        lambda c, v: _set_hardware(c, "tensor_parallel_size", v),
+    ),
+    "replicas": (
+        "engine replicas behind the router (each with the whole pool)",
+        lambda c, v: dataclasses.replace(c, num_replicas=_positive_int(v)),
+    ),
+    "router": (
+        "round_robin or least_load, over the replicas",
+        lambda c, v: dataclasses.replace(c, router=v.strip()),
+    ),
+    "allocator": (
+        "paged, or a contiguous baseline reserving max/pow2/oracle length (PagedAttention paper)",
+        _set_allocator,
     ),
     "chunked_prefill": (
         "chunked prefill on/off",
@@ -163,6 +238,11 @@ def build_variants(base: SimConfig, specs: Sequence[str]) -> list[SimConfig]:
             except (InvalidRequestError, ValueError) as exc:
                 raise InvalidRequestError(f"--compare {key}={value}: {exc}") from None
             params.append((key, value))
+        if cfg.memory_pool is not None and "num_blocks" not in keys:
+            try:
+                cfg = _resize_from_memory(cfg)  # device memory, not blocks, is what is kept
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"--compare {' '.join(combo)}: {exc}") from None
         label = " ".join(f"{k}={v}" for k, v in params) or "default"
         out.append(dataclasses.replace(cfg, label=label, params=tuple(params)))
     return out

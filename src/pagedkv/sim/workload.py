@@ -13,7 +13,9 @@ run and its full blocks hash alike.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +23,7 @@ import numpy as np
 from pagedkv.errors import InvalidRequestError
 
 VOCAB_LOW = 100  # ids below this are left for special tokens
+EOS_TOKEN_ID = 2  # the stop token a request ends with when it stops before max_tokens
 VOCAB_HIGH = 32_000  # a Llama-2-sized vocabulary
 _CHUNK_TOKENS = (
     256  # token_run draws its ids in chunks so a shorter run is a prefix of a longer one
@@ -33,7 +36,9 @@ class SimRequest:
 
     ``arrival_s`` is in simulated seconds from the start. With ``follows`` set, the request
     arrives ``think_s`` after the named (earlier) request finishes, and never before
-    ``arrival_s``. ``output_len`` tokens are generated (the simulator sets max_tokens to it);
+    ``arrival_s``. ``output_len`` tokens are generated; ``max_tokens`` is what the client asked
+    for (at least ``output_len``; ``None``: exactly ``output_len``, an oracle): when it is more,
+    the simulated model stops the request with a stop token at ``output_len``, as at EOS;
     lower ``priority`` is served first under the priority policy; ``cache_salt`` separates
     tenants' prefix caches; ``tag`` names the request's class (``chat``, ``rag``, ...) and the
     report breaks latencies down by it.
@@ -50,6 +55,7 @@ class SimRequest:
     think_s: float = 0.0
     output_token_ids: tuple[int, ...] | None = None
     tag: str = ""
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         rid = self.request_id
@@ -63,6 +69,10 @@ class SimRequest:
             raise InvalidRequestError(f"{rid}: the prompt is empty")
         if self.output_len <= 0:
             raise InvalidRequestError(f"{rid}: output_len must be positive, got {self.output_len}")
+        if self.max_tokens is not None and self.max_tokens < self.output_len:
+            raise InvalidRequestError(
+                f"{rid}: max_tokens {self.max_tokens} is below output_len {self.output_len}"
+            )
         out = self.output_token_ids
         if out is not None and len(out) != self.output_len:
             raise InvalidRequestError(
@@ -74,6 +84,11 @@ class SimRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def max_tokens_limit(self) -> int:
+        """``max_tokens``, or ``output_len`` when the request gives none."""
+        return self.output_len if self.max_tokens is None else self.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +133,46 @@ class Workload:
     def max_total_tokens(self) -> int:
         """The longest prompt + output: max_model_len must exceed it for nothing to be cut."""
         return max((r.num_prompt_tokens + r.output_len for r in self.requests), default=0)
+
+    @property
+    def mean_rate(self) -> float:
+        """Requests per second over the span of arrival times: ``(n - 1) / (last - first)``
+        (0.0 when fewer than two requests or every request arrives at once)."""
+        if len(self.requests) < 2:
+            return 0.0
+        span = self.requests[-1].arrival_s - self.requests[0].arrival_s
+        return (len(self.requests) - 1) / span if span > 0 else 0.0
+
+    def head(self, num_requests: int) -> Workload:
+        """The first ``num_requests`` requests by arrival (W2 keeps every ``follows`` inside)."""
+        if num_requests <= 0:
+            raise InvalidRequestError(f"num_requests must be positive, got {num_requests}")
+        if num_requests >= len(self.requests):
+            return self
+        return Workload(self.name, self.requests[:num_requests])
+
+    def scaled_to_rate(self, rate: float) -> Workload:
+        """The same requests with arrival times stretched about the first so that
+        :attr:`mean_rate` is ``rate``. Think times are kept: a user's reading time is not load.
+
+        Raises InvalidRequestError when the rate is not positive or the workload has no span
+        to scale (one request, or all arriving at once).
+        """
+        if not (rate > 0.0 and math.isfinite(rate)):
+            raise InvalidRequestError(f"rate must be positive (requests per second), got {rate}")
+        current = self.mean_rate
+        if current == 0.0:
+            raise InvalidRequestError(
+                f"{self.name}: cannot scale to {rate:g} requests/s: its {len(self.requests)} "
+                "request(s) all arrive at the same time"
+            )
+        factor = current / rate
+        t0 = self.requests[0].arrival_s
+        scaled = tuple(
+            dataclasses.replace(r, arrival_s=t0 + (r.arrival_s - t0) * factor)
+            for r in self.requests
+        )
+        return Workload(self.name, scaled)
 
     def check_invariants(self) -> None:
         from pagedkv.errors import InvariantViolation

@@ -1,9 +1,11 @@
-"""``pagedkv simulate --replicas N --router POLICY``: the flags and the table of the replica run.
+"""``pagedkv simulate --replicas N --route-policy POLICY[,POLICY]``: ``pagedkv router``'s own
+policy code (:mod:`pagedkv.route`: cache-aware, least-load, round-robin) over simulated replicas.
 
-``--router`` takes one policy or a comma list (``--compare router=cache-aware,round-robin`` is
-the same); each policy replays the same workload over ``N`` fresh replicas
-(:func:`pagedkv.sim.replicas.simulate_replicas`). Other ``--compare`` keys are refused with
-replicas (one variant axis at a time).
+Each policy replays the same workload over ``N`` fresh replicas whose KV events feed the
+router's prefix index (:func:`pagedkv.sim.cluster.simulate_cluster`); a table compares them.
+``--compare`` is refused with it (one variant axis at a time). The simpler in-simulator routing
+(``--router round_robin|least_load``, full reports, ``pagedkv plan --search replicas``) is
+:mod:`pagedkv.sim.replicas`.
 """
 
 from __future__ import annotations
@@ -15,51 +17,44 @@ from typing import Any
 
 from pagedkv.errors import InvalidRequestError
 from pagedkv.route.policy import POLICY_NAMES, CacheAwareConfig
-from pagedkv.sim.replicas import ClusterReport, simulate_replicas
+from pagedkv.sim.cluster import ClusterReport, simulate_cluster
 from pagedkv.sim.simulator import SimConfig
 from pagedkv.sim.workload import Workload
 
 
-def add_replica_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("replicas (several engines behind pagedkv router's policy)")
-    g.add_argument("--replicas", type=int, default=1, help="simulated engines (1: no router)")
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas behind pagedkv router's own policy code")
     g.add_argument(
-        "--router",
+        "--route-policy",
         default=None,
         metavar="POLICY[,POLICY]",
-        help=f"routing policy, or a comma list to compare: {', '.join(POLICY_NAMES)}",
+        help=f"run --replicas engines behind this routing policy (a comma list compares them): "
+        f"{', '.join(POLICY_NAMES)}",
     )
 
 
-def wants_replicas(a: argparse.Namespace) -> bool:
-    return bool(a.replicas != 1 or a.router or _router_compare(a.compare or []))
-
-
-def _router_compare(compare: list[str]) -> list[str]:
-    return [c for c in compare if c.startswith("router=")]
+def wants_cluster(a: argparse.Namespace) -> bool:
+    return bool(a.route_policy)
 
 
 def _policies(a: argparse.Namespace) -> list[str]:
-    compare = a.compare or []
-    routers = _router_compare(compare)
-    if len(routers) != len(compare):
-        raise InvalidRequestError("with --replicas, --compare takes only router=POLICY,...")
-    names = [n for c in routers for n in c.removeprefix("router=").split(",")]
-    if a.router:
-        names += a.router.split(",")
-    names = list(dict.fromkeys(n.strip() for n in names if n.strip())) or ["cache-aware"]
-    for n in names:
+    if a.compare:
+        raise InvalidRequestError(
+            "--route-policy compares policies itself (a comma list); --compare is not taken with it"
+        )
+    names = list(dict.fromkeys(n.strip() for n in a.route_policy.split(",") if n.strip()))
+    for n in names or [""]:
         if n not in POLICY_NAMES:
             raise InvalidRequestError(f"unknown routing policy {n!r}; choose from {POLICY_NAMES}")
     return names
 
 
-def replicas_main(a: argparse.Namespace, workload: Workload, base: SimConfig) -> int:
+def cluster_main(a: argparse.Namespace, workload: Workload, base: SimConfig) -> int:
     """Run every asked policy, print the table, write ``--json``."""
     if a.plot:
         raise InvalidRequestError("--plot is not drawn for --replicas runs")
     reports = [
-        simulate_replicas(workload, base, num_replicas=a.replicas, policy=p) for p in _policies(a)
+        simulate_cluster(workload, base, num_replicas=a.replicas, policy=p) for p in _policies(a)
     ]
     print_replica_table(reports, workload)
     if a.json:

@@ -1,0 +1,216 @@
+"""What a simulation measures while it runs, kept compactly, and the report made from it.
+
+Per-step and per-token samples go into ``array`` columns (8 bytes a value, not a 32-byte
+Python float and a list slot), so a 100,000-request run keeps its millions of inter-token gaps
+in tens of MB. Each ``on_*`` method is called by the simulator's loop at one event.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from pagedkv.sim.report import (
+    Percentiles,
+    RequestRecord,
+    SimReport,
+    TimeSeries,
+    WallTimings,
+    bucket_series,
+    summarize_tags,
+)
+
+_N = TypeVar("_N", int, float)
+
+
+def _order(t: np.ndarray) -> np.ndarray | None:
+    """A stable sort order of ``t``, or None when it is already sorted (a single run)."""
+    if t.size > 1 and bool((np.diff(t) < 0).any()):
+        return np.argsort(t, kind="stable")
+    return None
+
+
+def _take(col: Sequence[_N], order: np.ndarray | None) -> Sequence[_N]:
+    if order is None:
+        return col
+    return [col[int(i)] for i in order]
+
+
+def _floats() -> array[float]:
+    return array("d")
+
+
+@dataclass(slots=True)
+class _TagSamples:
+    ttft: array[float] = field(default_factory=_floats)
+    itl: array[float] = field(default_factory=_floats)
+    e2e: array[float] = field(default_factory=_floats)
+
+
+class Recorder:
+    """Latency samples, per-step series, wall timings and one record per finished request.
+
+    Invariant: every per-step column has one entry per simulated step (``num_steps``).
+    """
+
+    def __init__(self) -> None:
+        self.ttft: array[float] = array("d")
+        self.ttft_at: array[float] = array("d")
+        self.itl: array[float] = array("d")
+        self.e2e: array[float] = array("d")
+        self.tpot: array[float] = array("d")
+        self.queue: array[float] = array("d")
+        self.normalized: array[float] = array("d")
+        self.t: array[float] = array("d")
+        self.usage: array[float] = array("d")
+        self.allocated: array[float] = array("d")
+        self.tokens: array[float] = array("d")
+        self.step_s: array[float] = array("d")
+        self.admit_wall: array[float] = array("d")
+        self.by_tag: dict[str, _TagSamples] = {}
+        self.running: array[int] = array("l")
+        self.waiting: array[int] = array("l")
+        self.batch: array[int] = array("l")
+        self.sched_cpu: array[int] = array("q")
+        self.sched_wall: array[int] = array("q")
+        self.update_cpu: array[int] = array("q")
+        self.update_wall: array[int] = array("q")
+        self.records: list[RequestRecord] = []
+
+    def tag(self, tag: str) -> _TagSamples:
+        s = self.by_tag.get(tag)
+        if s is None:
+            s = self.by_tag[tag] = _TagSamples()
+        return s
+
+    def on_step(
+        self,
+        clock: float,
+        dt: float,
+        usage: float,
+        allocated: float,
+        token_usage: float,
+        counts: tuple[int, int, int],
+    ) -> None:
+        """One simulated step: its end time and cost, KV usages, running/waiting/batch sizes."""
+        self.t.append(clock)
+        self.step_s.append(dt)
+        self.usage.append(usage)
+        self.allocated.append(allocated)
+        self.tokens.append(token_usage)
+        self.running.append(counts[0])
+        self.waiting.append(counts[1])
+        self.batch.append(counts[2])
+
+    def on_wall(
+        self,
+        sched_ns: int,
+        update_ns: int | None,
+        admit_s: float,
+        sched_cpu_ns: int,
+        update_cpu_ns: int | None,
+    ) -> None:
+        """Wall nanoseconds of one schedule() and update() (``None``: not called), the
+        admission seconds, and CPU nanoseconds; a CPU time of 0 means the step was not
+        CPU-timed (sampled steps only) and is left out."""
+        self.sched_wall.append(sched_ns)
+        self.admit_wall.append(admit_s)
+        if sched_cpu_ns:
+            self.sched_cpu.append(sched_cpu_ns)
+        if update_ns is not None:
+            self.update_wall.append(update_ns)
+            if update_cpu_ns:
+                self.update_cpu.append(update_cpu_ns)
+
+    def on_first_token(self, tag: str, clock: float, arrival_s: float) -> None:
+        self.ttft.append(clock - arrival_s)
+        self.ttft_at.append(clock)
+        self.tag(tag).ttft.append(clock - arrival_s)
+
+    def on_token(self, tag: str, gap_s: float) -> None:
+        self.itl.append(gap_s)
+        self.tag(tag).itl.append(gap_s)
+
+    def on_finish(self, record: RequestRecord, last_s: float, queue_s: float) -> None:
+        """A finished request; ``last_s`` < 0 when it never produced a token."""
+        self.records.append(record)
+        n = record.num_output_tokens
+        if last_s >= 0.0 and record.first_token_s is not None:
+            e2e = last_s - record.arrival_s
+            self.e2e.append(e2e)
+            self.tag(record.tag).e2e.append(e2e)
+            if n > 1:
+                self.tpot.append((last_s - record.first_token_s) / (n - 1))
+            self.normalized.append(e2e / n)
+        if queue_s >= 0.0:
+            self.queue.append(queue_s)
+
+    def _mean(self, col: array[float], w: np.ndarray) -> float:
+        total = w.sum()
+        return float(np.dot(np.frombuffer(col, dtype=np.float64), w) / total) if total > 0 else 0.0
+
+    def usage_summary(self) -> dict[str, Any]:
+        """Peak and step-time-weighted mean of the pool, allocated and token-state usages."""
+        w = np.frombuffer(self.step_s, dtype=np.float64)
+        out: dict[str, Any] = {}
+        for name, col in (
+            ("", self.usage),
+            ("allocated_", self.allocated),
+            ("token_", self.tokens),
+        ):
+            out[f"peak_{name}usage"] = max(col, default=0.0)
+            out[f"mean_{name}usage"] = self._mean(col, w)
+        return out
+
+    def wall_timings(self, total_s: float) -> WallTimings:
+        return WallTimings(
+            total_s=total_s,
+            schedule_cpu_us=Percentiles.of(self.sched_cpu).scaled(1e-3),
+            schedule_wall_us=Percentiles.of(self.sched_wall).scaled(1e-3),
+            admission_wall_us=Percentiles.of(self.admit_wall).scaled(1e6),
+            update_cpu_us=Percentiles.of(self.update_cpu).scaled(1e-3),
+            update_wall_us=Percentiles.of(self.update_wall).scaled(1e-3),
+        )
+
+    def _series(self, max_points: int) -> TimeSeries:
+        """The bucketed series in time order (replicas interleave their steps: sorted here,
+        stably, so a single run's order is kept; a bucket's maxima are then the busiest
+        replica's)."""
+        t, ttft_at = np.frombuffer(self.t), np.frombuffer(self.ttft_at)
+        step = _order(t)
+        first = _order(ttft_at)
+        return bucket_series(
+            max_points,
+            _take(self.t, step),
+            _take(self.usage, step),
+            _take(self.running, step),
+            _take(self.waiting, step),
+            _take(self.step_s, step),
+            _take(self.ttft_at, first),
+            _take(self.ttft, first),
+            _take(self.tokens, step),
+        )
+
+    def build(self, max_points: int, **fields: Any) -> SimReport:
+        """The report: these samples plus the run's counters in ``fields``."""
+        tags = {k: (v.ttft, v.itl, v.e2e) for k, v in self.by_tag.items()}
+        return SimReport(
+            ttft_s=Percentiles.of(self.ttft),
+            itl_s=Percentiles.of(self.itl),
+            e2e_s=Percentiles.of(self.e2e),
+            tpot_s=Percentiles.of(self.tpot),
+            queue_s=Percentiles.of(self.queue),
+            normalized_latency_s=Percentiles.of(self.normalized),
+            batch_size=Percentiles.of(self.batch),
+            peak_running=max(self.running, default=0),
+            peak_waiting=max(self.waiting, default=0),
+            series=self._series(max_points),
+            records=tuple(self.records),
+            by_tag=summarize_tags(tags, self.records),
+            **self.usage_summary(),
+            **fields,
+        )

@@ -1,0 +1,89 @@
+"""One request in flight in the simulator, and the tokens its simulated model emits.
+
+The model is a script: output position ``i`` holds ``output[i]`` (the workload's tokens, or draws
+seeded by the simulation seed and the request id, so every variant sees the same tokens), the
+last one the stop token when the request stops before ``max_tokens``. Drafts are right with a
+fixed probability, drawn from a generator of their own.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+
+from pagedkv.sched.request import Request
+from pagedkv.sim.workload import EOS_TOKEN_ID, VOCAB_HIGH, VOCAB_LOW, SimRequest, stable_seed
+
+
+class Track:
+    """What the simulator remembers of one admitted request (a hot mutable record)."""
+
+    __slots__ = (
+        "arrival_s",
+        "draft_rng",
+        "first_s",
+        "last_s",
+        "output",
+        "req",
+        "sched_s",
+        "sim",
+        "tag_itl",
+    )
+
+    def __init__(
+        self,
+        sim: SimRequest,
+        req: Request,
+        arrival_s: float,
+        output: list[int],
+        tag_itl: array[float],
+    ) -> None:
+        self.sim = sim
+        self.tag_itl = tag_itl  # the recorder's inter-token gaps of this request's tag
+        self.req = req
+        self.arrival_s = arrival_s
+        self.first_s = -1.0  # no token yet
+        self.last_s = -1.0
+        self.sched_s = -1.0  # not scheduled yet
+        self.output = output
+        self.draft_rng: np.random.Generator | None = None  # made on the first draft
+
+
+def propose_drafts(tr: Track, k: int, p: float, seed: int) -> None:
+    """Set ``k`` drafts for the next step: each the true next token with probability ``p``."""
+    req = tr.req
+    n = req.num_output_tokens
+    true_next = tr.output[n : n + k]
+    if not true_next:
+        return
+    if tr.draft_rng is None:
+        tr.draft_rng = np.random.default_rng(stable_seed(seed, "draft", tr.sim.request_id))
+    right = tr.draft_rng.random(len(true_next)) < p
+    req.draft_token_ids = [
+        t if ok else (t + 1 if t + 1 < VOCAB_HIGH else VOCAB_LOW)
+        for t, ok in zip(true_next, right.tolist(), strict=True)
+    ]
+
+
+def accepted_tokens(tr: Track, drafts: list[int]) -> list[int]:
+    """What the simulated model emits after verifying ``drafts``: the drafts up to the first
+    wrong one, then the true token at that position."""
+    n = tr.req.num_output_tokens
+    out = tr.output
+    a = 0
+    while a < len(drafts) and drafts[a] == out[n + a]:
+        a += 1
+    return out[n : n + a + 1]
+
+
+def output_tokens(sim: SimRequest, seed: int, stops: bool) -> list[int]:
+    """The tokens the simulated model samples; the last is the stop token when ``stops``."""
+    if sim.output_token_ids is not None:
+        out = list(sim.output_token_ids)
+    else:
+        rng = np.random.default_rng(stable_seed(seed, "output", sim.request_id))
+        out = rng.integers(VOCAB_LOW, VOCAB_HIGH, size=sim.output_len).tolist()
+    if stops:
+        out[-1] = EOS_TOKEN_ID
+    return out
