@@ -194,6 +194,8 @@ class LLMEngine:
             cfg, dtype=resolve_dtype(cfg.dtype, mcfg.torch_dtype if mcfg else "float32", device)
         )
         model = load_model(model_dir, dtype=cfg.dtype, device=device)
+        if cfg.quantization is not None:
+            model.quantize(cfg.quantization)
         tok_dir = cfg.tokenizer or model_dir
         tok = None
         if cfg.tokenizer is not None or (Path(tok_dir) / "tokenizer.json").is_file():
