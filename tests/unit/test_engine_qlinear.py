@@ -87,9 +87,11 @@ def test_quantization_error_is_at_most_half_a_step_and_zero_columns_stay_zero() 
     w = torch.randn(40, 9)
     w[:, 3] = 0.0
     q, scale = quantize_int8(w)
-    assert q.dtype is torch.int8 and int(q.abs().max()) <= 127
+    assert q.dtype is torch.int8
+    assert int(q.abs().max()) <= 127
     assert bool(((q.float() * scale - w).abs() <= scale / 2 + 1e-7).all())
-    assert float(scale[3]) == 1.0 and not bool(q[:, 3].any())
+    assert float(scale[3]) == 1.0
+    assert not bool(q[:, 3].any())
     assert torch.equal(unpack(pack(q), 9), q)
     assert pack(q).shape == (1, 40, 16)  # 9 columns padded to one tile
 
