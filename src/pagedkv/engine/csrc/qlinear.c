@@ -31,7 +31,7 @@
 #endif
 
 #define TILE_J 16
-#define ROW_BLOCK 4
+#define ROW_BLOCK 6
 
 static inline void finish(const float *acc, const float *scale, const float *bias, float *y,
                           int64_t j0, int64_t nj) {
@@ -62,8 +62,8 @@ static inline __m256 load8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-/* NR rows (a compile-time constant after inlining) over one tile: 2 x NR accumulators, two
- * weight vectors and a broadcast stay in the 16 ymm registers (an even/odd-k split to hide
+/* NR rows (a compile-time constant after inlining) over one tile: 2 x NR accumulators (12 at
+ * most), two weight vectors and a broadcast stay in the 16 ymm registers (an even/odd-k split to hide
  * the FMA latency at one row spilled at four rows, and would make the order row-dependent). */
 static inline __attribute__((always_inline)) void tile_avx2(
     const float *x, int64_t ldx, const int8_t *wt, const float *scale, const float *bias,
@@ -107,7 +107,9 @@ int pagedkv_qlinear_i8(const float *x, int64_t ldx, const int8_t *w, const float
                 case 1: tile_avx2(xr, ldx, wt, scale, bias, yr, ldy, 1, in, j0, nj); break;
                 case 2: tile_avx2(xr, ldx, wt, scale, bias, yr, ldy, 2, in, j0, nj); break;
                 case 3: tile_avx2(xr, ldx, wt, scale, bias, yr, ldy, 3, in, j0, nj); break;
-                default: tile_avx2(xr, ldx, wt, scale, bias, yr, ldy, 4, in, j0, nj);
+                case 4: tile_avx2(xr, ldx, wt, scale, bias, yr, ldy, 4, in, j0, nj); break;
+                case 5: tile_avx2(xr, ldx, wt, scale, bias, yr, ldy, 5, in, j0, nj); break;
+                default: tile_avx2(xr, ldx, wt, scale, bias, yr, ldy, 6, in, j0, nj);
             }
 #else
             tile_scalar(xr, ldx, wt, scale, bias, yr, ldy, nr, in, j0, nj);
