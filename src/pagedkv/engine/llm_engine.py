@@ -104,6 +104,8 @@ class LLMEngine:
                 f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                 f"({mcfg.max_position_embeddings})"
             )
+        if config.quantization is not None and model.quantization != config.quantization:
+            model.quantize(config.quantization)  # here, so every loader's model gets it
         spec = KVCacheSpec(
             mcfg.num_hidden_layers,
             config.block_size,
@@ -194,8 +196,6 @@ class LLMEngine:
             cfg, dtype=resolve_dtype(cfg.dtype, mcfg.torch_dtype if mcfg else "float32", device)
         )
         model = load_model(model_dir, dtype=cfg.dtype, device=device)
-        if cfg.quantization is not None:
-            model.quantize(cfg.quantization)
         tok_dir = cfg.tokenizer or model_dir
         tok = None
         if cfg.tokenizer is not None or (Path(tok_dir) / "tokenizer.json").is_file():
