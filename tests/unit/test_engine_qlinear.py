@@ -26,6 +26,7 @@ from pagedkv.engine.qlinear import (  # noqa: E402
 )
 from pagedkv.engine.sampler import SamplingParams  # noqa: E402
 from pagedkv.engine.tiny import write_tiny_model  # noqa: E402
+from pagedkv.errors import InvalidRequestError  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -175,3 +176,17 @@ def test_int8_engine_runs_and_agrees_with_float32(model_dir: Path) -> None:
     assert float((a - b).abs().max()) <= 0.02 * float(a.abs().max())
     agree = sum(g[:4] == r[:4] for g, r in zip(got, ref, strict=True)) / len(ref)
     assert agree >= 0.5, (agree, got, ref)
+
+
+def test_llm_takes_quantization_and_a_float32_models_engine_can_be_quantized_once(
+    model_dir: Path,
+) -> None:
+    from pagedkv.engine.llm import LLM
+
+    llm = LLM(str(model_dir), quantization="int8", block_size=4, num_blocks=64, max_model_len=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), progress=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    model = llm.engine.runner.model
+    assert model.quantization == "int8"
+    with pytest.raises(InvalidRequestError, match="already quantized"):
+        model.quantize("int8")
