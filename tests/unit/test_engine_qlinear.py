@@ -79,7 +79,7 @@ def test_threads_and_batch_neighbours_do_not_change_a_rows_output() -> None:
     packed = pack(q)
     one = int8_linear(x, packed, scale, None, threads=1)
     assert torch.equal(one, int8_linear(x, packed, scale, None, threads=2))
-    assert len(qlinear._split(packed.shape[0], 1500, 2)) == 3  # really split in two
+    assert len(qlinear._split(packed.shape[0], 1500, 7, 2)) == 3  # really split in two
     for r in range(7):
         assert torch.equal(one[r : r + 1], int8_linear(x[r : r + 1], packed, scale, None))
 

@@ -13,7 +13,7 @@ Above ``MAX_KERNEL_ROWS`` rows (prefill) a call dequantizes the weight to float3
 compiler every call takes that path (correct, slow; one warning).
 
 The kernel's columns are shared among torch's intra-op threads (ctypes releases the GIL)
-when a call has at least ``_MIN_WEIGHTS_PER_THREAD`` weights per thread; every output is the
+when a call has at least ``_MIN_MACS_PER_THREAD`` multiply-adds per thread; every output is the
 same whatever the split. Quantization is refused on CUDA and for a compute dtype other than
 float32 (:class:`UnsupportedQuantizationError`).
 """
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_CHOICES = ("int8",)
 MAX_KERNEL_ROWS = 16  # above: dequantize + torch.mm (measured, benchmarks/bench_qlinear.py)
-_MIN_WEIGHTS_PER_THREAD = 1 << 17
+_MIN_MACS_PER_THREAD = 1 << 20
 _TILE_J = 16  # the kernel's column tile (TILE_J in csrc/qlinear.c)
 _SOURCE = Path(__file__).with_name("csrc") / "qlinear.c"
 
@@ -120,12 +120,32 @@ def unpack(packed: torch.Tensor, out_dim: int) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class QuantizedProjection:
     """``x @ dequant(q) + bias`` for float32 ``x [rows, in]``: ``packed`` is ``q`` in the
-    kernel's layout (:func:`pack`), ``scale`` float32 ``[out]``, ``bias`` float32 ``[out]`` or
-    None."""
+    kernel's layout (:func:`pack`, contiguous), ``scale`` float32 ``[out]``, ``bias`` float32
+    ``[out]`` or None. Validated once here, so a call checks only ``x``."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
+
+    def __post_init__(self) -> None:
+        p, s, b = self.packed, self.scale, self.bias
+        if (
+            p.dtype is not torch.int8
+            or p.dim() != 3
+            or p.shape[2] != _TILE_J
+            or not p.is_contiguous()
+            or p.device.type != "cpu"
+            or s.dtype is not torch.float32
+            or s.dim() != 1
+            or not s.is_contiguous()
+            or p.shape[0] != -(-s.shape[0] // _TILE_J)
+            or (b is not None and (b.dtype is not torch.float32 or b.shape != s.shape))
+            or (b is not None and not b.is_contiguous())
+        ):
+            raise InvalidRequestError(
+                f"int8 weight: unsupported packed {tuple(p.shape)} {p.dtype}, scale "
+                f"{tuple(s.shape)} {s.dtype}, bias {None if b is None else tuple(b.shape)}"
+            )
 
     @classmethod
     def from_float(cls, weight_t: torch.Tensor, bias: torch.Tensor | None) -> QuantizedProjection:
@@ -139,10 +159,50 @@ class QuantizedProjection:
         return self.packed.numel() + 4 * self.scale.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_KERNEL_ROWS and available():
-            return int8_linear(x, self.packed, self.scale, self.bias)
+        if x.shape[0] <= MAX_KERNEL_ROWS and (_lib is not None or available()):
+            return self.native(x)
         q = unpack(self.packed, self.scale.shape[0])
         return reference_int8_linear(x, q, self.scale, self.bias)
+
+    def native(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """The native kernel: ``[rows, out]`` float32. ``threads`` defaults to torch's
+        intra-op count; the tiles are split among them (:func:`_split`)."""
+        if _lib is None and not available():
+            raise InvalidRequestError(f"the native int8 kernel is unavailable: {_error}")
+        assert _lib is not None
+        tiles, in_dim, _ = self.packed.shape
+        out_dim = self.scale.shape[0]
+        if (
+            x.dtype is not torch.float32
+            or x.device.type != "cpu"
+            or x.dim() != 2
+            or x.shape[1] != in_dim
+        ):
+            raise InvalidRequestError(
+                f"int8 kernel: input {tuple(x.shape)} {x.dtype} on {x.device} for a "
+                f"[{in_dim}, {out_dim}] weight (needs float32 on the CPU)"
+            )
+        x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, out_dim, dtype=torch.float32)
+        fn = _lib.pagedkv_qlinear_i8
+        bias = None if self.bias is None else self.bias.data_ptr()
+        args = (self.packed.data_ptr(), self.scale.data_ptr(), bias, y.data_ptr(), out_dim, rows)
+        head = (x.data_ptr(), in_dim)
+
+        def run(a: int, b: int) -> int:  # tiles a..b-1; ctypes releases the GIL for the call
+            return int(fn(*head, *args, in_dim, out_dim, a, b))
+
+        cuts = _split(tiles, in_dim, rows, torch.get_num_threads() if threads is None else threads)
+        if len(cuts) == 2:
+            codes = [run(0, tiles)]
+        else:
+            pool = native.workers(len(cuts) - 2)
+            futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(cuts[1:])]
+            codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
+        if any(codes):
+            raise InvalidRequestError("int8 kernel rejected its inputs (a bad range)")
+        return y
 
 
 def reference_int8_linear(
@@ -160,67 +220,16 @@ def int8_linear(
     bias: torch.Tensor | None,
     threads: int | None = None,
 ) -> torch.Tensor:
-    """The native kernel on a :func:`pack` ed weight: ``[rows, out]`` float32. ``threads``
-    defaults to torch's intra-op count; the tiles are split among them."""
-    if not available():
-        raise InvalidRequestError(f"the native int8 kernel is unavailable: {_error}")
-    assert _lib is not None
-    rows, in_dim = x.shape
-    if (
-        x.dtype is not torch.float32
-        or packed.dtype is not torch.int8
-        or x.device.type != "cpu"
-        or packed.dim() != 3
-        or packed.shape[1:] != (in_dim, _TILE_J)
-        or not packed.is_contiguous()
-        or scale.dtype is not torch.float32
-        or scale.dim() != 1
-        or packed.shape[0] != -(-scale.shape[0] // _TILE_J)
-        or (bias is not None and (bias.dtype is not torch.float32 or bias.shape != scale.shape))
-    ):
-        raise InvalidRequestError(
-            f"int8 kernel: unsupported inputs x{tuple(x.shape)} {x.dtype}, weight "
-            f"{tuple(packed.shape)} {packed.dtype}, scale {tuple(scale.shape)} {scale.dtype}"
-        )
-    out_dim, tiles = scale.shape[0], packed.shape[0]
-    x = x.contiguous()
-    scale = scale.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    y = torch.empty(rows, out_dim, dtype=torch.float32)
-    fn = _lib.pagedkv_qlinear_i8
-
-    def run(a: int, b: int) -> int:  # tiles a..b-1; ctypes releases the GIL for the call
-        return int(
-            fn(
-                x.data_ptr(),
-                in_dim,
-                packed.data_ptr(),
-                scale.data_ptr(),
-                None if bias is None else bias.data_ptr(),
-                y.data_ptr(),
-                out_dim,
-                rows,
-                in_dim,
-                out_dim,
-                a,
-                b,
-            )
-        )
-
-    cuts = _split(tiles, in_dim, torch.get_num_threads() if threads is None else threads)
-    if len(cuts) == 2:
-        codes = [run(0, tiles)]
-    else:
-        pool = native.workers(len(cuts) - 2)
-        futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(cuts[1:])]
-        codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
-    if any(codes):
-        raise InvalidRequestError("int8 kernel rejected its inputs (a bad range)")
-    return y
+    """The native kernel on a :func:`pack` ed weight (:meth:`QuantizedProjection.native`)."""
+    return QuantizedProjection(packed, scale, bias).native(x, threads)
 
 
-def _split(tiles: int, in_dim: int, threads: int) -> list[int]:
+def _split(tiles: int, in_dim: int, rows: int, threads: int) -> list[int]:
     """Tile cut points ``[0, ..., tiles]``: at most ``threads`` runs of about equal size, each
-    with at least ``_MIN_WEIGHTS_PER_THREAD`` weights."""
-    parts = max(1, min(threads, tiles * _TILE_J * in_dim // _MIN_WEIGHTS_PER_THREAD))
+    with at least ``_MIN_MACS_PER_THREAD`` multiply-adds (handing a run to another thread costs
+    tens of microseconds, ~1e5 multiply-adds here)."""
+    macs = rows * tiles * _TILE_J * in_dim
+    parts = max(1, min(threads, tiles, macs // _MIN_MACS_PER_THREAD))
+    if parts == 1:
+        return [0, tiles]
     return sorted({round(tiles * i / parts) for i in range(parts + 1)})
