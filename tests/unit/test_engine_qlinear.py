@@ -190,3 +190,15 @@ def test_llm_takes_quantization_and_a_float32_models_engine_can_be_quantized_onc
     assert model.quantization == "int8"
     with pytest.raises(InvalidRequestError, match="already quantized"):
         model.quantize("int8")
+
+
+def test_generate_cli_runs_int8_and_says_so(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pagedkv.engine.cli import generate_main
+
+    argv = [str(model_dir), "--prompt", "hello", "--max-tokens", "3", "--quantization", "int8"]
+    assert generate_main(argv) == 0
+    captured = capsys.readouterr()
+    assert "[0] " in captured.out
+    assert "dtype float32, int8 weights |" in captured.err
