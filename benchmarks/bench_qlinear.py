@@ -9,6 +9,7 @@ calling thread would undercount):
 * ``decode``: batch-1 greedy decode through ``LLMEngine`` (one request, 8-token prompt), fp32
   and int8, tokens/s, the weight bytes each token reads (every linear layer and the
   vocabulary projection), the achieved GB/s and its share of ``copy``;
+* ``x16``: 16 concurrent requests' decode output tokens/s, fp32 and int8;
 * ``kernel``: the gate/up projection (576 x 3072) at 1 and 16 rows, the int8 kernel against
   ``torch.mm`` on the float32 weight;
 * quality (once, 1 thread): greedy agreement of the int8 engine with the fp32 engine on fixed
@@ -91,15 +92,17 @@ def weight_bytes_per_token(model: LlamaModel) -> int:
     )
 
 
-def decode_tok_s(engine: LLMEngine, tokens: int) -> float:
-    """Batch-1 greedy decode rate, the prefill step excluded."""
+def decode_tok_s(engine: LLMEngine, tokens: int, batch: int = 1) -> float:
+    """Greedy decode output tokens/s of ``batch`` concurrent requests (8-token prompts, one
+    prefill step for all, which is excluded)."""
     params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
-    engine.add_request("bench", list(range(100, 108)), params)
+    for i in range(batch):
+        engine.add_request(f"bench{i}", list(range(100 + i, 108 + i)), params)
     engine.step()  # the prefill (and the first token)
     t = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    return tokens / (time.perf_counter() - t)
+    return batch * tokens / (time.perf_counter() - t)
 
 
 def greedy(engine: LLMEngine, n: int) -> list[list[int]]:
@@ -172,6 +175,9 @@ def main() -> None:
                 rows.setdefault(f"{name} tok/s t{threads}", []).append(
                     decode_tok_s(engine, args.tokens)
                 )
+                rows.setdefault(f"{name} x16 tok/s t{threads}", []).append(
+                    decode_tok_s(engine, args.tokens // 2, batch=16)
+                )
             for r in (1, 16):
                 x = torch.randn(r, 576, generator=g)
                 rows.setdefault(f"mm{r} fp32 ms t{threads}", []).append(
@@ -224,6 +230,13 @@ def _print(
                 f"{tok_s / med[f'fp32 tok/s t{t}']:.2f}x",
             )
     console.print(table)
+    bt = Table(title="16 concurrent requests, decode output tok/s (median)")
+    for col in ("threads", "fp32", "int8", "int8 / fp32"):
+        bt.add_column(col, justify="right")
+    for t in threads:
+        a, b = med[f"fp32 x16 tok/s t{t}"], med[f"int8 x16 tok/s t{t}"]
+        bt.add_row(str(t), f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}x")
+    console.print(bt)
     kt = Table(title="576 x 3072 projection: int8 kernel vs torch.mm fp32 (ms, median)")
     for col in ("threads", "rows", "fp32 mm", "int8 kernel", "speed-up"):
         kt.add_column(col, justify="right")
