@@ -162,9 +162,11 @@ def _greedy(model_dir: Path, quantization: str | None) -> tuple[LLMEngine, list[
 
 
 def test_int8_engine_runs_and_agrees_with_float32(model_dir: Path) -> None:
-    """Measured on the tiny random model (near-flat logits, so the hardest case for
-    agreement): the property asserted is the logits' closeness; greedy agreement (the
-    share of requests whose first 4 tokens equal float32's) is asserted loosely."""
+    """On the tiny random model (near-flat logits, the hardest case for agreement) the
+    property asserted is the logits' closeness (2% of the largest); greedy agreement is
+    asserted loosely. Measured here: 3 of 6 requests token-identical to float32 over 12
+    tokens, 40 of 72 tokens equal before each request's first divergence (SmolLM2:
+    benchmarks/RESULTS.md, int8 section)."""
     fp32, ref = _greedy(model_dir, None)
     int8, got = _greedy(model_dir, "int8")
     model = int8.runner.model

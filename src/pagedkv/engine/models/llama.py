@@ -4,7 +4,8 @@ Mistral; sliding-window layers where the config has them (``ModelConfig.layer_wi
 Weights are a flat ``{hf_name: tensor}`` dict with Hugging Face names, so the loader needs no
 renaming. ``forward`` takes a step's flat token batch, writes K/V through the attention
 metadata's slot mapping and returns hidden states; ``logits`` projects chosen rows only, so a
-step pays the vocabulary projection only where a token is sampled.
+step pays the vocabulary projection only where a token is sampled. ``quantize("int8")``
+swaps the linear layers for int8 weight-only ones (``pagedkv.engine.qlinear``).
 """
 
 from __future__ import annotations
@@ -137,12 +138,11 @@ class LlamaModel:
     def quantize(self, method: str) -> None:
         """Quantize every linear layer and the vocabulary projection in place
         (:mod:`pagedkv.engine.qlinear`, ``method="int8"``); the embedding lookup stays
-        float32 (with tied embeddings the head gets its own int8 copy). The float32 weights of
-        the quantized layers leave ``weights``, so their memory is freed. Fully succeeds or
-        changes nothing: everything is quantized before anything is replaced."""
-        check_quantization(
-            method, "float32" if self.dtype is torch.float32 else str(self.dtype), self.device.type
-        )
+        float32, and the head's int8 copy is used for the logits (``lm_head`` keeps the float32
+        tensor: the embedding itself when tied). The float32 weights of the quantized decoder
+        layers leave ``weights``, so their memory is freed. Fully succeeds or changes nothing:
+        everything is quantized before anything is replaced."""
+        check_quantization(method, str(self.dtype).removeprefix("torch."), self.device.type)
         if self.quantization is not None:
             raise InvalidRequestError(f"the model is already quantized ({self.quantization})")
         groups = (self._qkv, self._o, self._gate_up, self._down)
@@ -155,9 +155,6 @@ class LlamaModel:
         linear = ("_proj.weight", "_proj.bias")
         for name in [n for n in self.weights if n.endswith(linear) and ".layers." in n]:
             del self.weights[name]
-        if not self.config.tie_word_embeddings:
-            self.weights.pop("lm_head.weight", None)
-            self.lm_head = self.embed  # unused now; drops the float32 head
 
     def expected_weight_names(self) -> list[str]:
         cfg = self.config
