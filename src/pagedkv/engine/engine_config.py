@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.config import check_invariants_default
 from pagedkv.engine.kv_cache import parse_dtype
+from pagedkv.engine.qlinear import check_quantization
 from pagedkv.errors import InvalidRequestError
 from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.tiers.config import TierConfig
@@ -28,7 +29,9 @@ class EngineConfig:
     torch's path otherwise. ``freeze_gc_heap`` moves
     every object alive when the
     engine is built out of Python's cyclic collector (``gc.freeze()``), so collections while
-    serving don't rescan the model and the imported libraries.
+    serving don't rescan the model and the imported libraries. ``quantization="int8"``
+    keeps the linear layers' weights int8 per output channel (CPU, float32 only:
+    ``pagedkv.engine.qlinear``).
 
     Resolved by ``LLMEngine.from_model_dir`` from the checkpoint: ``dtype="auto"`` (float32 on
     a CPU, the checkpoint's dtype on CUDA: ``pagedkv.engine.dtype``), ``model_id=""`` (the
@@ -55,6 +58,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     batched_decode: bool = True
     decode_kernel: str = "auto"  # "auto" | "torch" | "native" (see pagedkv.engine.native)
+    quantization: str | None = None  # None | "int8" (pagedkv.engine.qlinear)
     watermark: float = 0.01
     reservation: str = "max_tokens"
     model_id: str = ""  # default: the checkpoint's fingerprint (pagedkv.engine.fingerprint)
@@ -83,6 +87,7 @@ class EngineConfig:
             )
         if self.dtype != "auto":
             parse_dtype(self.dtype)  # raises InvalidRequestError naming the choices
+        check_quantization(self.quantization, self.dtype, self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

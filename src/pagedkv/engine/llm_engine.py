@@ -112,6 +112,8 @@ class LLMEngine:
                 f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                 f"({mcfg.max_position_embeddings})"
             )
+        if config.quantization is not None and model.quantization != config.quantization:
+            model.quantize(config.quantization)  # here, so every loader's model gets it
         spec = KVCacheSpec(
             mcfg.num_hidden_layers,
             config.block_size,

@@ -12,6 +12,7 @@ vLLM's names are the primary spelling; pagedkv's earlier spellings stay as alias
     --num-speculative-tokens N              (alias --speculative-tokens)
     --chat-template FILE|TEMPLATE           --generation-config auto|vllm|DIR
     --seed N                                --threads N (torch intra-op threads)
+    --quantization int8                     int8 weight-only linears (pagedkv.engine.qlinear)
 
 Exit codes, the same for every command: 2 for bad usage (argparse's, also for a flag value
 :class:`EngineConfig` rejects), 1 for a failure while running (a model folder that cannot be
@@ -27,6 +28,7 @@ import sys
 from pagedkv.engine.dtype import DTYPE_CHOICES
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.native import add_decode_kernel_argument
+from pagedkv.engine.qlinear import QUANTIZATION_CHOICES
 from pagedkv.errors import PagedKVError
 from pagedkv.tiers.config import parse_bytes, tier_config_from_args
 
@@ -86,6 +88,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_decode_kernel_argument(parser)
     parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATION_CHOICES,
+        help="int8: weight-only int8 linear layers, per output channel (CPU, float32)",
+    )
+    parser.add_argument(
         "--chat-template", default=None, help="a template file, or the template itself"
     )
     parser.add_argument(
@@ -131,6 +139,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             enable_prefix_caching=args.enable_prefix_caching,
             num_speculative_tokens=args.num_speculative_tokens,
             decode_kernel=args.decode_kernel,
+            quantization=args.quantization,
             chat_template=args.chat_template,
             generation_config=args.generation_config,
             tokenizer=args.tokenizer,

@@ -72,26 +72,38 @@ def _cache_dir() -> Path:
 
 
 def _build() -> ctypes.CDLL:
+    lib = compile_library(_SOURCE)
+    fn = lib.pagedkv_decode_f32
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def compile_library(source_path: Path) -> ctypes.CDLL:
+    """Compile one C file of ``csrc`` into the per-user cache (the module docstring: keyed by
+    the source, flags, compiler and CPU) and load it. Raises OSError naming why it failed."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (set CC, or install gcc)")
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
-    source = _SOURCE.read_bytes()
+    source = source_path.read_bytes()
+    stem = source_path.stem
     errors = []
     for cflags, ldflags in _FLAG_SETS:
         flags = " ".join([*cflags, "|", *ldflags]).encode()
         key = hashlib.sha256(
             b"\0".join([source, flags, version.encode(), _cpu_key().encode()])
         ).hexdigest()[:16]
-        target = _cache_dir() / "native" / key / "paged_decode.so"
+        target = _cache_dir() / "native" / key / f"{stem}.so"
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                obj, built = Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
+                obj, built = Path(tmp) / f"{stem}.o", Path(tmp) / f"{stem}.so"
                 for cmd in (
-                    [compiler, *cflags, "-c", str(_SOURCE), "-o", str(obj)],
+                    [compiler, *cflags, "-c", str(source_path), "-o", str(obj)],
                     [compiler, str(obj), "-o", str(built), *ldflags],
                 ):
                     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -103,12 +115,7 @@ def _build() -> ctypes.CDLL:
                     os.replace(built, target)
             if not target.is_file():
                 continue
-        lib = ctypes.CDLL(str(target))
-        fn = lib.pagedkv_decode_f32
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float]
-        fn.restype = ctypes.c_int
-        return lib
+        return ctypes.CDLL(str(target))
     raise OSError("; ".join(errors))
 
 
@@ -240,7 +247,7 @@ def decode_attention(
     if len(cuts) == 2:
         codes = [run(0, seqs)]
     else:
-        pool = _workers(len(cuts) - 2)
+        pool = workers(len(cuts) - 2)
         futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(cuts[1:])]
         codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
     if any(codes):
@@ -270,7 +277,8 @@ def _split(lens: torch.Tensor, threads: int) -> list[int]:
     return sorted({0, seqs, *(int(c) + 1 for c in inner if 0 <= c < seqs - 1)})
 
 
-def _workers(n: int) -> ThreadPoolExecutor:
+def workers(n: int) -> ThreadPoolExecutor:
+    """A shared pool of at least ``n`` threads for the native kernels' calls."""
     global _pool, _pool_size
     with _lock:
         if _pool is None or _pool_size < n:

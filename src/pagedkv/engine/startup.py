@@ -43,8 +43,9 @@ def startup_line(engine: LLMEngine, model: str) -> str:
     template = "none" if tok is None or tok.chat_template is None else tok.chat_template.source
     kernel = "native" if engine.runner.uses_native_decode() else "torch"
     fingerprint = cfg.model_id[:21] + ("..." if len(cfg.model_id) > 21 else "")
+    quant = f", {cfg.quantization} weights" if cfg.quantization else ""
     return (
-        f"pagedkv: model {model} ({mcfg.model_type}, {fingerprint}) | dtype {cfg.dtype} | "
+        f"pagedkv: model {model} ({mcfg.model_type}, {fingerprint}) | dtype {cfg.dtype}{quant} | "
         f"context {engine.max_model_len} tokens | KV pool {num_blocks} blocks x "
         f"{spec.block_size} = {tokens} tokens, {pool_gib:.3g} GiB | decode attention {kernel} | "
         f"chat template {template} | tiers: {describe_tiers(cfg.tiers)}"

@@ -4,13 +4,14 @@ Mistral; sliding-window layers where the config has them (``ModelConfig.layer_wi
 Weights are a flat ``{hf_name: tensor}`` dict with Hugging Face names, so the loader needs no
 renaming. ``forward`` takes a step's flat token batch, writes K/V through the attention
 metadata's slot mapping and returns hidden states; ``logits`` projects chosen rows only, so a
-step pays the vocabulary projection only where a token is sampled.
+step pays the vocabulary projection only where a token is sampled. ``quantize("int8")``
+swaps the linear layers for int8 weight-only ones (``pagedkv.engine.qlinear``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F  # noqa: N812
 from pagedkv.engine.attention import AttentionMetadata, paged_attention
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
+from pagedkv.engine.qlinear import QuantizedProjection, check_quantization
 from pagedkv.errors import InvalidRequestError, ModelLoadError
 
 
@@ -68,6 +70,9 @@ class Projection:
         return torch.addmm(self.bias, x, self.weight_t)
 
 
+Linear = Callable[[torch.Tensor], torch.Tensor]  # a Projection or a QuantizedProjection
+
+
 class LlamaModel:
     """A Llama-family decoder over paged KV (see the module docstring)."""
 
@@ -92,10 +97,12 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         inv = rope_inv_freq(config.rope, config.head_dim)
         self._inv_freq = inv.to(torch.float32).to(self.device)
-        self._qkv: list[Projection] = []
-        self._o: list[Projection] = []
-        self._gate_up: list[Projection] = []
-        self._down: list[Projection] = []
+        self.quantization: str | None = None
+        self._lm_head_q: QuantizedProjection | None = None
+        self._qkv: list[Linear] = []
+        self._o: list[Linear] = []
+        self._gate_up: list[Linear] = []
+        self._down: list[Linear] = []
         for i in range(config.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             self._qkv.append(self._project([a + "q_proj", a + "k_proj", a + "v_proj"]))
@@ -127,6 +134,27 @@ class LlamaModel:
                 self.weights[n] = bias[start : start + size]
                 start += size
         return Projection(wt, bias)
+
+    def quantize(self, method: str) -> None:
+        """Quantize every linear layer and the vocabulary projection in place
+        (:mod:`pagedkv.engine.qlinear`, ``method="int8"``); the embedding lookup stays
+        float32, and the head's int8 copy is used for the logits (``lm_head`` keeps the float32
+        tensor: the embedding itself when tied). The float32 weights of the quantized decoder
+        layers leave ``weights``, so their memory is freed. Fully succeeds or changes nothing:
+        everything is quantized before anything is replaced."""
+        check_quantization(method, str(self.dtype).removeprefix("torch."), self.device.type)
+        if self.quantization is not None:
+            raise InvalidRequestError(f"the model is already quantized ({self.quantization})")
+        groups = (self._qkv, self._o, self._gate_up, self._down)
+        new = [[_quantized(p) for p in group] for group in groups]
+        head = QuantizedProjection.from_float(self.lm_head.t(), None)
+        for group, q in zip(groups, new, strict=True):
+            group[:] = q
+        self._lm_head_q = head
+        self.quantization = method
+        linear = ("_proj.weight", "_proj.bias")
+        for name in [n for n in self.weights if n.endswith(linear) and ".layers." in n]:
+            del self.weights[name]
 
     def expected_weight_names(self) -> list[str]:
         cfg = self.config
@@ -202,4 +230,12 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the given hidden rows, ``[rows, vocab]``."""
+        if self._lm_head_q is not None:
+            return self._lm_head_q(hidden)
         return F.linear(hidden, self.lm_head).float()
+
+
+def _quantized(p: Linear) -> QuantizedProjection:
+    if not isinstance(p, Projection):
+        raise InvalidRequestError(f"cannot quantize a {type(p).__name__}")
+    return QuantizedProjection.from_float(p.weight_t, p.bias)

@@ -1,0 +1,259 @@
+"""Int8 weight-only linears on the real model (SmolLM2-135M-Instruct): decode speed, bytes,
+bandwidth, the few-row kernel, and quality against float32.
+
+What it prints (wall clock; the kernels use more than one thread, so the CPU clock of the
+calling thread would undercount):
+
+* ``copy``: the bandwidth limit measured in the same run, a 256 MiB ``Tensor.copy_``,
+  counted as bytes read + bytes written per second;
+* ``decode``: batch-1 greedy decode through ``LLMEngine`` (one request, 8-token prompt), fp32
+  and int8, tokens/s, the weight bytes each token reads (every linear layer and the
+  vocabulary projection), the achieved GB/s and its share of ``copy``;
+* ``x16``: 16 concurrent requests' decode output tokens/s, fp32 and int8;
+* ``kernel``: the gate/up projection (576 x 3072) at 1 and 16 rows, the int8 kernel against
+  ``torch.mm`` on the float32 weight;
+* quality (once, 1 thread): greedy agreement of the int8 engine with the fp32 engine on fixed
+  prompts, and the mean per-token log-likelihood difference on fixed paragraphs, computed
+  with transformers on the same float32 checkpoint and on a copy whose linear weights are
+  replaced by their int8 dequantization (the same weights the int8 engine computes with).
+
+Every configuration is measured in ``--rounds`` interleaved rounds (fp32, int8, fp32, ...)
+and reported as the median, with ratios, so a machine shared with other jobs moves both
+sides alike. Run: ``python benchmarks/bench_qlinear.py`` (about 3 minutes, most of it the
+one-off GGUF conversion into ``--checkpoint``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from _smollm2 import smollm2_checkpoint
+from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.models.llama import LlamaModel, Projection
+from pagedkv.engine.qlinear import QuantizedProjection, int8_linear, pack, quantize_int8
+from pagedkv.engine.sampler import SamplingParams
+
+TEXTS = (
+    "The river rose slowly through the night, and by morning the lower fields were under "
+    "water. Farmers moved their animals to the hill behind the church, where the ground stayed "
+    "dry, and waited for the rain to stop.",
+    "A compiler translates a program written in one language into another, usually lower "
+    "level, language. Most compilers work in phases: they parse the source text, check its "
+    "types, optimise an intermediate form and finally emit machine code.",
+    "To make bread, mix flour, water, salt and yeast into a dough, knead it until it is smooth, "
+    "and let it rise in a warm place for about an hour. Shape the loaf, let it rise again, "
+    "then bake it in a hot oven until the crust is brown.",
+    "The committee met on Tuesday to discuss the budget for next year. Several members argued "
+    "that the library needed more money for new books, while others wanted to repair the roof "
+    "of the town hall first.",
+)
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at")
+
+
+def _median_s(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_gbs(reps: int = 5) -> float:
+    src = torch.ones(64 << 20)  # 256 MiB
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _median_s(lambda: dst.copy_(src), reps) / 1e9
+
+
+def weight_bytes_per_token(model: LlamaModel) -> int:
+    """Bytes of the weights one decode token reads: every linear and the vocabulary head."""
+    total = 0
+    for group in (model._qkv, model._o, model._gate_up, model._down):
+        for p in group:
+            if isinstance(p, QuantizedProjection):
+                total += p.num_weight_bytes
+            elif isinstance(p, Projection):
+                total += p.weight_t.numel() * p.weight_t.element_size()
+    head = model._lm_head_q
+    return total + (
+        head.num_weight_bytes if head else model.lm_head.numel() * model.lm_head.element_size()
+    )
+
+
+def decode_tok_s(engine: LLMEngine, tokens: int, batch: int = 1) -> float:
+    """Greedy decode output tokens/s of ``batch`` concurrent requests (8-token prompts, one
+    prefill step for all, which is excluded)."""
+    params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"bench{i}", list(range(100 + i, 108 + i)), params)
+    engine.step()  # the prefill (and the first token)
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return batch * tokens / (time.perf_counter() - t)
+
+
+def greedy(engine: LLMEngine, n: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"g{i}", p, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[f"g{i}"] for i in range(len(PROMPTS))]
+
+
+def loglik_diff(ckpt: Path) -> tuple[float, float, int]:
+    """(mean fp32 log-likelihood per token, mean int8 - fp32 difference, tokens)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+
+    def per_token() -> torch.Tensor:
+        out = []
+        with torch.inference_mode():
+            for text in TEXTS:
+                ids = tok(text, return_tensors="pt").input_ids
+                logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+                out.append(logp.gather(1, ids[0, 1:, None])[:, 0])
+        return torch.cat(out)
+
+    ref = per_token()
+    with torch.inference_mode():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):  # lm_head too, as the engine does
+                q, scale = quantize_int8(module.weight.t())
+                w = (q.float() * scale).t().contiguous()
+                if name == "lm_head" and model.config.tie_word_embeddings:
+                    module.weight = torch.nn.Parameter(w)  # untie: the embedding stays fp32
+                else:
+                    module.weight.copy_(w)
+    got = per_token()
+    return float(ref.mean()), float((got - ref).mean()), int(ref.numel())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/pagedkv-smollm2-f32"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=24, help="decode tokens per round")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    ckpt = smollm2_checkpoint(args.checkpoint)
+    cfg = EngineConfig(num_blocks=256, max_model_len=512, enable_prefix_caching=False)
+    engines = {
+        "fp32": LLMEngine.from_model_dir(str(ckpt), cfg),
+        "int8": LLMEngine.from_model_dir(str(ckpt), replace(cfg, quantization="int8")),
+    }
+    nbytes = {k: weight_bytes_per_token(e.runner.model) for k, e in engines.items()}
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(576, 3072, generator=g)
+    q, scale = quantize_int8(w)
+    packed = pack(q)
+    rows: dict[str, list[float]] = {}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for _ in range(args.rounds):
+            rows.setdefault(f"copy GB/s t{threads}", []).append(copy_gbs())
+            for name, engine in engines.items():
+                rows.setdefault(f"{name} tok/s t{threads}", []).append(
+                    decode_tok_s(engine, args.tokens)
+                )
+                rows.setdefault(f"{name} x16 tok/s t{threads}", []).append(
+                    decode_tok_s(engine, args.tokens // 2, batch=16)
+                )
+            for r in (1, 16):
+                x = torch.randn(r, 576, generator=g)
+                rows.setdefault(f"mm{r} fp32 ms t{threads}", []).append(
+                    1e3 * _median_s(lambda x=x: torch.mm(x, w), 20)
+                )
+                rows.setdefault(f"mm{r} int8 ms t{threads}", []).append(
+                    1e3 * _median_s(lambda x=x: int8_linear(x, packed, scale, None), 20)
+                )
+    torch.set_num_threads(1)
+    agree = [greedy(e, 32) for e in engines.values()]
+    same_tokens = sum(
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+        for x, y in zip(*agree, strict=True)
+    )
+    ll_ref, ll_diff, ll_tokens = loglik_diff(ckpt)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    result = {
+        "median": med,
+        "bytes_per_token": nbytes,
+        "greedy_tokens_before_divergence": [same_tokens, 32 * len(PROMPTS)],
+        "identical_requests": [sum(a == b for a, b in zip(*agree, strict=True)), len(PROMPTS)],
+        "loglik_fp32_mean": ll_ref,
+        "loglik_int8_minus_fp32_mean": ll_diff,
+        "loglik_tokens": ll_tokens,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    _print(med, nbytes, args.threads, result)
+
+
+def _print(
+    med: dict[str, float], nbytes: dict[str, int], threads: list[int], result: dict[str, object]
+) -> None:
+    console = Console()
+    table = Table(title="batch-1 decode, SmolLM2-135M (median of interleaved rounds)")
+    for col in ("threads", "weights", "MB/token", "tok/s", "GB/s", "% of copy", "vs fp32"):
+        table.add_column(col, justify="right")
+    for t in threads:
+        copy = med[f"copy GB/s t{t}"]
+        for name in ("fp32", "int8"):
+            tok_s = med[f"{name} tok/s t{t}"]
+            gbs = tok_s * nbytes[name] / 1e9
+            table.add_row(
+                str(t),
+                name,
+                f"{nbytes[name] / 1e6:.0f}",
+                f"{tok_s:.1f}",
+                f"{gbs:.1f}",
+                f"{100 * gbs / copy:.0f}% of {copy:.1f}",
+                f"{tok_s / med[f'fp32 tok/s t{t}']:.2f}x",
+            )
+    console.print(table)
+    bt = Table(title="16 concurrent requests, decode output tok/s (median)")
+    for col in ("threads", "fp32", "int8", "int8 / fp32"):
+        bt.add_column(col, justify="right")
+    for t in threads:
+        a, b = med[f"fp32 x16 tok/s t{t}"], med[f"int8 x16 tok/s t{t}"]
+        bt.add_row(str(t), f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}x")
+    console.print(bt)
+    kt = Table(title="576 x 3072 projection: int8 kernel vs torch.mm fp32 (ms, median)")
+    for col in ("threads", "rows", "fp32 mm", "int8 kernel", "speed-up"):
+        kt.add_column(col, justify="right")
+    for t in threads:
+        for r in (1, 16):
+            a, b = med[f"mm{r} fp32 ms t{t}"], med[f"mm{r} int8 ms t{t}"]
+            kt.add_row(str(t), str(r), f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x")
+    console.print(kt)
+    console.print(
+        f"quality: greedy tokens equal before the first divergence "
+        f"{result['greedy_tokens_before_divergence']}, identical requests "
+        f"{result['identical_requests']}; mean log-likelihood per token fp32 "
+        f"{result['loglik_fp32_mean']:.4f}, int8 - fp32 "
+        f"{result['loglik_int8_minus_fp32_mean']:+.4f} "
+        f"nats over {result['loglik_tokens']} tokens"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Weight-only int8 linear layers (``EngineConfig.quantization="int8"``, ``--quantization int8``).
+
+Each weight is quantized per output channel, symmetrically: ``scale[j] = max_k |W[k, j]| / 127``
+and ``q[k, j] = round(W[k, j] / scale[j])`` in ``[-127, 127]``, kept as int8 in the transposed
+``[in, out]`` layout the model uses, with float32 scales; ``y = (x @ q) * scale (+ bias)``.
+At batch 1..``MAX_KERNEL_ROWS`` rows a linear layer is bound by reading its weights, so
+reading one byte per weight instead of four is the speed-up; the native kernel
+(``csrc/qlinear.c``, built by :func:`pagedkv.engine.native.compile_library`) dequantizes in
+registers and reads each weight byte from memory about once for all the rows.
+
+Above ``MAX_KERNEL_ROWS`` rows (prefill) a call dequantizes the weight to float32 and uses
+``torch.mm`` (measured faster there: benchmarks/RESULTS.md, int8 section). Without a C
+compiler every call takes that path (correct, slow; one warning).
+
+The kernel's columns are shared among torch's intra-op threads (ctypes releases the GIL)
+when a call has at least ``_MIN_MACS_PER_THREAD`` multiply-adds per thread; every output is the
+same whatever the split. Quantization is refused on CUDA and for a compute dtype other than
+float32 (:class:`UnsupportedQuantizationError`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.engine import native
+from pagedkv.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_CHOICES = ("int8",)
+MAX_KERNEL_ROWS = 16  # above: dequantize + torch.mm (measured, benchmarks/bench_qlinear.py)
+_MIN_MACS_PER_THREAD = 1 << 20
+_TILE_J = 16  # the kernel's column tile (TILE_J in csrc/qlinear.c)
+_SOURCE = Path(__file__).with_name("csrc") / "qlinear.c"
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+class UnsupportedQuantizationError(InvalidRequestError):
+    """A quantization method, or a combination with it, that pagedkv does not run."""
+
+
+def check_quantization(quantization: str | None, dtype: str, device: str) -> None:
+    """Refuse what the int8 path does not support; ``dtype`` may still be ``"auto"``
+    (float32 on a CPU)."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATION_CHOICES:
+        raise UnsupportedQuantizationError(
+            f"unknown quantization {quantization!r}; choose one of "
+            f"{', '.join(QUANTIZATION_CHOICES)}"
+        )
+    if device != "cpu":
+        raise UnsupportedQuantizationError(
+            f"quantization {quantization!r} runs on the CPU only, not on device {device!r}"
+        )
+    if dtype not in ("auto", "float32"):
+        raise UnsupportedQuantizationError(
+            f"quantization {quantization!r} needs dtype float32 (or auto on a CPU), got {dtype!r}"
+        )
+
+
+def available() -> bool:
+    """Whether the native int8 kernel is built (building it on the first call) and loaded."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                lib = native.compile_library(_SOURCE)
+                fn = lib.pagedkv_qlinear_i8
+                ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+                fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+                fn.restype = ctypes.c_int
+                _lib = lib
+            except OSError as exc:
+                _error = str(exc) or type(exc).__name__
+                logger.warning(
+                    "native int8 kernel unavailable (%s); int8 layers dequantize in torch on "
+                    "every call (slow)",
+                    _error,
+                )
+        return _lib is not None
+
+
+def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of a float ``[in, out]`` weight: int8 ``[in, out]``, float32 ``[out]``.
+    An all-zero column gets scale 1 (its outputs are exactly 0)."""
+    w = weight_t.float()
+    amax = w.abs().amax(dim=0)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scale.contiguous()
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """An int8 ``[in, out]`` weight in the kernel's layout, ``[tiles, in, TILE_J]`` (tile ``t``
+    holds columns ``t*TILE_J..``, zero-padded past ``out``): each tile is contiguous."""
+    in_dim, out_dim = q.shape
+    tiles = -(-out_dim // _TILE_J)
+    padded = torch.zeros(in_dim, tiles * _TILE_J, dtype=torch.int8)
+    padded[:, :out_dim] = q
+    return padded.view(in_dim, tiles, _TILE_J).permute(1, 0, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor, out_dim: int) -> torch.Tensor:
+    """The ``[in, out]`` view of a :func:`pack` ed weight (not contiguous)."""
+    tiles, in_dim, tile = packed.shape
+    return packed.permute(1, 0, 2).reshape(in_dim, tiles * tile)[:, :out_dim]
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedProjection:
+    """``x @ dequant(q) + bias`` for float32 ``x [rows, in]``: ``packed`` is ``q`` in the
+    kernel's layout (:func:`pack`, contiguous), ``scale`` float32 ``[out]``, ``bias`` float32
+    ``[out]`` or None. Validated once here, so a call checks only ``x``."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __post_init__(self) -> None:
+        p, s, b = self.packed, self.scale, self.bias
+        if (
+            p.dtype is not torch.int8
+            or p.dim() != 3
+            or p.shape[2] != _TILE_J
+            or not p.is_contiguous()
+            or p.device.type != "cpu"
+            or s.dtype is not torch.float32
+            or s.dim() != 1
+            or not s.is_contiguous()
+            or p.shape[0] != -(-s.shape[0] // _TILE_J)
+            or (b is not None and (b.dtype is not torch.float32 or b.shape != s.shape))
+            or (b is not None and not b.is_contiguous())
+        ):
+            raise InvalidRequestError(
+                f"int8 weight: unsupported packed {tuple(p.shape)} {p.dtype}, scale "
+                f"{tuple(s.shape)} {s.dtype}, bias {None if b is None else tuple(b.shape)}"
+            )
+
+    @classmethod
+    def from_float(cls, weight_t: torch.Tensor, bias: torch.Tensor | None) -> QuantizedProjection:
+        """Quantize a float ``[in, out]`` weight (:func:`quantize_int8`)."""
+        q, scale = quantize_int8(weight_t)
+        return cls(pack(q), scale, None if bias is None else bias.float().contiguous())
+
+    @property
+    def num_weight_bytes(self) -> int:
+        """Bytes one call reads for the weights (int8 values, padding and scales)."""
+        return self.packed.numel() + 4 * self.scale.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MAX_KERNEL_ROWS and (_lib is not None or available()):
+            return self.native(x)
+        q = unpack(self.packed, self.scale.shape[0])
+        return reference_int8_linear(x, q, self.scale, self.bias)
+
+    def native(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """The native kernel: ``[rows, out]`` float32. ``threads`` defaults to torch's
+        intra-op count; the tiles are split among them (:func:`_split`)."""
+        if _lib is None and not available():
+            raise InvalidRequestError(f"the native int8 kernel is unavailable: {_error}")
+        assert _lib is not None
+        tiles, in_dim, _ = self.packed.shape
+        out_dim = self.scale.shape[0]
+        if (
+            x.dtype is not torch.float32
+            or x.device.type != "cpu"
+            or x.dim() != 2
+            or x.shape[1] != in_dim
+        ):
+            raise InvalidRequestError(
+                f"int8 kernel: input {tuple(x.shape)} {x.dtype} on {x.device} for a "
+                f"[{in_dim}, {out_dim}] weight (needs float32 on the CPU)"
+            )
+        x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, out_dim, dtype=torch.float32)
+        fn = _lib.pagedkv_qlinear_i8
+        bias = None if self.bias is None else self.bias.data_ptr()
+        args = (self.packed.data_ptr(), self.scale.data_ptr(), bias, y.data_ptr(), out_dim, rows)
+        head = (x.data_ptr(), in_dim)
+
+        def run(a: int, b: int) -> int:  # tiles a..b-1; ctypes releases the GIL for the call
+            return int(fn(*head, *args, in_dim, out_dim, a, b))
+
+        cuts = _split(tiles, in_dim, rows, torch.get_num_threads() if threads is None else threads)
+        if len(cuts) == 2:
+            codes = [run(0, tiles)]
+        else:
+            pool = native.workers(len(cuts) - 2)
+            futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(cuts[1:])]
+            codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
+        if any(codes):
+            raise InvalidRequestError("int8 kernel rejected its inputs (a bad range)")
+        return y
+
+
+def reference_int8_linear(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The torch path: dequantize ``q`` to ``x``'s dtype, one ``torch.mm``, then the scales."""
+    y = torch.mm(x, q.to(x.dtype)).mul_(scale)
+    return y if bias is None else y.add_(bias)
+
+
+def int8_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """The native kernel on a :func:`pack` ed weight (:meth:`QuantizedProjection.native`)."""
+    return QuantizedProjection(packed, scale, bias).native(x, threads)
+
+
+def _split(tiles: int, in_dim: int, rows: int, threads: int) -> list[int]:
+    """Tile cut points ``[0, ..., tiles]``: at most ``threads`` runs of about equal size, each
+    with at least ``_MIN_MACS_PER_THREAD`` multiply-adds (handing a run to another thread costs
+    tens of microseconds, ~1e5 multiply-adds here)."""
+    macs = rows * tiles * _TILE_J * in_dim
+    parts = max(1, min(threads, tiles, macs // _MIN_MACS_PER_THREAD))
+    if parts == 1:
+        return [0, tiles]
+    return sorted({round(tiles * i / parts) for i in range(parts + 1)})
