@@ -95,12 +95,16 @@ def _hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> int:
 
 
 def decode_cases(
-    model_dir: Path, hf: Any, batch: int, quick: bool, kernel: str
+    model_dir: Path, hf: Any, batch: int, quick: bool, kernel: str, dtype: str = "float32"
 ) -> tuple[list[Case], dict[str, int]]:
     engine = LLMEngine.from_model_dir(
         str(model_dir),
         EngineConfig(
-            block_size=16, num_blocks=512, enable_prefix_caching=False, decode_kernel=kernel
+            block_size=16,
+            num_blocks=512,
+            enable_prefix_caching=False,
+            decode_kernel=kernel,
+            dtype=dtype,
         ),
     )
     gen = torch.Generator().manual_seed(0)
@@ -193,16 +197,17 @@ def grow_cases(quick: bool) -> list[Case]:
     ]  # fmt: skip
 
 
-def _reference_model(model: Path) -> Any:
-    """transformers' model for a folder or (through its own GGUF loader) a GGUF file, fp32."""
+def _reference_model(model: Path, dtype: str = "float32") -> Any:
+    """transformers' model for a folder or (through its own GGUF loader) a GGUF file."""
     from transformers import AutoModelForCausalLM
 
+    torch_dtype = getattr(torch, dtype)
     if model.is_file():
         hf = AutoModelForCausalLM.from_pretrained(
-            model.parent, gguf_file=model.name, dtype=torch.float32
+            model.parent, gguf_file=model.name, dtype=torch_dtype
         )
     else:
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
     return hf.eval()
 
 
@@ -229,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads for both implementations (default 1: on a shared 2-core machine "
         "more threads spin against other jobs and the numbers swing 5x)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="compute dtype of both implementations' decode runs (the TTFT rows stay float32)",
+    )
     args = parser.parse_args(argv)
     set_clock(args.clock)
     torch.set_num_threads(args.threads)
@@ -237,11 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     footer: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or write_tiny_model(Path(tmp) / "bench-llama", **MODEL)
-        hf = _reference_model(model_dir)
+        hf = _reference_model(model_dir, args.dtype)
         for batch in (1, 16):
             if f"decode{batch}" not in only:
                 continue
-            cases, counts = decode_cases(model_dir, hf, batch, args.quick, args.decode_kernel)
+            cases, counts = decode_cases(
+                model_dir, hf, batch, args.quick, args.decode_kernel, args.dtype
+            )
             res = run_cases(cases)
             expected = cases[0].ops
             if counts != {"pagedkv": expected, "transformers": expected}:
