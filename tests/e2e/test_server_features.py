@@ -421,9 +421,40 @@ def test_named_tool_choice_and_its_stream(client: openai.OpenAI) -> None:
             deltas += c.delta.tool_calls or []
             finish = c.finish_reason or finish
     assert finish == "stop"
-    assert [(d.index, d.type, d.function.name, d.function.arguments) for d in deltas] == [
-        (0, "function", "get_weather", call.function.arguments)
-    ]
+    # the first delta opens the call; the later ones append fragments of its arguments
+    assert (deltas[0].index, deltas[0].type, deltas[0].function.name) == (
+        0,
+        "function",
+        "get_weather",
+    )
+    assert deltas[0].id is not None
+    assert deltas[0].id.startswith("chatcmpl-tool-")
+    assert all(
+        (d.index, d.id, d.type, d.function.name) == (0, None, None, None) for d in deltas[1:]
+    )
+    assert len(deltas) >= 3  # streamed as generated, not in one piece at the end
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_required_tool_call_streams_arguments_that_add_up(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"n": 2, "seed": 3, "temperature": 1.0, "parallel_tool_calls": False}
+    whole = _chat_tools(client, "required", **kw)
+    streamed: dict[int, list[Any]] = {0: [], 1: []}
+    finish: dict[int, str] = {}
+    for chunk in _chat_tools(client, "required", stream=True, **kw):
+        for c in chunk.choices:
+            assert not c.delta.content
+            streamed[c.index] += c.delta.tool_calls or []
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    for c in whole.choices:
+        assert c.message.tool_calls is not None
+        (call,) = c.message.tool_calls
+        deltas = streamed[c.index]
+        assert finish[c.index] == c.finish_reason == "tool_calls"
+        assert deltas[0].function.name == call.function.name
+        assert len(deltas) >= 3
+        assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
 
 def test_tool_choice_auto_and_none_give_plain_content(client: openai.OpenAI) -> None:

@@ -129,5 +129,81 @@ def test_streamed_tool_choices_add_up_to_the_whole(lead: str, call: bool, cuts: 
             finish = choice["finish_reason"] or finish
     assert content == (whole["message"]["content"] or "")
     want = [{"index": i, **c} for i, c in enumerate(whole["message"].get("tool_calls", []))]
-    assert [{**c, "id": ""} for c in calls] == [{**c, "id": ""} for c in want]
+    assert [{**c, "id": ""} for c in _merged(calls)] == [{**c, "id": ""} for c in want]
     assert finish == whole["finish_reason"] == ("tool_calls" if call else "stop")
+
+
+def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool-call deltas joined as a client does: the first per index opens the call (id, type,
+    name); the later ones (index and arguments only) append to its arguments."""
+    calls: list[dict[str, Any]] = []
+    for d in deltas:
+        if d["index"] == len(calls):
+            assert set(d) == {"index", "id", "type", "function"}
+            calls.append({**d, "function": dict(d["function"])})
+        else:
+            assert set(d) == {"index", "function"}
+            assert set(d["function"]) == {"arguments"}
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return calls
+
+
+_ARGS = ('{"unit": "c", "days": 3}', '{ "q" : ["a}", {"b": "\\"]"}] }', "{}")
+_PLANS: dict[str, tuple[ToolPlan, str]] = {
+    # mode -> (plan, the output for calls f(_ARGS[0]), g(_ARGS[1]), h(_ARGS[2]))
+    "hermes": (
+        ToolPlan("auto", HermesToolParser()),
+        "I'll call. "
+        + "\n".join(
+            f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>'
+            for n, a in zip("fgh", _ARGS, strict=True)
+        ),
+    ),
+    "llama3_json": (
+        ToolPlan("auto", Llama3JsonToolParser()),
+        "<|python_tag|>"
+        + "; ".join(
+            f'{{"name": "{n}", "parameters": {a}}}' for n, a in zip("fgh", _ARGS, strict=True)
+        ),
+    ),
+    "required": (
+        ToolPlan("required"),
+        "["
+        + ", ".join(
+            f'{{"name": "{n}", "parameters": {a}}}' for n, a in zip("fgh", _ARGS, strict=True)
+        )
+        + "]",
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", [*_PLANS, "named"])
+def test_arguments_stream_in_fragments_that_add_up_to_the_whole(mode: str) -> None:
+    if mode == "named":
+        plan, text, names = ToolPlan("named", function="f"), _ARGS[0], ["f"]
+    else:
+        (plan, text), names = _PLANS[mode], ["f", "g", "h"]
+    shape = ChoiceShape(chat=True, tools=plan)
+    outs = _outputs(text, list(range(len(text))), "stop")  # one character per step
+    whole = shape.final(outs[-1].outputs[0])
+    stream = ChoiceStream(shape)
+    deltas: list[dict[str, Any]] = []
+    per_call_events = [0] * len(names)
+    for out in outs[:-1]:
+        for choice in stream.choices(out):
+            assert "content" not in choice["delta"] or mode == "hermes"
+            for d in choice["delta"].get("tool_calls", []):
+                per_call_events[d["index"]] += 1
+            deltas += choice["delta"].get("tool_calls", [])
+    for choice in stream.choices(outs[-1]):
+        deltas += choice["delta"].get("tool_calls", [])
+    got = _merged(deltas)
+    assert [c["function"]["name"] for c in got] == names
+    assert [{**c, "id": ""} for c in got] == [
+        {"index": i, **c, "id": ""} for i, c in enumerate(whole["message"]["tool_calls"])
+    ]
+    assert [json.loads(c["function"]["arguments"]) for c in got] == [
+        json.loads(a) for a in _ARGS[: len(names)]
+    ]
+    # streamed while generated: every call's arguments came in several deltas before the end
+    assert all(k >= 2 for k in per_call_events), per_call_events

@@ -377,6 +377,7 @@ class LLMEngine:
         out = sched.schedule()
         failed_loads = self._load_tier_blocks(out)
         t0 = time.perf_counter()
+        self._mark_scheduled(out.scheduled, t0)
         ran = execute_isolating(self.runner.execute, out.scheduled, out.block_copies)
         if self.tier_io is not None and not ran.failed:  # the recompute cost a load must beat
             self.tier_io.observe_step(out.scheduled, time.perf_counter() - t0)
@@ -680,6 +681,7 @@ class LLMEngine:
                 self._samples.pop(s.seq_id, None)
                 self.runner.prompt_logits_ids.discard(s.seq_id)
         ttft = None if group.first_token_s is None else group.first_token_s - group.arrival_s
+        queued = group.first_scheduled_s
         return GenerationOutput(
             group.request_id,
             tuple(group.prompt_token_ids),
@@ -689,7 +691,15 @@ class LLMEngine:
             ttft,
             now - group.arrival_s,
             None if group.prompt_logprobs is None else tuple(group.prompt_logprobs),
+            None if queued is None else queued - group.arrival_s,
         )
+
+    def _mark_scheduled(self, scheduled: Sequence[ScheduledRequest], now: float) -> None:
+        """Record when each request's first sequence was first scheduled (its queue time)."""
+        for sr in scheduled:
+            entry = self._samples.get(sr.request_id)
+            if entry is not None and entry[0].first_scheduled_s is None:
+                entry[0].first_scheduled_s = now
 
     def _load_tier_blocks(self, out: SchedulerOutput) -> set[str]:
         """Fill this step's tier loads; return the loading requests whose load failed. A load

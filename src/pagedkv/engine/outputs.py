@@ -43,3 +43,4 @@ class GenerationOutput:
     latency_s: float
     # per prompt token (None for the first), once the prompt is computed, when asked for
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    queue_s: float | None = None  # arrival to first scheduled; None until scheduled

@@ -71,6 +71,7 @@ class RequestGroup:
     arrival_s: float
     samples: list[SampleState] = field(default_factory=list)
     first_token_s: float | None = None
+    first_scheduled_s: float | None = None  # perf_counter when a sequence was first scheduled
     num_cached_tokens: int = 0
     grammar: str | None = None  # the compiled structured-output grammar, one matcher per sample
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, token 1, ...] when asked

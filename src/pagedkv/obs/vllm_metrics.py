@@ -19,6 +19,14 @@ the scheduler snapshot; per-request families are observed once, when a request f
 | vllm:time_to_first_token_seconds      | histogram | arrival to first token                       |
 | vllm:inter_token_latency_seconds      | histogram | between consecutive tokens                   |
 | vllm:e2e_request_latency_seconds      | histogram | arrival to finish                            |
+| vllm:request_queue_time_seconds       | histogram | arrival to first scheduled (WAITING)         |
+| vllm:request_prefill_time_seconds     | histogram | first scheduled to first token (PREFILL)     |
+| vllm:request_decode_time_seconds      | histogram | first token to last token (DECODE)           |
+| vllm:request_inference_time_seconds   | histogram | first scheduled to last token (RUNNING)      |
+| vllm:request_time_per_output_token_seconds | histogram | decode time / (generated tokens - 1)  |
+
+The phase histograms are observed for requests that were scheduled and produced a token; the
+generated tokens of a request with ``n > 1`` are those of all its samples.
 
 vLLM counts prompt and generation tokens as they are processed; here they are counted when the
 request finishes (aborted and failed requests included), which gives the same totals once the
@@ -38,6 +46,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_REQUEST_LATENCY_BUCKETS = _E2E_BUCKETS  # vLLM uses one layout for e2e, queue and phases
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -87,6 +96,24 @@ class VllmMetrics:
         self.e2e = hist(
             "vllm:e2e_request_latency_seconds", "End to end request latency", _E2E_BUCKETS
         )
+        latency = _REQUEST_LATENCY_BUCKETS
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds", "Time spent in WAITING phase", latency
+        )
+        self.prefill_time = hist(
+            "vllm:request_prefill_time_seconds", "Time spent in PREFILL phase", latency
+        )
+        self.decode_time = hist(
+            "vllm:request_decode_time_seconds", "Time spent in DECODE phase", latency
+        )
+        self.inference_time = hist(
+            "vllm:request_inference_time_seconds", "Time spent in RUNNING phase", latency
+        )
+        self.tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Time per output token per request",
+            _ITL_BUCKETS,
+        )
 
     def observe_scheduler(self, stats: Any, deltas: dict[str, float]) -> None:
         """Set the gauges from a ``SchedulerStats`` snapshot; ``deltas`` holds the counter
@@ -112,3 +139,16 @@ class VllmMetrics:
         self.request_prompt_tokens.labels(m).observe(num_prompt_tokens)
         self.request_generation_tokens.labels(m).observe(num_generated)
         self.e2e.labels(m).observe(e2e_s)
+
+    def observe_phases(
+        self, queue_s: float, prefill_s: float, decode_s: float, num_generated: int
+    ) -> None:
+        """A finished request's phases (it was scheduled and produced ``num_generated`` >= 1
+        tokens): waiting, prefill (to the first token), decode (first to last token)."""
+        m = self._model
+        self.queue_time.labels(m).observe(queue_s)
+        self.prefill_time.labels(m).observe(prefill_s)
+        self.decode_time.labels(m).observe(decode_s)
+        self.inference_time.labels(m).observe(prefill_s + decode_s)
+        if num_generated > 1:
+            self.tpot.labels(m).observe(decode_s / (num_generated - 1))

@@ -35,6 +35,7 @@ from pagedkv.server.choices import ChoiceShape
 from pagedkv.server.kv_events_api import add_kv_events_api
 from pagedkv.server.logprobs import LogprobFormatter
 from pagedkv.server.middleware import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, StatusCounter
+from pagedkv.server.prompt_batch import batch_body, first_outputs, last_outputs, sse_batch
 from pagedkv.server.prompts import chat_messages, chat_prompt_ids, text_prompt_ids
 from pagedkv.server.responses import completion_body, error_response, sse_completion
 from pagedkv.server.sampling import sampling_params
@@ -48,6 +49,7 @@ _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 _ROUTES = ("/health", "/metrics", "/version", "/tokenize", "/detokenize", "/v1/models",
            "/v1/completions", "/v1/chat/completions")  # fmt: skip
 _T = TypeVar("_T")
+_Prompt = tuple[list[int], str]  # a completions prompt's token ids and its echoed text
 
 
 class ClientGoneError(Exception):
@@ -214,27 +216,50 @@ def build_app(
         final = await _unless_disconnected(request, _last(first, stream))
         return JSONResponse(completion_body(rid, model_name, final, chat=chat, shape=shape))
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_request(body, model_name)
-        prompt = body.single_prompt()
+    async def completion_prompt(body: CompletionRequest, prompt: str | list[int]) -> _Prompt:
+        """A prompt's token ids and its echo (the prompt text, when ``echo``)."""
+        tok, max_len = engine.engine.tokenizer, engine.engine.max_model_len
         if isinstance(prompt, str):
-            tok, max_len = engine.engine.tokenizer, engine.engine.max_model_len
             prompt_ids = await asyncio.to_thread(text_prompt_ids, tok, prompt, max_len)
         else:
             prompt_ids = list(prompt)
+        if not body.echo:
+            return prompt_ids, ""
+        if isinstance(prompt, str):
+            return prompt_ids, prompt
+        if tok is None:
+            raise InvalidRequestError("echo of token ids needs a tokenizer; this model has none")
+        return prompt_ids, tok.decode(prompt_ids)
+
+    async def serve_batch(
+        request: Request, body: CompletionRequest, prompts: list[_Prompt], max_tokens: int
+    ) -> Response:
+        params = sampling_params(body, max_tokens, None, engine.engine.generation_defaults)
+        if any(echo for _, echo in prompts) and params.logprobs is not None:
+            params = replace(params, prompt_logprobs=params.logprobs)
+        if params.logprobs is not None and formatter is None:
+            raise InvalidRequestError("logprobs need a tokenizer; this model has none")
+        fmt = formatter if params.logprobs is not None else None
+        shapes = [ChoiceShape(False, params.stop, fmt, echo) for _, echo in prompts]
+        rid = engine.new_request_id("cmpl")
+        streams = [engine.generate(f"{rid}-{i}", ids, params) for i, (ids, _) in enumerate(prompts)]
+        firsts = await _unless_disconnected(request, first_outputs(streams))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = sse_batch(rid, model_name, firsts, streams, shapes, params.n, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        finals = await _unless_disconnected(request, last_outputs(firsts, streams))
+        return JSONResponse(batch_body(rid, model_name, finals, shapes, params.n))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_request(body, model_name)
         default = engine.engine.generation_defaults.max_tokens  # max_new_tokens, if set
         max_tokens = body.max_tokens or default or _DEFAULT_COMPLETION_TOKENS
-        echo = ""
-        if body.echo:
-            if isinstance(prompt, str):
-                echo = prompt
-            elif tok is not None:
-                echo = tok.decode(prompt_ids)
-            else:
-                raise InvalidRequestError(
-                    "echo of token ids needs a tokenizer; this model has none"
-                )
+        prompts = [await completion_prompt(body, p) for p in body.prompts()]
+        if len(prompts) > 1:
+            return await serve_batch(request, body, prompts, max_tokens)
+        ((prompt_ids, echo),) = prompts
         return await serve(request, body, prompt_ids, max_tokens, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", response_model=None)

@@ -48,6 +48,8 @@ class _Stream:
     num_prompt_tokens: int = 0
     last_token_s: float | None = None
     num_tokens: int = 0
+    first_token_s: float | None = None
+    queue_s: float | None = None  # the engine's arrival to first scheduled
 
 
 class AsyncEngine:
@@ -241,9 +243,12 @@ class AsyncEngine:
         if stream is None:
             return
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if out.queue_s is not None:
+            stream.queue_s = out.queue_s
         if num_tokens > stream.num_tokens:
             vllm = self.metrics.vllm
             if stream.last_token_s is None:
+                stream.first_token_s = now
                 self.metrics.ttft.observe(now - stream.arrival_s)
                 vllm.ttft.labels(self.model_name).observe(now - stream.arrival_s)
             else:
@@ -264,6 +269,10 @@ class AsyncEngine:
     def _observe_finished(self, stream: _Stream, reason: str) -> None:
         e2e_s = time.perf_counter() - stream.arrival_s
         self.metrics.observe_finished(stream.num_prompt_tokens, stream.num_tokens, reason, e2e_s)
+        first, last, queue_s = stream.first_token_s, stream.last_token_s, stream.queue_s
+        if first is not None and last is not None and queue_s is not None:
+            prefill_s = max(0.0, first - stream.arrival_s - queue_s)
+            self.metrics.vllm.observe_phases(queue_s, prefill_s, last - first, stream.num_tokens)
 
     def _fail_all(self, exc: Exception) -> None:
         for rid, stream in list(self._streams.items()):

@@ -3,7 +3,8 @@ whole answer and for each streamed event.
 
 Streamed events add up to the whole answer: each event carries the text since the last one,
 holding back a tail that could still start a stop string or a tool call; the logprobs of every
-token since the last event; and, when the sample finishes, its tool calls.
+token since the last event; and the tool-call deltas since the last one: a call's first delta
+(``id``, ``type``, ``name``) once its name is written, then fragments of its ``arguments``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 from pagedkv.engine.outputs import CompletionOutput, GenerationOutput
 from pagedkv.server.logprobs import LogprobFormatter
-from pagedkv.server.tool_calls import ParsedOutput, ToolPlan
+from pagedkv.server.tool_calls import ParsedOutput, ToolPlan, new_tool_call_id
+from pagedkv.server.tool_scan import PartialCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,7 @@ class _Sent:
     offset: int = 0  # text_offset of the next token (completions)
     done: bool = False
     opened: bool = False  # an event was sent (it carried the echoed prompt)
+    call_chars: list[int] = field(default_factory=list)  # per call sent: arguments chars sent
 
 
 @dataclass(slots=True)
@@ -110,7 +113,8 @@ class ChoiceStream:
         parsed = shape._parsed(c) if finished else None
         end = self._releasable(c, parsed)
         delta = c.text[sent.chars : end] if end > sent.chars else ""
-        if not delta and not finished and prompt is None:
+        calls = self._call_deltas(c, sent, parsed)
+        if not delta and not calls and not finished and prompt is None:
             return None
         if not shape.chat and not sent.opened:
             delta = shape.echo + delta  # the echoed prompt opens the stream
@@ -124,8 +128,8 @@ class ChoiceStream:
             sent.tokens = len(c.logprobs)
         if shape.chat:
             d: dict[str, Any] = {"content": delta} if delta else {}
-            if parsed is not None and parsed.tool_calls:
-                d["tool_calls"] = [t.to_openai(i) for i, t in enumerate(parsed.tool_calls)]
+            if calls:
+                d["tool_calls"] = calls
             choice["delta"] = d
             if logprobs is not None:
                 choice["logprobs"] = logprobs
@@ -134,6 +138,33 @@ class ChoiceStream:
         choice["finish_reason"] = None if parsed is None else shape._finish(parsed, c)
         sent.done = finished
         return choice
+
+    def _call_deltas(
+        self, c: CompletionOutput, sent: _Sent, parsed: ParsedOutput | None
+    ) -> list[dict[str, Any]]:
+        """Tool-call deltas since the last event: the finished calls (``parsed``), or those
+        readable so far in the running text (short of a possible stop string)."""
+        tools = self.shape.tools
+        if tools is None or not tools.parses:
+            return []
+        if parsed is not None:
+            calls: list[PartialCall] = [PartialCall(t.name, t.arguments) for t in parsed.tool_calls]
+            ids: list[str] | None = [t.id for t in parsed.tool_calls]
+        else:
+            text = c.text[: len(c.text) - stop_prefix_len(c.text, self.shape.stops)]
+            calls, ids = tools.partial_calls(text), None
+        deltas: list[dict[str, Any]] = []
+        for i, call in enumerate(calls):
+            if i >= len(sent.call_chars):  # its first delta
+                function = {"name": call.name, "arguments": call.arguments}
+                cid = new_tool_call_id() if ids is None else ids[i]
+                deltas.append({"index": i, "id": cid, "type": "function", "function": function})
+                sent.call_chars.append(len(call.arguments))
+            elif len(call.arguments) > sent.call_chars[i]:
+                more = call.arguments[sent.call_chars[i] :]
+                deltas.append({"index": i, "function": {"arguments": more}})
+                sent.call_chars[i] = len(call.arguments)
+        return deltas
 
     def _releasable(self, c: CompletionOutput, parsed: ParsedOutput | None) -> int:
         """Characters of the text that are content and may be sent now."""

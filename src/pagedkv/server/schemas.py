@@ -18,6 +18,7 @@ from pagedkv.errors import UnsupportedParameterError
 
 MAX_SEED = 2**63 - 1  # int64, as vLLM
 MAX_N = 128  # SamplingParams' limit; samples past max_num_seqs queue as their own requests
+MAX_PROMPTS = 128  # prompts in one /v1/completions batch, each its own engine request
 
 _DEFAULT_VALUES: dict[str, tuple[Any, ...]] = {
     # values of fields the server does not implement that ask for what it does anyway
@@ -118,9 +119,10 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    """``prompt`` is a string or token ids; a batch of one (``["text"]`` or ``[[ids]]``, what
-    LangChain and the ``openai`` client send for one prompt) is that prompt. Larger batches are
-    refused (send one request per prompt)."""
+    """``prompt`` is a string or token ids, or a batch of them (``[str, ...]`` or
+    ``[[ids], ...]``); a batch of one (what LangChain and the ``openai`` client send for one
+    prompt) is that prompt. A batch answers one choice per prompt and sample
+    (:mod:`pagedkv.server.prompt_batch`)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -128,20 +130,24 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], str | list):
-            if len(v) != 1:
-                raise ValueError(
-                    f"a batch of {len(v)} prompts is not supported; send one request per prompt"
-                )
-            v = v[0]
+    def _prompts(
+        cls, v: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int] | list[str] | list[list[int]]:
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
-        return v  # type: ignore[return-value]  # one prompt: str or list[int]
+        if isinstance(v, list) and isinstance(v[0], str | list):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"a batch of {len(v)} prompts; at most {MAX_PROMPTS} per request")
+            if any(isinstance(p, list) and not p for p in v):
+                raise ValueError("prompt must not contain an empty list of token ids")
+        return v
 
-    def single_prompt(self) -> str | list[int]:
-        """The prompt (the validator unwrapped a batch of one)."""
-        return cast("str | list[int]", self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or more."""
+        v = self.prompt
+        if isinstance(v, list) and isinstance(v[0], str | list):
+            return cast("list[str | list[int]]", list(v))
+        return [v]
 
 
 class ChatMessage(BaseModel):

@@ -15,9 +15,13 @@ that turn a model's text into OpenAI ``tool_calls``.
   its arguments. OpenAI reports ``finish_reason: "stop"`` for a forced function and
   ``"tool_calls"`` otherwise.
 
-Streaming: text that may still turn out to be a call is held back (like a stop-string prefix),
-and calls are sent when the sample finishes, one delta per call with its whole arguments, so the
-streamed deltas add up to the non-streamed message.
+Streaming: text that may still turn out to be a call is held back (like a stop-string prefix).
+A call's first delta carries its ``id``, ``type`` and ``name`` as soon as the name is written;
+later deltas append fragments of ``arguments`` as they are generated
+(:mod:`pagedkv.server.tool_scan`), and the finished call's ``arguments`` are the same raw text,
+so the streamed deltas add up to the non-streamed message. A call that fails to parse when the
+sample finishes (cut by ``max_tokens``, or malformed under ``auto``) becomes content in the
+whole answer; its stream has already sent the fragments (as vLLM's does).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 
 from pagedkv.engine.sampler import StructuredOutputsParams
 from pagedkv.errors import InvalidRequestError
+from pagedkv.server.tool_scan import PartialCall, raw_arguments, scan_calls, skip_ws
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
@@ -59,22 +64,26 @@ class ParsedOutput:
     tool_calls: tuple[ToolCall, ...] = ()
 
 
-def _new_id() -> str:
+def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _call(obj: object) -> ToolCall | None:
-    """``{"name": str, "arguments" | "parameters": object | str}`` -> a call, else None."""
+def _call(obj: object, raw: str | None = None) -> ToolCall | None:
+    """``{"name": str, "arguments" | "parameters": object | str}`` -> a call, else None.
+    ``raw``, the object's text, gives the arguments as written when they streamed piecewise."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
+    written = None if raw is None else raw_arguments(raw)
+    if written is not None and written[0] == obj["name"] and json.loads(written[1]) == args:
+        return ToolCall(obj["name"], written[1], new_tool_call_id())
     if isinstance(args, str):
         try:
             json.loads(args)
         except json.JSONDecodeError:
             return None
-        return ToolCall(obj["name"], args, _new_id())
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), _new_id())
+        return ToolCall(obj["name"], args, new_tool_call_id())
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_tool_call_id())
 
 
 class ToolParser(ABC):
@@ -85,6 +94,10 @@ class ToolParser(ABC):
     @abstractmethod
     def releasable(self, text: str) -> int:
         """How many leading characters of a running sample's text are content for sure."""
+
+    @abstractmethod
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls readable so far in a running sample's text (arguments: sure prefixes)."""
 
 
 class HermesToolParser(ToolParser):
@@ -99,7 +112,7 @@ class HermesToolParser(ToolParser):
         for m in self._CALLS.finditer(text):
             raw = (m.group(1) if m.group(1) is not None else m.group(2)).strip()
             try:
-                call = _call(json.loads(raw))
+                call = _call(json.loads(raw), raw)
             except json.JSONDecodeError:
                 call = None
             if call is None:
@@ -115,6 +128,9 @@ class HermesToolParser(ToolParser):
             if text.endswith(self.START[:k]):
                 return len(text) - k
         return len(text)
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        return scan_calls(text, 0, "", opener=self.START)
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -132,7 +148,7 @@ class Llama3JsonToolParser(ToolParser):
                 obj, end = decoder.raw_decode(body, pos)
             except json.JSONDecodeError:
                 return ParsedOutput(text or None)
-            call = _call(obj)
+            call = _call(obj, body[pos:end])
             if call is None:
                 return ParsedOutput(text or None)
             calls.append(call)
@@ -150,6 +166,12 @@ class Llama3JsonToolParser(ToolParser):
         if not head or head.startswith("{") or self.PYTHON_TAG.startswith(head[:14]):
             return 0  # may be (the start of) a call: hold it back
         return len(text)
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        pos = skip_ws(text, 0)
+        if text.startswith(self.PYTHON_TAG, pos):
+            pos = skip_ws(text, pos + len(self.PYTHON_TAG))
+        return scan_calls(text, pos, ";")
 
 
 PARSERS: dict[str, type[ToolParser]] = {
@@ -180,17 +202,23 @@ class ToolPlan:
                 json.loads(text)
             except json.JSONDecodeError:
                 return ParsedOutput(text or None)
-            return ParsedOutput(None, (ToolCall(self.function, text, _new_id()),))
+            return ParsedOutput(None, (ToolCall(self.function, text, new_tool_call_id()),))
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return ParsedOutput(text or None)
-            calls = [_call(i) for i in items] if isinstance(items, list) else [None]
-            if not calls or any(c is None for c in calls):
-                return ParsedOutput(text or None)
-            return ParsedOutput(None, tuple(c for c in calls if c is not None))
+            calls = _array_calls(text)
+            return ParsedOutput(text or None) if calls is None else ParsedOutput(None, calls)
         return ParsedOutput(text or None)
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls readable so far in a running sample (see :mod:`pagedkv.server.tool_scan`)."""
+        if self.mode == "auto" and self.parser is not None:
+            calls = self.parser.partial_calls(text)
+            return calls if self.parallel else calls[:1]
+        if self.mode == "named" and self.function is not None:
+            return [PartialCall(self.function, text)]  # the whole output is the arguments
+        if self.mode == "required":
+            pos = skip_ws(text, 0)
+            return scan_calls(text, pos + 1, ",") if text.startswith("[", pos) else []
+        return []
 
     def releasable(self, text: str) -> int:
         if self.mode == "auto" and self.parser is not None:
@@ -205,6 +233,29 @@ class ToolPlan:
         if parsed.tool_calls and engine_reason == "stop" and self.mode != "named":
             return "tool_calls"
         return engine_reason
+
+
+def _array_calls(text: str) -> tuple[ToolCall, ...] | None:
+    """``required``'s output, a JSON array of one or more calls, each with its arguments as
+    written; None when it is not one."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    decoder = json.JSONDecoder()
+    calls = []
+    pos = skip_ws(text, 0) + 1  # after "["
+    for item in items:
+        pos = skip_ws(text, pos)
+        _, end = decoder.raw_decode(text, pos)  # the text parsed as a whole: items parse
+        call = _call(item, text[pos:end])
+        if call is None:
+            return None
+        calls.append(call)
+        pos = skip_ws(text, end) + 1  # after "," or "]"
+    return tuple(calls)
 
 
 def plan_tools(
