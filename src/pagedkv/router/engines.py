@@ -250,7 +250,8 @@ class EngineRegistry:
             load = parse_load(resp.text)
             info = _fetch_info(client, handle.url)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            handle.next_probe_s = time.monotonic() + self.discovery_interval_s
+            with self.lock:
+                handle.next_probe_s = time.monotonic() + self.discovery_interval_s
             if handle.healthy:
                 self.mark_failed(handle.url, f"poll failed: {exc}")
             return
