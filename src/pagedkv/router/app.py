@@ -116,7 +116,7 @@ def build_router_app(
             return _unauthorized()
         try:
             body = json.loads(await request.body())
-            url = _engine_url(body["url"] if isinstance(body, dict) else None)
+            url = parse_engine_url(body["url"] if isinstance(body, dict) else None)
         except (ValueError, KeyError) as exc:
             return error_response(400, f"want {{\"url\": \"http://HOST:PORT\"}}: {exc}",
                                   "invalid_request_error")  # fmt: skip
@@ -144,7 +144,7 @@ def _unauthorized() -> Response:
                           "authentication_error", "invalid_api_key")  # fmt: skip
 
 
-def _engine_url(value: object) -> str:
+def parse_engine_url(value: object) -> str:
     """An engine base URL ``http(s)://HOST:PORT`` (no path), or ValueError naming the problem."""
     if not isinstance(value, str):
         raise ValueError("url must be a string")
