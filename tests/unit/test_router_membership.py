@@ -46,5 +46,5 @@ def test_engine_url_is_a_base_http_url() -> None:
 
 @pytest.mark.parametrize("bad", ["ftp://x:1", "http://h:1/v1", "127.0.0.1:8000", 8000, None])
 def test_engine_url_refuses_anything_else(bad: object) -> None:
-    with pytest.raises(ValueError, match="url must be a string|base URL"):
+    with pytest.raises(ValueError, match=r"url must be a string|base URL"):
         parse_engine_url(bad)
