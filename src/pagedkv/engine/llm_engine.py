@@ -457,6 +457,16 @@ class LLMEngine:
                 events.extend(tier.drain_events())
         self.kv_publisher.publish(events)
 
+    def kv_events_snapshot(self) -> tuple[int, list[bytes]]:
+        """``(seq, hashes)``: the device pool's cached block hashes as of event batch ``seq``
+        (pending events are published first, so every change so far is in a batch <= seq and
+        none after it). Call between steps; KV events must be on."""
+        assert self.kv_publisher is not None  # only called with KV events on
+        self._publish_kv_events()
+        pool = self.scheduler.manager.pool
+        hashes = [pool.block_hash(i) for i in range(pool.num_materialized_blocks)]
+        return self.kv_publisher.last_seq, [h for h in hashes if h is not None]
+
     # ------------------------------------------------------------------ internals
     def _sample(
         self, scheduled: Sequence[ScheduledRequest], logits: dict[str, torch.Tensor]

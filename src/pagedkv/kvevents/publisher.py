@@ -118,6 +118,12 @@ class ZmqEventPublisher:
             return False
         return True
 
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the last batch handed to :meth:`publish` (-1 before the
+        first); read it on the publishing thread or while that thread is held off."""
+        return self._next_seq - 1
+
     def stats(self) -> PublisherStats:
         with self._lock:
             return PublisherStats(

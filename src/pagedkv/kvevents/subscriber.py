@@ -3,8 +3,9 @@
 :meth:`EventSubscriber.poll` returns batches in sequence order without holes whenever the
 publisher's replay buffer still holds the missing range:
 
-* at start it asks the replay socket for everything from seq 0 (what the engine published
-  before this subscriber connected, as far as the buffer reaches: the joining snapshot);
+* at start it asks the replay socket for everything after ``last_seq``: from seq 0 (what the
+  engine published before this subscriber connected, as far as the buffer reaches), or, after
+  :meth:`EventSubscriber.start_after` with a snapshot's seq, from the batch after the snapshot;
 * a batch whose seq jumps past ``last_seq + 1`` triggers a replay from ``last_seq + 1``;
 * what the replay cannot supply is counted in ``num_missed``; the consumer's index is then
   incomplete: a missed store loses hits, a missed removal leaves a stale entry (at worst a
@@ -54,12 +55,17 @@ class EventSubscriber:
         self.num_bad = 0  # payloads that failed to decode (skipped)
         self._snapshot_pending = self._replay is not None
 
+    def start_after(self, seq: int) -> None:
+        """Take the stream from batch ``seq + 1`` on (the consumer holds a snapshot as of
+        ``seq``): older batches are skipped, newer ones replayed. Call before the first poll."""
+        self.last_seq = seq
+
     def poll(self, timeout_ms: int) -> list[tuple[int, KVEventBatch]]:
         """Batches received within ``timeout_ms`` (plus any replayed), in seq order."""
         out: list[tuple[int, KVEventBatch]] = []
         if self._snapshot_pending:
             self._snapshot_pending = False
-            out.extend(self._replay_from(0, None))
+            out.extend(self._replay_from(self.last_seq + 1, None))
         if not self._sub.poll(timeout_ms):
             return out
         while True:

@@ -9,17 +9,24 @@ token-id prompt as is; without a tokenizer a text prompt routes by load alone.
 
 ``GET /v1/models`` is answered by a healthy engine, ``GET /health`` is 200 while one engine is
 routable, ``GET /router/stats`` gives the counters and every engine's state.
+
+Membership at run time (with the router's own ``--api-key`` when it has one):
+``POST /router/engines`` ``{"url": "http://HOST:PORT"}`` adds an engine (201; 409 if listed; it
+joins at the next poll, its cache seeded from its ``/kv_events/snapshot``) and
+``DELETE /router/engines/{url}`` (the URL percent-encoded) removes one (200; 404 if unknown).
+Both act on the ``--engine`` (decode) engines, not on ``--prefill`` ones.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from pagedkv.route.policy import CacheAwareConfig
 from pagedkv.router.engines import EngineRegistry
@@ -103,8 +110,45 @@ def build_router_app(
             ok = bool(registry.routable())
         return Response(status_code=200 if ok else 503)
 
+    @app.post("/router/engines", response_model=None)
+    async def add_engine(request: Request) -> Response:
+        if not router.authorized(request.headers):
+            return _unauthorized()
+        try:
+            body = json.loads(await request.body())
+            url = parse_engine_url(body["url"] if isinstance(body, dict) else None)
+        except (ValueError, KeyError) as exc:
+            return error_response(400, f"want {{\"url\": \"http://HOST:PORT\"}}: {exc}",
+                                  "invalid_request_error")  # fmt: skip
+        if not registry.add(url):
+            return error_response(409, f"engine {url} is already listed", "conflict_error")
+        return JSONResponse({"url": url, "added": True}, status_code=201)
+
+    @app.delete("/router/engines/{url:path}", response_model=None)
+    async def remove_engine(url: str, request: Request) -> Response:
+        if not router.authorized(request.headers):
+            return _unauthorized()
+        if not registry.remove(url):
+            return error_response(404, f"engine {url} is not listed", "not_found_error")
+        return JSONResponse({"url": url.rstrip("/"), "removed": True})
+
     @app.get("/router/stats")
     async def router_stats() -> dict[str, Any]:
         return router.stats_body()
 
     return app
+
+
+def _unauthorized() -> Response:
+    return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
+                          "authentication_error", "invalid_api_key")  # fmt: skip
+
+
+def parse_engine_url(value: object) -> str:
+    """An engine base URL ``http(s)://HOST:PORT`` (no path), or ValueError naming the problem."""
+    if not isinstance(value, str):
+        raise ValueError("url must be a string")
+    parsed = httpx.URL(value)
+    if parsed.scheme not in ("http", "https") or not parsed.host or parsed.path not in ("", "/"):
+        raise ValueError(f"{value!r} is not an http://HOST:PORT base URL")
+    return value.rstrip("/")

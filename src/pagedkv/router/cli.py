@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="... and max exceeds min times this (then: the least loaded engine)",
     )  # fmt: skip
     p.add_argument("--poll-interval", type=float, default=0.5, help="health/load poll seconds")
+    p.add_argument(
+        "--engine-discovery-interval", type=float, default=None, metavar="SECONDS",
+        help="re-probe an engine that is down (or not up yet) every SECONDS (default: the "
+        "poll interval); engines also join at run time by POST /router/engines",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info")
     return p
 
@@ -71,6 +76,11 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper())
     if args.poll_interval <= 0:
         raise SystemExit(f"pagedkv router: --poll-interval must be > 0, got {args.poll_interval}")
+    discovery = args.engine_discovery_interval
+    if discovery is not None and discovery <= 0:
+        raise SystemExit(
+            f"pagedkv router: --engine-discovery-interval must be > 0, got {discovery}"
+        )
     try:
         thresholds = CacheAwareConfig(
             args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold
@@ -81,11 +91,21 @@ def main(argv: list[str]) -> int:
     headers = (
         {} if args.engine_api_key is None else {"authorization": f"Bearer {args.engine_api_key}"}
     )
-    registry = EngineRegistry(args.engine, headers=headers, poll_interval_s=args.poll_interval)
+    registry = EngineRegistry(
+        args.engine,
+        headers=headers,
+        poll_interval_s=args.poll_interval,
+        discovery_interval_s=discovery,
+    )
     registry.poll_once()  # engines already up are routable from the first request
     prefill = None
     if args.prefill:
-        prefill = EngineRegistry(args.prefill, headers=headers, poll_interval_s=args.poll_interval)
+        prefill = EngineRegistry(
+            args.prefill,
+            headers=headers,
+            poll_interval_s=args.poll_interval,
+            discovery_interval_s=discovery,
+        )
         prefill.poll_once()
     app = build_router_app(
         registry,

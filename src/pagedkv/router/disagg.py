@@ -62,8 +62,7 @@ async def run_prefill(
         registry.mark_failed(url, f"prefill failed: {exc}")
         return False
     finally:
-        with registry.lock:
-            registry.engines[url].in_flight -= 1
+        registry.release(url)
     if resp.status_code != 200:
         logger.warning(
             "prefill engine %s answered %d; decoding from scratch", url, resp.status_code

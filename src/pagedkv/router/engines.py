@@ -4,11 +4,19 @@ Each engine (an ``http://HOST:PORT`` base URL of a ``pagedkv serve --kv-events .
 
 * a discovery of ``GET /kv_events`` (event endpoints, block size, model id, hash algorithm);
 * an event thread: an :class:`EventSubscriber` applying its batches to the shared
-  :class:`PrefixIndex` under the registry's lock (a fresh subscriber, hence a fresh snapshot by
-  replay, each time the engine comes back, since a restarted engine numbers from 0 again);
+  :class:`PrefixIndex` under the registry's lock, started from the engine's
+  ``GET /kv_events/snapshot`` (its cached hashes as of batch ``S``, then the stream from
+  ``S + 1``; an engine without the endpoint is replayed from batch 0 instead). A fresh
+  subscriber and snapshot each time the engine comes back, since a restarted engine numbers
+  from 0 again;
 * a health and load poll of ``GET /metrics`` every ``poll_interval_s``: running + waiting
   requests; a failed poll (or a failed proxied request) takes the engine out and drops its
-  index entries until a poll answers again.
+  index entries until a poll answers again; an engine that is out is re-probed every
+  ``discovery_interval_s`` (default: the poll interval).
+
+Membership changes at run time: :meth:`EngineRegistry.add` (joins at the next poll, with its
+snapshot) and :meth:`EngineRegistry.remove` (out at once, its index entries dropped, its event
+thread stopped; requests in flight there finish).
 
 The registry's lock guards the index and every handle's mutable fields; nothing under it does
 I/O, so the event loop never waits on the network while holding it.
@@ -19,6 +27,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -111,6 +120,8 @@ class EngineHandle:
         self.num_missed_batches = 0  # of the current subscription: neither received nor replayed
         self._subscriber: EventSubscriber | None = None
         self.generation = 0  # bumps when the engine is taken out: stale event threads stop
+        self.next_probe_s = 0.0  # monotonic time of the next poll while it is out
+        self.num_snapshot_blocks = 0  # hashes of the last snapshot applied
 
     @property
     def load(self) -> int:
@@ -129,8 +140,12 @@ class EngineRegistry:
         headers: dict[str, str] | None = None,
         poll_interval_s: float = 0.5,
         timeout_s: float = 2.0,
+        discovery_interval_s: float | None = None,
     ) -> None:
         self.engines = {u.rstrip("/"): EngineHandle(u) for u in urls}
+        self.discovery_interval_s = (
+            poll_interval_s if discovery_interval_s is None else discovery_interval_s
+        )
         self.index: PrefixIndex[str] = PrefixIndex()
         self.lock = threading.Lock()
         self._headers = headers or {}
@@ -156,6 +171,37 @@ class EngineRegistry:
             for handle in list(self.engines.values()):
                 self._poll(client, handle)
 
+    # ------------------------------------------------------------------ membership
+    def add(self, url: str) -> bool:
+        """Add an engine (it joins at the next poll); False if it is already listed."""
+        url = url.rstrip("/")
+        with self.lock:
+            if url in self.engines:
+                return False
+            self.engines[url] = EngineHandle(url)
+        logger.info("engine %s added", url)
+        return True
+
+    def remove(self, url: str) -> bool:
+        """Take an engine out for good: no routing, index entries dropped, event thread
+        stopped. False if it is not listed."""
+        with self.lock:
+            handle = self.engines.pop(url.rstrip("/"), None)
+            if handle is None:
+                return False
+            handle.healthy = False
+            handle.generation += 1
+            self.index.drop_engine(handle.url)
+        logger.info("engine %s removed", url)
+        return True
+
+    def release(self, url: str) -> None:
+        """One request the router sent to ``url`` finished (the engine may be gone since)."""
+        with self.lock:
+            handle = self.engines.get(url)
+            if handle is not None:  # a re-added URL's new handle never counts below 0
+                handle.in_flight = max(0, handle.in_flight - 1)
+
     # ------------------------------------------------------------------ queries
     def routable(self) -> list[EngineLoad[str]]:
         """Healthy engines and their load (hold ``lock``)."""
@@ -170,7 +216,9 @@ class EngineRegistry:
     def mark_failed(self, url: str, why: str) -> None:
         """Take an engine out: no more routing to it, its index entries dropped."""
         with self.lock:
-            handle = self.engines[url]
+            handle = self.engines.get(url)
+            if handle is None:  # removed meanwhile
+                return
             if handle.healthy:
                 logger.warning("engine %s is out: %s", url, why)
             self._take_out(handle)
@@ -185,7 +233,10 @@ class EngineRegistry:
     def _poll_loop(self) -> None:
         with httpx.Client(timeout=self._timeout_s, headers=self._headers) as client:
             while not self._stop.is_set():
-                for handle in list(self.engines.values()):
+                now = time.monotonic()
+                with self.lock:
+                    due = [h for h in self.engines.values() if h.healthy or h.next_probe_s <= now]
+                for handle in due:
                     self._poll(client, handle)
                 self._stop.wait(self.poll_interval_s)
 
@@ -199,10 +250,14 @@ class EngineRegistry:
             load = parse_load(resp.text)
             info = _fetch_info(client, handle.url)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            with self.lock:
+                handle.next_probe_s = time.monotonic() + self.discovery_interval_s
             if handle.healthy:
                 self.mark_failed(handle.url, f"poll failed: {exc}")
             return
         with self.lock:
+            if self.engines.get(handle.url) is not handle:
+                return  # removed while polling
             handle.polled_load = load
             stream = None if info is None else (info.endpoint, info.replay_endpoint)
             published = -1 if info is None else info.num_batches_published
@@ -232,8 +287,10 @@ class EngineRegistry:
     def _event_loop(
         self, handle: EngineHandle, generation: int, endpoint: str, replay: str | None, topic: str
     ) -> None:
-        sub = EventSubscriber(endpoint, replay, topic)
+        sub = EventSubscriber(endpoint, replay, topic)  # subscribed before the snapshot is taken
         try:
+            if not self._apply_snapshot(handle, generation, sub):
+                return
             while not self._stop.is_set() and handle.generation == generation:
                 batches = sub.poll(100)
                 if batches:
@@ -246,6 +303,32 @@ class EngineRegistry:
                         handle.num_missed_batches = sub.num_missed
         finally:
             sub.close()
+
+    def _apply_snapshot(self, handle: EngineHandle, generation: int, sub: EventSubscriber) -> bool:
+        """Seed the index from ``GET /kv_events/snapshot`` and start ``sub`` after its seq.
+        An engine without the endpoint (404) is replayed from batch 0; False when the
+        snapshot cannot be read (the engine is taken out; the next poll retries)."""
+        try:
+            with httpx.Client(timeout=self._timeout_s, headers=self._headers) as client:
+                resp = client.get(f"{handle.url}/kv_events/snapshot")
+            if resp.status_code == 404:
+                return True
+            resp.raise_for_status()
+            body = resp.json()
+            seq = int(body["seq"])
+            hashes = [bytes.fromhex(str(h)) for h in body["block_hashes"]]
+            medium = str(body["medium"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            if handle.generation == generation:
+                self.mark_failed(handle.url, f"snapshot failed: {exc}")
+            return False
+        with self.lock:
+            if handle.generation != generation:
+                return False
+            self.index.store(handle.url, hashes, medium)
+            handle.num_snapshot_blocks = len(hashes)
+        sub.start_after(seq)
+        return True
 
     def _apply(self, url: str, batch: KVEventBatch) -> None:
         """Apply one batch to the index (hold ``lock``)."""

@@ -17,7 +17,7 @@ class PromptTokenizer:
     """The engines' tokenizer (``tokenizer.json`` and chat template of the model folder)."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from pagedkv.engine.tokenizer import Tokenizer  # the engine's own code (imports torch)
+        from pagedkv.engine.tokenizer import Tokenizer  # the engine's own code (torch-free)
 
         self._tok = Tokenizer(model_dir)
 

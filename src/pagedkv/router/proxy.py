@@ -142,8 +142,7 @@ class Router:
         return decision
 
     def _release(self, url: str) -> None:
-        with self.registry.lock:
-            self.registry.engines[url].in_flight -= 1
+        self.registry.release(url)
 
     # ------------------------------------------------------------------ forwarding
     async def forward(
@@ -224,6 +223,7 @@ class Router:
                 u: {"healthy": h.healthy, "load": h.load, "in_flight": h.in_flight,
                     "cached_blocks": registry.index.num_blocks(u), "failures": h.num_failures,
                     "event_batches": h.num_event_batches,
+                    "snapshot_blocks": h.num_snapshot_blocks,
                     "missed_event_batches": h.num_missed_batches}
                 for u, h in registry.engines.items()
             }  # fmt: skip

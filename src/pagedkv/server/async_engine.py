@@ -192,6 +192,11 @@ class AsyncEngine:
             self._apply_aborts()
             self.engine.reset_prefix_cache(reset_running)
 
+    def kv_events_snapshot(self) -> tuple[int, list[bytes]]:
+        """``LLMEngine.kv_events_snapshot`` between two steps (takes the lock)."""
+        with self._lock:
+            return self.engine.kv_events_snapshot()
+
     def stats_snapshot(self) -> None:
         """Refresh the gauges from the scheduler (called after each step and by /metrics)."""
         with self._lock:

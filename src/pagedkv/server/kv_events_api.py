@@ -7,12 +7,20 @@ hash algorithm), so it can compute the same hashes for a request's tokens. The c
 how many events were dropped before reaching the wire (``num_dropped_*``: a consumer that sees
 them grow has an incomplete index). 404 when the engine publishes no events.
 
+``GET /kv_events/snapshot`` is a joining consumer's starting state: ``{"seq": S,
+"block_hashes": [hex, ...], "medium": "GPU"}``, the device pool's cached block hashes exactly as
+of event batch ``S`` (taken between two steps, after the pending events were published). A
+consumer applies it, then takes the stream from batch ``S + 1`` on (the replay socket fills
+what it missed while connecting): no event is lost or applied twice. Blocks held only in a
+host/disk tier are not in it (they reach the consumer by the events that follow).
+
 ``/metrics`` gains ``pagedkv_kv_events_published_total`` and ``pagedkv_kv_events_dropped_total``
 (the publisher's full queue plus the pool's full event buffer), read at each scrape.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -76,3 +84,15 @@ def add_kv_events_api(app: FastAPI, engine: AsyncEngine) -> None:
             "num_dropped_events": stats.num_events_dropped + manager.pool.events.num_dropped,
         }
         return JSONResponse(body)
+
+    @app.get("/kv_events/snapshot", response_model=None)
+    async def kv_events_snapshot() -> JSONResponse:
+        if engine.engine.kv_publisher is None:
+            return error_response(
+                404, "this engine publishes no KV events (start it with --kv-events)",
+                "not_found_error",
+            )  # fmt: skip
+        seq, hashes = await asyncio.to_thread(engine.kv_events_snapshot)  # waits for a step
+        return JSONResponse(
+            {"seq": seq, "block_hashes": [h.hex() for h in hashes], "medium": "GPU"}
+        )

@@ -21,6 +21,13 @@ Cluster mode: a URL ``redis+cluster://host:port`` (or ``rediss+cluster://``) use
 real 3-master cluster (``tests/e2e/test_redis_cluster.py``): keys spread over the masters, and a
 master that stops turns lookups into counted misses (its slots, or every slot once the cluster
 marks itself failed under ``cluster-require-full-coverage``) while the engine recomputes.
+
+The back-off is one state for the whole cluster client, not per node: the first call that
+touches a dead master's slot backs off the *whole* tier (the surviving masters' keys miss too),
+and the next call touching a dead slot after the back-off renews it. Under Redis's default
+``cluster-require-full-coverage yes`` that costs nothing extra (the survivors answer
+CLUSTERDOWN for every slot about one node timeout after the master died); under ``no`` it
+leaves the survivors unused until the master returns (docs/routing.md, "Redis Cluster").
 """
 
 from __future__ import annotations
