@@ -702,7 +702,7 @@ class KVCacheManager:
         if seq.block_ids:
             held = seq.block_ids[seq.num_released_blocks :]  # the rest is the null block
             if held:
-                self.pool.free(held[::-1])
+                self.pool.free_owned(held[::-1])
             seq.block_ids = []
             seq.num_released_blocks = 0
             seq.table = None
