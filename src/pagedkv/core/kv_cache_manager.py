@@ -145,6 +145,20 @@ class KVCacheManager:
         seq = self._get(request_id)
         if seq.held:
             raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
+        self._append(seq, token_ids)
+
+    def append_and_commit(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
+        """``append_tokens(token_ids)`` then ``commit(num_tokens)`` in one lookup: a sampling
+        step's update (the scheduler's hot path). All or nothing: both are validated before
+        either changes anything. Returns what ``commit`` returns."""
+        seq = self._get(request_id)
+        if seq.held:
+            raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
+        self._check_commit(seq, num_tokens, len(seq.token_ids) + len(token_ids))
+        self._append(seq, token_ids)  # raises (changing nothing) only for bad token ids
+        return self._commit(seq, num_tokens)
+
+    def _append(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         new = list(token_ids)
         if self.config.enable_prefix_caching:
             completed = seq.chain.extend(new)
@@ -353,17 +367,26 @@ class KVCacheManager:
         blocks newly registered in the prefix index.
         """
         seq = self._get(request_id)
+        self._check_commit(seq, num_tokens, len(seq.token_ids))
+        return self._commit(seq, num_tokens)
+
+    def _check_commit(self, seq: SeqState, num_tokens: int, num_known: int) -> None:
+        """Raise (a commit would change nothing) unless ``num_tokens`` scheduled positions can
+        be committed with ``num_known`` tokens known."""
         if num_tokens < 0 or num_tokens > seq.num_pending:
             raise InvalidRequestError(
-                f"cannot commit {num_tokens} tokens of request {request_id!r}: "
+                f"cannot commit {num_tokens} tokens of request {seq.request_id!r}: "
                 f"{seq.num_pending} are scheduled"
             )
-        new_computed = seq.num_computed + num_tokens
-        if new_computed > len(seq.token_ids):
+        if seq.num_computed + num_tokens > num_known:
             raise InvalidRequestError(
-                f"cannot commit position {new_computed - 1} of request {request_id!r}: only "
-                f"{len(seq.token_ids)} tokens are known; append accepted tokens first"
+                f"cannot commit position {seq.num_computed + num_tokens - 1} of request "
+                f"{seq.request_id!r}: only {num_known} tokens are known; append accepted "
+                "tokens first"
             )
+
+    def _commit(self, seq: SeqState, num_tokens: int) -> int:
+        new_computed = seq.num_computed + num_tokens
         seq.num_computed = new_computed
         seq.num_pending -= num_tokens
         if not self.config.enable_prefix_caching:

@@ -462,11 +462,10 @@ class Scheduler(KVSharingMixin):
         rid = req.request_id
         mgr = self.manager
         final, reason = check_stop(req, toks, self.max_len)
-        mgr.append_tokens(rid, final)
-        req.all_token_ids.extend(final)
         accepted = len(final) - 1
         num_committed = sr.num_tokens - sr.num_draft_tokens + accepted
-        mgr.commit(rid, num_committed)
+        mgr.append_and_commit(rid, final, num_committed)
+        req.all_token_ids.extend(final)
         rejected = sr.num_draft_tokens - accepted
         if rejected:
             mgr.rollback(rid, rejected)
