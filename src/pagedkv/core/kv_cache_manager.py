@@ -723,9 +723,10 @@ class KVCacheManager:
         self._inflight.stop(seq)
         self._drop_memo(seq)
         if seq.block_ids:
-            held = seq.block_ids[seq.num_released_blocks :]  # the rest is the null block
+            released = seq.num_released_blocks  # leading entries: the null block
+            held = seq.block_ids[::-1] if not released else seq.block_ids[: released - 1 : -1]
             if held:
-                self.pool.free_owned(held[::-1])
+                self.pool.free_owned(held)
             seq.block_ids = []
             seq.num_released_blocks = 0
             seq.table = None
