@@ -149,14 +149,30 @@ class KVCacheManager:
 
     def append_and_commit(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
         """``append_tokens(token_ids)`` then ``commit(num_tokens)`` in one lookup: a sampling
-        step's update (the scheduler's hot path). All or nothing: both are validated before
-        either changes anything. Returns what ``commit`` returns."""
+        step's update (the scheduler's hot path, so both are inlined). All or nothing: both are
+        validated before either changes anything. Returns what ``commit`` returns."""
         seq = self._get(request_id)
         if seq.held:
             raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
-        self._check_commit(seq, num_tokens, len(seq.token_ids) + len(token_ids))
-        self._append(seq, token_ids)  # raises (changing nothing) only for bad token ids
-        return self._commit(seq, num_tokens)
+        num_known = len(seq.token_ids) + len(token_ids)
+        new_computed = seq.num_computed + num_tokens
+        if num_tokens < 0 or num_tokens > seq.num_pending or new_computed > num_known:
+            self._check_commit(seq, num_tokens, num_known)  # raises, naming the reason
+        new = list(token_ids)
+        if self.config.enable_prefix_caching:
+            completed = seq.chain.extend(new)  # raises, changing nothing, for bad token ids
+            if completed and seq.started:  # they are this request's to compute: in flight
+                self._inflight.extend(seq, completed)
+        else:
+            pack_tokens(new)
+        seq.token_ids.extend(new)
+        if seq.match is not None:
+            self._drop_memo(seq)
+        seq.num_computed = new_computed
+        seq.num_pending -= num_tokens
+        if new_computed // self.block_size <= seq.num_cached_blocks:
+            return 0  # no block filled (or prefix caching off: nothing is ever registered)
+        return self._register_computed(seq)
 
     def _append(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         new = list(token_ids)
@@ -389,13 +405,17 @@ class KVCacheManager:
         new_computed = seq.num_computed + num_tokens
         seq.num_computed = new_computed
         seq.num_pending -= num_tokens
+        if new_computed // self.block_size <= seq.num_cached_blocks:
+            return 0
+        return self._register_computed(seq)
+
+    def _register_computed(self, seq: SeqState) -> int:
+        """Register the full blocks committed past ``num_cached_blocks`` in the prefix index."""
         if not self.config.enable_prefix_caching:
             return 0
         bs = self.block_size
-        full = new_computed // bs
+        full = seq.num_computed // bs
         first = seq.num_cached_blocks
-        if full <= first:
-            return 0
         chain = seq.chain
         pool = self.pool
         num_new = pool.cache_blocks(
