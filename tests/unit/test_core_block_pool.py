@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from pagedkv.core import BlockPool, LRUPolicy, PoolConfig
-from pagedkv.errors import InvariantViolation, OutOfBlocksError
+from pagedkv.errors import InvariantViolation, OutOfBlocksError, RequestStateError
 from reference.core_state import make_manager, run_prompt
 
 
@@ -176,3 +176,18 @@ def test_manager_check_invariants_catches_a_stale_claim() -> None:
     m._running_claim += 1
     with pytest.raises(InvariantViolation, match=r"^M2"):
         m.check_invariants()
+
+
+def test_free_of_a_block_listed_twice_raises_and_changes_nothing() -> None:
+    pool = _pool()
+    a = pool.allocate(3)
+    pool.cache_blocks(a[:2], [b"h0", b"h1"], parent_hash=None)
+    before = (pool.eviction_order(), pool.num_free_blocks, pool.ref_counts(a))
+    for bad in ([a[0], a[1], a[0]], [a[2], a[1], a[2]]):  # a hashed / an unhashed repeat
+        with pytest.raises(RequestStateError, match="freed twice"):
+            pool.free(bad)
+        assert (pool.eviction_order(), pool.num_free_blocks, pool.ref_counts(a)) == before
+        pool.check_invariants()
+    pool.free(a[::-1])  # the tail (unhashed) to the stack, the rest to the LRU in order
+    assert pool.eviction_order() == [a[1], a[0]]
+    pool.check_invariants()

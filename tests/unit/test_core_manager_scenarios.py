@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.core import BlockRemoved, BlockStored
-from pagedkv.errors import OutOfBlocksError, RequestStateError, RollbackError
+from pagedkv.errors import InvalidRequestError, OutOfBlocksError, RequestStateError, RollbackError
 from reference.core_state import make_manager, manager_state, run_prompt
 
 P = list(range(100, 112))  # a 12-token shared prefix: three full blocks
@@ -468,3 +468,24 @@ def test_hash_context_without_model_id_still_isolates_models() -> None:
     plain = make_manager(model_id="llama")
     plain.add_request("r", P, hash_context=HashContext(model_id="llama", adapter_id="lora"))
     assert plain.block_hashes("r") == llama.block_hashes("r")
+
+
+def test_append_and_commit_equals_append_then_commit_and_is_all_or_nothing() -> None:
+    fused, plain = make_manager(), make_manager()
+    for m in (fused, plain):
+        run_prompt(m, "a", [*P, 1, 2, 3])  # 15 tokens: the 4th block has 3 of 4
+        m.allocate_slots("a", 1)
+    assert fused.append_and_commit("a", [4], 1) == 1  # completes and registers block 4
+    plain.append_tokens("a", [4])
+    assert plain.commit("a", 1) == 1
+    assert manager_state(fused) == manager_state(plain)
+    fused.allocate_slots("a", 1)
+    before = manager_state(fused)
+    with pytest.raises(InvalidRequestError, match="are scheduled"):
+        fused.append_and_commit("a", [5], 2)  # commits more than was scheduled
+    with pytest.raises(InvalidRequestError, match="tokens are known"):
+        fused.append_and_commit("a", [], 1)  # the position's token is not known
+    with pytest.raises(InvalidRequestError):
+        fused.append_and_commit("a", [2**32], 1)  # not a token id
+    assert manager_state(fused) == before
+    fused.check_invariants()

@@ -145,6 +145,36 @@ class KVCacheManager:
         seq = self._get(request_id)
         if seq.held:
             raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
+        self._append(seq, token_ids)
+
+    def append_and_commit(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
+        """``append_tokens(token_ids)`` then ``commit(num_tokens)`` in one lookup: a sampling
+        step's update (the scheduler's hot path, so both are inlined). All or nothing: both are
+        validated before either changes anything. Returns what ``commit`` returns."""
+        seq = self._get(request_id)
+        if seq.held:
+            raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
+        num_known = len(seq.token_ids) + len(token_ids)
+        new_computed = seq.num_computed + num_tokens
+        if num_tokens < 0 or num_tokens > seq.num_pending or new_computed > num_known:
+            self._check_commit(seq, num_tokens, num_known)  # raises, naming the reason
+        new = list(token_ids)
+        if self.config.enable_prefix_caching:
+            completed = seq.chain.extend(new)  # raises, changing nothing, for bad token ids
+            if completed and seq.started:  # they are this request's to compute: in flight
+                self._inflight.extend(seq, completed)
+        else:
+            pack_tokens(new)
+        seq.token_ids.extend(new)
+        if seq.match is not None:
+            self._drop_memo(seq)
+        seq.num_computed = new_computed
+        seq.num_pending -= num_tokens
+        if new_computed // self.block_size <= seq.num_cached_blocks:
+            return 0  # no block filled (or prefix caching off: nothing is ever registered)
+        return self._register_computed(seq)
+
+    def _append(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         new = list(token_ids)
         if self.config.enable_prefix_caching:
             completed = seq.chain.extend(new)
@@ -353,26 +383,39 @@ class KVCacheManager:
         blocks newly registered in the prefix index.
         """
         seq = self._get(request_id)
+        self._check_commit(seq, num_tokens, len(seq.token_ids))
+        return self._commit(seq, num_tokens)
+
+    def _check_commit(self, seq: SeqState, num_tokens: int, num_known: int) -> None:
+        """Raise (a commit would change nothing) unless ``num_tokens`` scheduled positions can
+        be committed with ``num_known`` tokens known."""
         if num_tokens < 0 or num_tokens > seq.num_pending:
             raise InvalidRequestError(
-                f"cannot commit {num_tokens} tokens of request {request_id!r}: "
+                f"cannot commit {num_tokens} tokens of request {seq.request_id!r}: "
                 f"{seq.num_pending} are scheduled"
             )
-        new_computed = seq.num_computed + num_tokens
-        if new_computed > len(seq.token_ids):
+        if seq.num_computed + num_tokens > num_known:
             raise InvalidRequestError(
-                f"cannot commit position {new_computed - 1} of request {request_id!r}: only "
-                f"{len(seq.token_ids)} tokens are known; append accepted tokens first"
+                f"cannot commit position {seq.num_computed + num_tokens - 1} of request "
+                f"{seq.request_id!r}: only {num_known} tokens are known; append accepted "
+                "tokens first"
             )
+
+    def _commit(self, seq: SeqState, num_tokens: int) -> int:
+        new_computed = seq.num_computed + num_tokens
         seq.num_computed = new_computed
         seq.num_pending -= num_tokens
+        if new_computed // self.block_size <= seq.num_cached_blocks:
+            return 0
+        return self._register_computed(seq)
+
+    def _register_computed(self, seq: SeqState) -> int:
+        """Register the full blocks committed past ``num_cached_blocks`` in the prefix index."""
         if not self.config.enable_prefix_caching:
             return 0
         bs = self.block_size
-        full = new_computed // bs
+        full = seq.num_computed // bs
         first = seq.num_cached_blocks
-        if full <= first:
-            return 0
         chain = seq.chain
         pool = self.pool
         num_new = pool.cache_blocks(
@@ -700,9 +743,10 @@ class KVCacheManager:
         self._inflight.stop(seq)
         self._drop_memo(seq)
         if seq.block_ids:
-            held = seq.block_ids[seq.num_released_blocks :]  # the rest is the null block
+            released = seq.num_released_blocks  # leading entries: the null block
+            held = seq.block_ids[::-1] if not released else seq.block_ids[: released - 1 : -1]
             if held:
-                self.pool.free(held[::-1])
+                self.pool.free_owned(held)
             seq.block_ids = []
             seq.num_released_blocks = 0
             seq.table = None

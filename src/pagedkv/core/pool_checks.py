@@ -52,6 +52,8 @@ def check_pool(pool: BlockPool) -> None:
     for h, b in pool._index.items():
         if not 0 <= b < n or pool._hash[b] != h:
             raise InvariantViolation(f"I2: index maps a hash to block {b}, which holds another")
+    if pool._hashed != bytearray(h is not None for h in pool._hash):
+        raise InvariantViolation("I2: the hashed flags disagree with the block hashes")
     if shared != pool._num_shared:
         raise InvariantViolation(f"I3: num_shared_blocks is {pool._num_shared}, counted {shared}")
     free = len(stack) + len(policy) + pool.config.num_blocks - n

@@ -49,6 +49,23 @@ class Metrics:
             "Prompt tokens served from the prefix cache",
             registry=r,
         )
+        # vLLM exports no family for these two (its prefix_cache_* count fresh admissions only,
+        # as the two above do); they are pagedkv's, named after its prefix_cache_* families.
+        self.prefix_preempted_queries = Counter(
+            "pagedkv_prefix_cache_preempted_queries_tokens",
+            "Prompt tokens looked up by re-admissions after preemption (not in queries_tokens)",
+            registry=r,
+        )
+        self.prefix_preempted_hits = Counter(
+            "pagedkv_prefix_cache_preempted_hits_tokens",
+            "Of those, tokens served from the prefix cache",
+            registry=r,
+        )
+        self.prefix_recent_hit_rate = Gauge(
+            "pagedkv_prefix_cache_recent_hit_ratio",
+            "Hit tokens / query tokens over the last window of fresh admissions",
+            registry=r,
+        )
         self.kv_usage = Gauge("pagedkv_kv_cache_usage_ratio", "Used blocks / capacity", registry=r)
         self.cached_blocks = Gauge(
             "pagedkv_kv_cached_blocks",
@@ -146,6 +163,14 @@ class Metrics:
             deltas["prefix_hits"] = t.delta("prefix_hits", kv.prefix.hit_tokens)
             self.prefix_queries.inc(deltas["prefix_queries"])
             self.prefix_hits.inc(deltas["prefix_hits"])
+            prefix = kv.prefix
+            self.prefix_preempted_queries.inc(
+                t.delta("prefix_preempted_queries", prefix.preempted_query_tokens)
+            )
+            self.prefix_preempted_hits.inc(
+                t.delta("prefix_preempted_hits", prefix.preempted_hit_tokens)
+            )
+            self.prefix_recent_hit_rate.set(prefix.recent_hit_rate)
         self.vllm.observe_scheduler(stats, deltas)
 
     def observe_tier(self, name: str, stats: Any) -> None:

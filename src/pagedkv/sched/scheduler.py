@@ -392,23 +392,19 @@ class Scheduler(KVSharingMixin):
         All or nothing: everything is validated first; SchedulerStateError (not the outstanding
         step) or InvalidRequestError (bad sampled tokens, unknown failed loads) change nothing.
         """
-        self._validate_update(output, sampled, failed_loads)
+        work = self._validate_update(output, sampled, failed_loads)
         self._outstanding = None
         mgr = self.manager
-        requests = self.requests
-        running_status = RequestStatus.RUNNING
+        windowed = self.cache_config.sliding_window is not None
         results: list[RequestOutput] = []
-        for sr in output.scheduled:
-            rid = sr.request_id
-            req = requests.get(rid)
-            if req is None or req.status is not running_status:
-                continue  # aborted or finished since schedule()
-            if not sr.samples:
-                mgr.commit(rid, sr.num_tokens)
+        for req, sr, toks in work:
+            if toks is None:
+                mgr.commit(req.request_id, sr.num_tokens)
                 req.num_computed_tokens += sr.num_tokens
-                self._release_outside_window(req)
+                if windowed:
+                    self._release_outside_window(req)
                 continue
-            results.append(self._apply_sampled(req, sr, sampled[rid]))
+            results.append(self._apply_sampled(req, sr, toks, windowed))
         for rid in output.loading_ids:
             req_l = self.loading.pop(rid, None)
             if req_l is not None:
@@ -422,19 +418,25 @@ class Scheduler(KVSharingMixin):
         output: SchedulerOutput,
         sampled: Mapping[str, Sequence[int]],
         failed_loads: Collection[str],
-    ) -> None:
+    ) -> list[tuple[Request, ScheduledRequest, Sequence[int] | None]]:
+        """Check everything ``update`` will apply; return, in step order, each scheduled request
+        still running with its sampled tokens (None: it only commits)."""
         if output is not self._outstanding:
             raise SchedulerStateError(
                 f"update() got step {output.step}, but the outstanding step is "
                 f"{None if self._outstanding is None else self._outstanding.step}"
             )
         requests = self.requests
+        running = RequestStatus.RUNNING
+        work: list[tuple[Request, ScheduledRequest, Sequence[int] | None]] = []
+        append = work.append
         for sr in output.scheduled:
-            if not sr.samples:
-                continue
             req = requests.get(sr.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            if req is None or req.status is not running:
                 continue  # aborted or finished since schedule(): nothing to apply
+            if not sr.samples:
+                append((req, sr, None))
+                continue
             toks = sampled.get(sr.request_id)
             if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
                 raise InvalidRequestError(
@@ -448,30 +450,32 @@ class Scheduler(KVSharingMixin):
                     f"request {sr.request_id!r} sampled {list(toks)}: token ids must be "
                     "integers in [0, 2**32)"
                 )
+            append((req, sr, toks))
         unknown = set(failed_loads).difference(output.loading_ids)
         if unknown:
             raise InvalidRequestError(
                 f"failed_loads names {sorted(unknown)}, which step {output.step} did not load"
             )
+        return work
 
     def _apply_sampled(
-        self, req: Request, sr: ScheduledRequest, toks: Sequence[int]
+        self, req: Request, sr: ScheduledRequest, toks: Sequence[int], windowed: bool
     ) -> RequestOutput:
         """Append a sampling request's accepted tokens, commit them, roll back rejected drafts,
         and finish it on a stop (``check_stop``). Validated already: cannot fail."""
         rid = req.request_id
         mgr = self.manager
         final, reason = check_stop(req, toks, self.max_len)
-        mgr.append_tokens(rid, final)
-        req.all_token_ids.extend(final)
         accepted = len(final) - 1
         num_committed = sr.num_tokens - sr.num_draft_tokens + accepted
-        mgr.commit(rid, num_committed)
+        mgr.append_and_commit(rid, final, num_committed)
+        req.all_token_ids.extend(final)
         rejected = sr.num_draft_tokens - accepted
         if rejected:
             mgr.rollback(rid, rejected)
         req.num_computed_tokens += num_committed  # == the manager's count (S3)
-        self._release_outside_window(req)
+        if windowed:
+            self._release_outside_window(req)
         if req.draft_token_ids:
             req.draft_token_ids = []
         if reason is not None:
