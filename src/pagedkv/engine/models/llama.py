@@ -46,17 +46,6 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm``, bit for bit. In float32 that is one fused
-    ``F.rms_norm`` call (measured bit-identical to the six-op formula below on CPU,
-    tests/unit/test_engine_llama_ops.py; a decode step runs 61 norms); in other dtypes the
-    formula (the fused op rounds differently there)."""
-    if x.dtype is torch.float32 and weight.dtype is torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return _rms_norm_formula(x, weight, eps)
-
-
-def _rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The norm as transformers writes it: float32 statistics, the weight in ``x``'s dtype."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -66,14 +55,6 @@ def _rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """transformers' ``x * cos + rotate_half(x) * sin``, bit for bit, in four ops instead of
-    seven: ``rotate_half(x) * sin`` is ``cat(-x2 * s, x1 * s)`` and ``roll(x, half) *
-    cat(-s, s)`` is the same products (negation is exact), since ``sin = cat(s, s)``.
-    ``sin_signed`` is ``cat(-s, s)`` (:meth:`LlamaModel._rope`)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,14 +179,9 @@ class LlamaModel:
         return names
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin_signed)`` for :func:`apply_rope`, ``[tokens, 1, head_dim]`` each:
-        ``cos = cat(c, c)`` and ``sin_signed = cat(-s, s)`` in the model's dtype."""
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
-        cos, sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
-        return (
-            torch.cat((cos, cos), dim=-1)[:, None, :],
-            torch.cat((-sin, sin), dim=-1)[:, None, :],
-        )
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
 
     @torch.inference_mode()
     def forward(
@@ -241,7 +217,7 @@ class LlamaModel:
                 )
             else:
                 qk = qkv[:, : nh + nkv]
-            qk = apply_rope(qk, cos, sin)  # on q and k heads at once
+            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
             view = meta.for_window(cfg.layer_window(i))  # sliding-window layers: their view
             att = paged_attention(i, q, k, v, cache, view, self.scale).reshape(n, nh * hd)
