@@ -67,13 +67,13 @@ static inline __m256 load8(const int8_t *p) {
 /* NR rows (a compile-time constant after inlining) over one tile: 2 x NR accumulators (12 at
  * most), two weight vectors and a broadcast stay in the 16 ymm registers (an even/odd-k split to hide
  * the FMA latency at one row spilled at four rows, and would make the order row-dependent).
- * The accumulators are named variables, not an array: GCC 12 kept an array of __m256 in memory
- * and stored all 12 every k step (one store per FMA), which capped the loop at ~0.6 FMA/cycle.
- * Measured (576 x 3072, 16 rows, 1 thread): 1.96 ms with the array, 0.97 ms named, about
- * torch.mm's fp32 time, and near this core's FMA peak, so 16 rows are compute bound (1 row:
- * 0.09 ms, bandwidth bound). Dequantizing each tile once into a float32 buffer and running
- * the row blocks over it was tried and measured no faster (the conversions do not compete
- * with the FMAs once the accumulators stay in registers). */
+ * The accumulators are named variables, not an array: a variant of this loop that read the
+ * weights through a second pointer made GCC 12 keep the __m256 arrays in memory (one store per
+ * FMA, half speed); with names they stay in registers whatever the variant (for this source GCC
+ * 12 emits the same inner loop as for the array form). 16 rows are compute bound: on 576 x 3072
+ * one row takes ~0.09 ms (bandwidth), 16 rows ~0.6-1.0 ms, about torch.mm's fp32 time or less.
+ * Dequantizing each tile once into a float32 buffer and running the row blocks over it was
+ * tried and measured no faster (the int8 conversions are not the bottleneck). */
 #define QL_ROW(r)                                                         \
     if (nr > r) {                                                         \
         __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);                 \
