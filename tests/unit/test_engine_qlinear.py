@@ -50,7 +50,7 @@ def _reference(
 @needs_kernel
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    rows=st.integers(1, 33),
+    rows=st.integers(1, 70),
     in_dim=st.integers(1, 150),
     out_dim=st.integers(1, 70),
     threads=st.sampled_from([1, 2]),
@@ -71,17 +71,20 @@ def test_kernel_matches_the_float64_reference_within_float32_rounding(
 
 
 @needs_kernel
-def test_threads_and_batch_neighbours_do_not_change_a_rows_output() -> None:
-    """Large enough that two threads split the tiles; each row also computed alone."""
+@pytest.mark.parametrize("rows", [7, 20])
+def test_threads_and_batch_neighbours_do_not_change_a_rows_output(rows: int) -> None:
+    """Large enough that two threads split the tiles; each row also computed alone (the
+    one-row path) and in a block of three (20 rows: three 6-row blocks and a remainder)."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(7, 1500, generator=g)
+    x = torch.randn(rows, 1500, generator=g)
     q, scale = quantize_int8(torch.randn(1500, 333, generator=g))
     packed = pack(q)
     one = int8_linear(x, packed, scale, None, threads=1)
     assert torch.equal(one, int8_linear(x, packed, scale, None, threads=2))
-    assert len(qlinear._split(packed.shape[0], 1500, 7, 2)) == 3  # really split in two
-    for r in range(7):
+    assert len(qlinear._split(packed.shape[0], 1500, rows, 2)) == 3  # really split in two
+    for r in range(rows):
         assert torch.equal(one[r : r + 1], int8_linear(x[r : r + 1], packed, scale, None))
+    assert torch.equal(one[2:5], int8_linear(x[2:5], packed, scale, None))
 
 
 def test_quantization_error_is_at_most_half_a_step_and_zero_columns_stay_zero() -> None:

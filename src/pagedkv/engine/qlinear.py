@@ -3,8 +3,10 @@
 Each weight is quantized per output channel, symmetrically: ``scale[j] = max_k |W[k, j]| / 127``
 and ``q[k, j] = round(W[k, j] / scale[j])`` in ``[-127, 127]``, kept as int8 in the transposed
 ``[in, out]`` layout the model uses, with float32 scales; ``y = (x @ q) * scale (+ bias)``.
-At batch 1..``MAX_KERNEL_ROWS`` rows a linear layer is bound by reading its weights, so
-reading one byte per weight instead of four is the speed-up; the native kernel
+At batch 1..~4 rows a linear layer is bound by reading its weights, so reading one byte
+per weight instead of four is the speed-up; from ~8 rows it is bound by the fp32 FMAs (AVX2,
+no int8 dot product on the activations, which stay float32), where the kernel runs about at
+``torch.mm``'s fp32 speed or faster (it reads a quarter of the bytes). The native kernel
 (``csrc/qlinear.c``, built by :func:`pagedkv.engine.native.compile_library`) dequantizes in
 registers and reads each weight byte from memory about once for all the rows.
 
@@ -35,7 +37,8 @@ from pagedkv.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_CHOICES = ("int8",)
-MAX_KERNEL_ROWS = 16  # above: dequantize + torch.mm (measured, benchmarks/bench_qlinear.py)
+MAX_KERNEL_ROWS = 64  # above: dequantize + torch.mm (at 64 rows the kernel still measured
+# 1.5-2x faster than dequantize + mm on 576x3072 and 1536x576, 1 thread)
 _MIN_MACS_PER_THREAD = 1 << 20
 _TILE_J = 16  # the kernel's column tile (TILE_J in csrc/qlinear.c)
 _SOURCE = Path(__file__).with_name("csrc") / "qlinear.c"
