@@ -56,8 +56,10 @@ def test_phase_histograms_measure_queue_prefill_and_decode(tmp_path: Path) -> No
     assert decode >= 2 * 5 * STEP_S * 0.95
     prefill = _value(text, f"vllm:request_prefill_time_seconds_sum{{{LABEL}}}")
     assert prefill >= 2 * STEP_S * 0.95
-    # one of the two waited for the other's 6 steps while max_num_seqs = 1
-    assert _value(text, f"vllm:request_queue_time_seconds_sum{{{LABEL}}}") >= 5 * STEP_S
+    # one of the two waited for the other's 6 steps while max_num_seqs = 1; the two threads do
+    # not start in lock-step (the second often arrives a step or two into the first: 0.127 s
+    # measured), so the bound is half of those steps
+    assert _value(text, f"vllm:request_queue_time_seconds_sum{{{LABEL}}}") >= 3 * STEP_S
     inference = _value(text, f"vllm:request_inference_time_seconds_sum{{{LABEL}}}")
     assert inference == pytest.approx(prefill + decode)
     tpot = "vllm:request_time_per_output_token_seconds"
