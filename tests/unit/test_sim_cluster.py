@@ -79,4 +79,17 @@ def test_cli_compares_policies_without_loading_torch() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2
-    assert "--compare is not taken" in bad.stderr
+    assert "--compare takes only router=" in bad.stderr
+
+
+def test_the_issue_spelling_compare_router_runs_the_routers_policies() -> None:
+    code = (
+        "import sys; from pagedkv.cli import main; "
+        "rc = main(['simulate', '--replicas', '2', '--compare', "
+        "'router=cache-aware,least-load,round-robin', '--num-requests', '30', '--quiet']); "
+        "sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in ("cache-aware", "least-load", "round-robin"):
+        assert name in done.stdout

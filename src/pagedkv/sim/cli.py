@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedkv.core.config import CacheConfig, ReservationPolicy
 from pagedkv.errors import InvalidRequestError, PagedKVError
+from pagedkv.route.policy import POLICY_NAMES
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sim.cluster_cli import add_cluster_arguments, cluster_main, wants_cluster
 from pagedkv.sim.cost_args import DEFAULT_NUM_BLOCKS, add_cost_arguments, resolve_cost
@@ -109,9 +110,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
     c.add_argument(
         "--router",
-        choices=("round_robin", "least_load"),
+        choices=("round_robin", "least_load", *POLICY_NAMES),
         default="round_robin",
-        help="how arrivals are spread over --replicas (a chat's next turn stays on its replica)",
+        help="how arrivals are spread over --replicas: round_robin|least_load inside the "
+        "simulator (a chat's next turn stays on its replica), or pagedkv router's own policy "
+        f"code ({', '.join(POLICY_NAMES)}; see --route-policy)",
     )
     c.add_argument(
         "--spec-k", type=int, default=0, help="speculative drafts per decode step (0: off)"

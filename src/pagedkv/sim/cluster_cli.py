@@ -33,16 +33,34 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _router_compare(a: argparse.Namespace) -> list[str]:
+    """``--compare router=...`` entries that name only the router's policies."""
+    out = []
+    for c in a.compare or []:
+        names = c.removeprefix("router=").split(",") if c.startswith("router=") else []
+        if names and all(n.strip() in POLICY_NAMES for n in names):
+            out.append(c)
+    return out
+
+
 def wants_cluster(a: argparse.Namespace) -> bool:
-    return bool(a.route_policy)
+    """``--route-policy``, ``--router`` or ``--compare router=`` naming the router's policies
+    (``cache-aware``, ``least-load``, ``round-robin``) run the router's code."""
+    return bool(a.route_policy or a.router in POLICY_NAMES or _router_compare(a))
 
 
 def _policies(a: argparse.Namespace) -> list[str]:
-    if a.compare:
+    routers = _router_compare(a)
+    if len(routers) != len(a.compare or []):
         raise InvalidRequestError(
-            "--route-policy compares policies itself (a comma list); --compare is not taken with it"
+            "with the router's policies, --compare takes only router=POLICY,... (one variant "
+            "axis at a time)"
         )
-    names = list(dict.fromkeys(n.strip() for n in a.route_policy.split(",") if n.strip()))
+    names = [n for c in routers for n in c.removeprefix("router=").split(",")]
+    names += (a.route_policy or "").split(",")
+    if a.router in POLICY_NAMES:
+        names.append(a.router)
+    names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
     for n in names or [""]:
         if n not in POLICY_NAMES:
             raise InvalidRequestError(f"unknown routing policy {n!r}; choose from {POLICY_NAMES}")
