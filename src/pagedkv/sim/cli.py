@@ -192,7 +192,7 @@ def base_config(a: argparse.Namespace) -> tuple[SimConfig, str]:
         cost=choice.cost,
         memory_pool=choice.memory_pool,
         num_replicas=a.replicas,
-        router=a.router,
+        router="round_robin" if a.router in POLICY_NAMES else a.router,  # those: cluster_cli
         seed=a.seed,
         num_draft_tokens=a.spec_k,
         draft_acceptance=a.draft_acceptance,
