@@ -399,3 +399,13 @@ def base_parser(description: str) -> argparse.ArgumentParser:
         help="run only the named fixtures (repeatable)",
     )
     return p
+
+
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """Stop a server a benchmark started: SIGTERM, 20 s to drain, then SIGKILL."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
 
-from _harness import machine_info
+from _harness import machine_info, stop_process
 from bench_server import Workload, _free_port, run_round, serve, write_model
 
 POLICIES = ("cache-aware", "least-load", "round-robin")
@@ -87,12 +87,7 @@ def router(engines: list[str], policy: str, log: Path) -> Iterator[str]:
             time.sleep(0.1)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        stop_process(proc)
 
 
 def make_prompts(

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
 
-from _harness import machine_info
+from _harness import machine_info, stop_process
 from pagedkv.engine.tiny import write_tiny_model
 
 MODEL = {
@@ -129,12 +129,7 @@ def serve(model: Path, extra: list[str], threads: int, log: Path) -> Iterator[st
                 time.sleep(0.1)
             yield base
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+            stop_process(proc)
 
 
 async def _one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> RequestResult:
