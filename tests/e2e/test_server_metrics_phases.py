@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -36,18 +37,34 @@ def _complete(srv: ServerHandle, max_tokens: int) -> None:
     assert r.status_code == 200, r.text
 
 
+FIRST_TOKENS = 30  # long enough that the second request lands while the first still runs
+SECOND_TOKENS = 6
+
+
+def _wait_until(cond: Callable[[], bool], timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
 def test_phase_histograms_measure_queue_prefill_and_decode(tmp_path: Path) -> None:
     model = write_endless_model(tmp_path / "m")
     cfg = EngineConfig(max_num_seqs=1)  # the second request waits for the first
     with running_server(model, config=cfg, min_step_s=STEP_S) as srv:
-        threads = [threading.Thread(target=_complete, args=(srv, 6)) for _ in range(2)]
-        threads[0].start()
-        deadline = time.monotonic() + 10
-        while srv.engine.engine.scheduler.num_running == 0 and time.monotonic() < deadline:
-            time.sleep(0.002)  # the second arrives while the first runs, so it must queue
-        threads[1].start()
-        for t in threads:
-            t.join()
+        sched = srv.engine.engine.scheduler
+        first = threading.Thread(target=_complete, args=(srv, FIRST_TOKENS))
+        second = threading.Thread(target=_complete, args=(srv, SECOND_TOKENS))
+        first.start()
+        _wait_until(lambda: sched.num_running == 1)
+        second.start()
+        _wait_until(lambda: sched.num_waiting == 1)  # the second has arrived and queues
+        # observed, not assumed: how many tokens the first still had to make when the second
+        # queued; each one is a step of >= STEP_S the second waits through
+        running = list(sched.running)
+        left = FIRST_TOKENS - running[0].num_output_tokens if running else 0
+        first.join()
+        second.join()
         srv.wait_idle()
         text = httpx.get(f"{srv.base_url}/metrics").text
     for family in ("queue", "prefill", "decode", "inference"):
@@ -55,20 +72,22 @@ def test_phase_histograms_measure_queue_prefill_and_decode(tmp_path: Path) -> No
         assert _value(text, f"{name}_count{{{LABEL}}}") == 2
         edges = re.findall(rf'^{name}_bucket{{le="([^"]+)",{LABEL}}}', text, re.MULTILINE)
         assert edges == VLLM_LATENCY_EDGES
-    # 6 tokens: the first at the end of prefill, 5 more decode steps each >= STEP_S
+    # n tokens: the first at the end of prefill, n - 1 more decode steps each >= STEP_S
+    decode_steps = FIRST_TOKENS - 1 + SECOND_TOKENS - 1
     decode = _value(text, f"vllm:request_decode_time_seconds_sum{{{LABEL}}}")
-    assert decode >= 2 * 5 * STEP_S * 0.95
+    assert decode >= decode_steps * STEP_S * 0.95
     prefill = _value(text, f"vllm:request_prefill_time_seconds_sum{{{LABEL}}}")
     assert prefill >= 2 * STEP_S * 0.95
-    # the second arrived while the first ran (max_num_seqs = 1), so it queued for at least one
-    # of the first's steps; how many depends on how late its HTTP request lands on a loaded
-    # machine (0.07-0.15 s measured), so the bound is one step
-    assert _value(text, f"vllm:request_queue_time_seconds_sum{{{LABEL}}}") >= STEP_S
+    # the second queued until the first's last token: at least (left - 1) whole steps
+    queue = _value(text, f"vllm:request_queue_time_seconds_sum{{{LABEL}}}")
+    assert queue >= (left - 1) * STEP_S * 0.95
+    assert left >= 2, f"the second request landed late (the first had {left} tokens left)"
     inference = _value(text, f"vllm:request_inference_time_seconds_sum{{{LABEL}}}")
     assert inference == pytest.approx(prefill + decode)
     tpot = "vllm:request_time_per_output_token_seconds"
     assert _value(text, f"{tpot}_count{{{LABEL}}}") == 2
-    assert _value(text, f"{tpot}_sum{{{LABEL}}}") == pytest.approx(decode / 5)
+    # time per output token is decode time / (n - 1), one sample per request
+    assert _value(text, f"{tpot}_sum{{{LABEL}}}") >= 2 * STEP_S * 0.95
     assert f"vllm:num_preemptions_total{{{LABEL}}}" in text
 
 
