@@ -148,7 +148,7 @@ def test_a_tier_slower_than_recompute_is_skipped(
     checkpoint: tuple[Path, list[list[int]]],
 ) -> None:
     path, refs = checkpoint
-    slow = SlowHostTier(_layout(path), delay_s=0.05)  # 50 ms per block: far above recompute
+    slow = SlowHostTier(_layout(path), delay_s=0.05)  # raised below to 10x recompute if needed
     engine, offload = _engine_over(path, slow)
     tio = engine.tier_io
     assert tio is not None
@@ -156,7 +156,8 @@ def test_a_tier_slower_than_recompute_is_skipped(
         assert _first_tokens(engine, PROMPTS) == refs
         assert tio.prefill_s_per_token is not None  # measured from the prefill steps
         recompute_s = tio.prefill_s_per_token * 4
-        assert recompute_s < 0.05
+        # slower than recompute by 10x whatever this machine's load makes recompute cost
+        slow.delay_s = max(slow.delay_s, 10 * recompute_s)
         assert offload.flush(10.0)
         # one load measures the tier (nothing is known about it before)
         engine.scheduler.manager.reset_prefix_cache()
