@@ -83,8 +83,19 @@ def build_app(
             engine.shutdown()
 
     app = FastAPI(title="pagedkv", lifespan=lifespan)
-    model_name = engine.model_name
     created = int(time.time())
+    _add_middleware(app, engine, api_key, max_request_bytes)
+    _add_error_handlers(app)
+    _add_admin_routes(app, engine, created)
+    _add_completion_routes(app, engine, formatter, tool_call_parser, enable_auto_tool_choice)
+    add_kv_events_api(app, engine)
+    return app
+
+
+def _add_middleware(
+    app: FastAPI, engine: AsyncEngine, api_key: str | None, max_request_bytes: int
+) -> None:
+    """Body size limit (innermost), API key check, status counting (outermost)."""
     expected_auth = None if api_key is None else f"Bearer {api_key}".encode()
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
@@ -108,6 +119,10 @@ def build_app(
         routes=_ROUTES,
         count=lambda route, status: engine.metrics.http_requests.labels(route, status).inc(),
     )
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body (see the module docstring for the statuses)."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -151,6 +166,11 @@ def build_app(
         logger.error("request failed", exc_info=exc)
         return error_response(500, f"internal error: {exc}", "internal_error")
 
+
+def _add_admin_routes(app: FastAPI, engine: AsyncEngine, created: int) -> None:
+    """``/health``, the utility routes, ``/v1/models``, ``/reset_prefix_cache``, ``/metrics``."""
+    model_name = engine.model_name
+
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200 if engine.is_healthy() else 503)
@@ -176,6 +196,19 @@ def build_app(
     async def metrics() -> Response:
         await asyncio.to_thread(engine.stats_snapshot)  # waits for the engine lock
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _add_completion_routes(
+    app: FastAPI,
+    engine: AsyncEngine,
+    formatter: LogprobFormatter | None,
+    tool_call_parser: str | None,
+    enable_auto_tool_choice: bool,
+) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``: short handlers over one ``serve``
+    (and ``serve_batch`` for a list of prompts). Kept together: the handlers share these
+    closures, and splitting them further would only thread the same arguments through."""
+    model_name = engine.model_name
 
     async def serve(
         request: Request,
@@ -281,9 +314,6 @@ def build_app(
         room = min(room, engine.engine.generation_defaults.max_tokens or room)
         max_tokens = body.max_completion_tokens or body.max_tokens or room
         return await serve(request, body, prompt_ids, max_tokens, chat=True, tools=tools)
-
-    add_kv_events_api(app, engine)
-    return app
 
 
 def _check_request(body: _SamplingFields, model_name: str) -> None:
