@@ -30,6 +30,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-lens", default="16,128,512", help="prompt lengths of the grid")
     p.add_argument("--batch-sizes", default="1,4,16", help="batch sizes of the grid")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens each request generates")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="run the grid this many times; keep medians"
+    )
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument(
         "--clock",
@@ -49,13 +52,12 @@ def main(argv: list[str]) -> int:
                 batch_sizes=_ints(a.batch_sizes),
                 max_tokens=a.max_tokens,
                 clock=a.clock,
+                repeats=a.repeats,
             )
         finally:
             engine.close()
         write_profile(rows, a.out)
-        import numpy as np
-
-        fit = fit_profile(np.asarray(rows, dtype=np.float64))
+        fit = fit_profile(rows)
     except (PagedKVError, OSError) as exc:
         print(f"pagedkv profile: error: {exc}", file=sys.stderr)
         return 2
@@ -64,6 +66,7 @@ def main(argv: list[str]) -> int:
         f"wrote {len(rows)} steps ({', '.join(COLUMNS)}) to {a.out}; fit: "
         f"{c.per_step_s * 1e3:.3f} ms/step + {c.per_prefill_token_s * 1e6:.2f} µs/prefill token"
         f" + {c.per_decode_seq_s * 1e6:.2f} µs/decode + {c.per_context_token_s * 1e9:.2f} "
-        f"ns/context token (R^2 {fit.r2:.3f})"
+        f"ns/context token + {c.per_attention_pair_s * 1e9:.3f} ns/attention pair + "
+        f"{c.per_logit_row_s * 1e6:.2f} µs/logit row (R^2 {fit.r2:.3f})"
     )
     return 0
