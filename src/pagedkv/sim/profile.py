@@ -18,10 +18,14 @@ linear layers once per computed token (b for prefill positions, c for a decode's
 plus its per-sequence bookkeeping), attention over each scheduled request's KV (d, the decode
 gather dominates), prefill attention's causal (query, key) pairs (e, quadratic in a chunk) and
 the LM head plus sampling once per sampled row (f). In a pure-decode step pairs equal context
-and logit rows equal decodes, so (d, e) and (c, f) are only told apart by prefill steps; the fit
-still predicts such steps exactly, whichever way it splits them.
+and logit rows equal decodes, so (d, e) and (c, f) are only told apart by prefill steps; how the
+fit splits them does not change a pure-decode step's price. Not expressible from these totals:
+a context token read by a decode and one read by a prefill chunk costing differently (on the CPU
+engine they do; d is then a compromise, the least stable coefficient over repeated profiles).
 
-Coefficients are fitted by least squares, each kept >= 0 (a negative one is dropped and the rest
+Coefficients are fitted by least squares on relative errors (each row weighted by 1 / its time:
+steps span 3-40 ms and their noise grows with them, so the many short decode steps are not
+outweighed by a few long prefills), each kept >= 0 (a negative one is dropped and the rest
 refitted: a small active-set NNLS, so a noisy profile cannot make a step cost less than
 nothing). Each of the first three columns must vary across the rows, or its coefficient could
 not be told apart from the constant: such a profile is refused.
