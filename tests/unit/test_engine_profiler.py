@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedkv.cli import main as pagedkv_main
 from pagedkv.engine import EngineConfig
@@ -61,7 +62,9 @@ def test_profile_command_writes_a_csv_simulate_fits(
     model = write_tiny_model(tmp_path / "m")
     out = tmp_path / "p.csv"
     argv = ["profile", "--model", str(model), "--out", str(out), "--prompt-lens", "8,64"]
+    before = torch.get_num_threads()
     assert pagedkv_main([*argv, "--batch-sizes", "1,4", "--max-tokens", "4", "--clock", "cpu"]) == 0
+    assert torch.get_num_threads() == before  # --clock cpu ran on 1 thread, then restored it
     printed = capsys.readouterr().out
     assert "wrote 16 steps" in printed
     assert "R^2" in printed
