@@ -46,7 +46,8 @@ def profile_engine(
     each pass empty), and the median drops the passes a busy machine descheduled.
     ``clock="cpu"`` times steps with the process's CPU time (all threads) instead of the wall
     clock: robust on a shared machine, where descheduling inflates wall times, but it counts
-    every intra-op thread's time, so it exceeds the wall time of an idle machine.
+    every intra-op thread's time, spinning included, so use it with torch on one thread
+    (``pagedkv profile --clock cpu`` sets that).
     """
     if clock not in ("wall", "cpu"):
         raise InvalidRequestError(f"clock must be wall or cpu, got {clock!r}")
