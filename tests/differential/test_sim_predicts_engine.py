@@ -20,7 +20,7 @@ step that produced them, as the simulator stamps them). Even the CPU clock moves
 (a busy sibling core slows every instruction): the engine's own TTFT p50 spread over five runs
 was 8-33% (max - min over median) at that load. Five profile passes and five runs alternate, so
 both see the same load; the profile keeps each step's median and the prediction is compared with
-the median run. Measured so, the errors were within ±9% in 9 of 11 measurements (the two
+the median run. Measured so, the errors were within ±9% in 10 of 12 measurements (the two
 misses: TTFT +11% and -12%; RESULTS.md, "Issue 14"), so a measurement that misses is taken once
 more (a wrong cost model misses both).
 10% is the issue's bound. The bound can fail: doubling the fitted per-prefill-token cost moves
