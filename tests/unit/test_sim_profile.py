@@ -10,10 +10,20 @@ import numpy as np
 import pytest
 
 from pagedkv.errors import InvalidRequestError
+from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sim.cli import main
-from pagedkv.sim.profile import fit_profile, load_profile, parse_profile, write_profile
+from pagedkv.sim.cost_model import step_totals
+from pagedkv.sim.profile import (
+    COLUMNS,
+    FittedCost,
+    fit_profile,
+    load_profile,
+    parse_profile,
+    write_profile,
+)
 
 TRUE = (4e-3, 30e-6, 50e-6, 25e-9)  # per step, prefill token, decode seq, context token
+TRUE6 = (*TRUE, 2e-9, 120e-6)  # ... attention pair, logit row
 
 
 def _rows(n: int, noise: float, seed: int = 0) -> list[tuple[int, int, int, float]]:
@@ -96,3 +106,76 @@ def test_cli_profile_is_used_instead_of_the_constants(
     assert "fitted to 40 measured steps" in capsys.readouterr().out
     cost = json.loads(js.read_text())["base"]["cost"]
     assert cost["per_prefill_token_s"] == pytest.approx(TRUE[1], rel=1e-6)
+
+
+def _sr(rid: str, start: int, num: int, *, prefill: bool, samples: bool) -> ScheduledRequest:
+    empty = np.zeros(0, dtype=np.int32)
+    return ScheduledRequest(rid, start, [0] * num, num, empty, empty, prefill, samples)
+
+
+def _steps6(n: int, seed: int = 0) -> list[tuple[int, int, int, int, int]]:
+    """Step totals as a chunked-prefill scheduler makes them (prefill chunks, some finishing so
+    they sample, mixed with decodes), counted by the simulator's own step_totals."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(n):
+        sched = [
+            _sr(f"p{j}", int(rng.integers(0, 2048)), int(rng.integers(1, 512)), prefill=True,
+                samples=bool(rng.random() < 0.5))
+            for j in range(int(rng.integers(0, 3)))
+        ]  # fmt: skip
+        num_decodes = int(rng.integers(0 if sched else 1, 64))
+        sched += [
+            _sr(f"d{j}", int(rng.integers(1, 4000)), 1, prefill=False, samples=True)
+            for j in range(num_decodes)
+        ]
+        out.append(step_totals(SchedulerOutput(step, sched, sum(s.num_tokens for s in sched))))
+    return out
+
+
+def _time6(totals: tuple[int, int, int, int, int]) -> float:
+    return TRUE6[0] + sum(c * v for c, v in zip(TRUE6[1:], totals, strict=True))
+
+
+def test_six_term_fit_recovers_known_coefficients_through_a_csv(tmp_path: Path) -> None:
+    path = tmp_path / "p6.csv"
+    write_profile([(*t, _time6(t)) for t in _steps6(80)], path)
+    assert path.read_text().splitlines()[0] == ",".join(COLUMNS)
+    fit = load_profile(path)
+    c = fit.cost
+    got = (
+        c.per_step_s, c.per_prefill_token_s, c.per_decode_seq_s, c.per_context_token_s,
+        c.per_attention_pair_s, c.per_logit_row_s,
+    )  # fmt: skip
+    assert got == pytest.approx(TRUE6, rel=1e-6)
+    assert fit.r2 == pytest.approx(1.0)
+
+
+def test_six_term_fit_with_noise_predicts_steps_the_four_term_model_cannot() -> None:
+    """Prefill attention grows with (query, key) pairs, quadratic in a chunk: a cost with a
+    pair term makes the four-term model misprice long chunks, the six-term fit does not."""
+    rng = np.random.default_rng(3)
+    steps = _steps6(300, seed=2)
+    rows = np.asarray([(*t, _time6(t) * (1 + 0.02 * rng.standard_normal())) for t in steps])
+    six = fit_profile(rows).cost
+    four = fit_profile(rows[:, [0, 1, 2, 5]]).cost
+    assert six.per_attention_pair_s == pytest.approx(TRUE6[4], rel=0.25)
+    long_chunk = step_totals(
+        SchedulerOutput(0, [_sr("p", 4000, 512, prefill=True, samples=True)], 512)
+    )
+    true = _time6(long_chunk)
+    assert six.step_time(*long_chunk) == pytest.approx(true, rel=0.05)
+    assert abs(four.step_time(*long_chunk) / true - 1) > 0.1
+
+
+def test_fitted_cost_refuses_negative_or_all_zero_coefficients() -> None:
+    with pytest.raises(InvalidRequestError, match="per_logit_row_s"):
+        FittedCost(1e-3, 0.0, 0.0, 0.0, 0.0, -1.0)
+    with pytest.raises(InvalidRequestError, match="every cost is 0"):
+        FittedCost(0.0, 0.0, 0.0, 0.0)
+
+
+def test_half_of_the_optional_columns_is_refused() -> None:
+    header = "num_prefill_tokens,num_decode_seqs,num_context_tokens,num_logit_rows,step_s"
+    with pytest.raises(InvalidRequestError, match="both or neither"):
+        parse_profile([header, "1,2,3,4,0.1"])
