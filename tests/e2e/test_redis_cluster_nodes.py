@@ -1,0 +1,145 @@
+"""Per-node back-off on a real 3-master Redis Cluster: a lost master costs only its own slots.
+
+With ``cluster-require-full-coverage no`` (the ``redis_cluster_partial`` fixture) the surviving
+masters keep serving; the tier backs off only the dead master, re-probes it after the back-off
+and serves its slots again once it is back. Under Redis's default (``yes``, ``redis_cluster``)
+the survivors refuse every slot (``CLUSTERDOWN``) about one node timeout after the loss, and
+the tier backs them off too: every key misses, nothing raises.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.sampler import SamplingParams
+from pagedkv.engine.tiny import write_tiny_model
+from pagedkv.tiers import PayloadHeader, TierLayout, encode
+from pagedkv.tiers.redis_tier import RedisTier
+
+pytestmark = pytest.mark.redis
+
+RedisCluster = Any  # tests/e2e/conftest.py's RedisCluster (conftest modules are not imported)
+
+LAYOUT = TierLayout("m", num_layers=2, num_kv_heads=2, head_dim=16, block_size=8)
+N = 60
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def pl(i: int) -> bytes:
+    return encode(PayloadHeader(LAYOUT, h(i), 8), bytes([i % 256]) * LAYOUT.block_bytes)
+
+
+def keys_on(cluster: RedisCluster, tier: RedisTier, index: int) -> set[int]:
+    """The blocks whose keys master ``index`` holds, asked of that master directly (a key of
+    another master's slot answers MOVED)."""
+    held = set()
+    with redis.Redis(port=cluster.nodes[index].port) as node:
+        for i in range(N):
+            try:
+                if node.exists(tier.key_of(h(i))):
+                    held.add(i)
+            except redis.exceptions.MovedError:
+                pass
+    return held
+
+
+def test_a_lost_master_misses_only_its_own_slots_and_returns_after_back_off(
+    redis_cluster_partial: RedisCluster,
+) -> None:
+    cluster = redis_cluster_partial
+    tier = RedisTier(
+        cluster.url, LAYOUT, connect_timeout_s=0.2, socket_timeout_s=0.5,
+        backoff_initial_s=0.2, backoff_max_s=0.4,
+    )  # fmt: skip
+    try:
+        assert tier.put_many((h(i), pl(i)) for i in range(N)) == N
+        lost = keys_on(cluster, tier, 1)
+        assert 0 < len(lost) < N
+        alive = set(range(N)) - lost
+
+        cluster.nodes[1].stop()
+        t0 = time.monotonic()
+        rounds = 0
+        while time.monotonic() - t0 < 3.0:  # past the 1 s node timeout: the cluster knows
+            got = tier.get_many([h(i) for i in range(N)])
+            hits = {i for i, g in enumerate(got) if g is not None}
+            assert hits == alive  # every survivor's key hits, every lost key misses
+            assert all(got[i] == pl(i) for i in hits)
+            assert tier.down_nodes() in ([], [cluster.name(1)])  # [] between re-probes
+            assert tier.put_many((h(i), pl(i)) for i in sorted(lost)) == 0  # dropped
+            rounds += 1
+            time.sleep(0.05)
+        stats = tier.stats()
+        assert stats.hits >= rounds * len(alive)
+        # one failed round trip per re-probe (every 0.2-0.4 s), not one per operation
+        assert 1 <= stats.errors <= 3.0 / 0.2 + 2 < rounds
+        assert stats.dropped_writes == rounds * len(lost)
+        assert tier.contains_prefix([h(i) for i in sorted(alive)]) == len(alive)
+        tier.check_invariants()
+
+        cluster.nodes[1].start()  # same port and nodes.conf, no keys (no persistence)
+        cluster.wait_state_ok()
+        deadline = time.monotonic() + 10.0
+        while tier.put_many((h(i), pl(i)) for i in sorted(lost)) < len(lost):
+            assert time.monotonic() < deadline, "the restarted master was never re-probed"
+            time.sleep(0.1)
+        assert tier.get_many([h(i) for i in range(N)]) == [pl(i) for i in range(N)]
+        assert keys_on(cluster, tier, 1) == lost
+        assert tier.down_nodes() == []
+        tier.check_invariants()
+    finally:
+        tier.close()
+
+
+def test_full_coverage_default_makes_survivors_refuse_every_slot(
+    redis_cluster: RedisCluster,
+) -> None:
+    tier = RedisTier(redis_cluster.url, LAYOUT, connect_timeout_s=0.2, socket_timeout_s=0.5)
+    try:
+        assert tier.put_many((h(i), pl(i)) for i in range(N)) == N
+        redis_cluster.nodes[1].stop()
+        deadline = time.monotonic() + 10.0
+        while any(g is not None for g in tier.get_many([h(i) for i in range(N)])):
+            assert time.monotonic() < deadline, "the survivors never answered CLUSTERDOWN"
+            time.sleep(0.1)
+        assert tier.put_many((h(i), pl(i)) for i in range(N, N + 10)) == 0  # nothing raises
+        assert tier.stats().errors > 0
+        tier.check_invariants()
+    finally:
+        tier.close()
+
+
+def test_engine_tokens_unchanged_while_survivors_serve_their_blocks(
+    redis_cluster_partial: RedisCluster, tmp_path: Path
+) -> None:
+    cluster = redis_cluster_partial
+    model = write_tiny_model(tmp_path / "model")
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[(s * 37 + i * 11) % 250 + 3 for i in range(100)] for s in range(6)]
+    plain = LLM(str(model), block_size=16, num_blocks=128)
+    expected = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, sp, progress=False)]
+    with LLM(str(model), block_size=16, num_blocks=128, redis_url=cluster.url) as writer:
+        writer.generate(prompts, sp, progress=False)
+        tio = writer.engine.tier_io
+        assert tio is not None
+        assert tio.offload.flush(10.0)
+    assert cluster.dbsize(2) > 0
+
+    cluster.nodes[2].stop()
+    with LLM(str(model), block_size=16, num_blocks=128, redis_url=cluster.url) as reader:
+        outs = reader.generate(prompts, sp, progress=False)
+        rtio = reader.engine.tier_io
+        assert rtio is not None
+        (stats,) = rtio.tier_stats()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected  # misses recompute
+    assert stats.errors > 0  # the lost master was noticed
+    assert stats.hits > 0  # and the survivors' blocks were still loaded
