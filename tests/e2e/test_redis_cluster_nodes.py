@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+from redis.crc import key_slot
 
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.sampler import SamplingParams
@@ -143,3 +144,39 @@ def test_engine_tokens_unchanged_while_survivors_serve_their_blocks(
     assert [list(o.outputs[0].token_ids) for o in outs] == expected  # misses recompute
     assert stats.errors > 0  # the lost master was noticed
     assert stats.hits > 0  # and the survivors' blocks were still loaded
+
+
+def test_a_moved_slot_refreshes_the_slot_map(redis_cluster_partial: RedisCluster) -> None:
+    cluster = redis_cluster_partial
+    tier = RedisTier(cluster.url, LAYOUT, connect_timeout_s=0.2, socket_timeout_s=0.5)
+    clients = [redis.Redis(port=n.port) for n in cluster.nodes]
+    try:
+        key = tier.key_of(h(500))
+        slot = key_slot(key)
+
+        def owns(c: Any) -> bool:
+            try:
+                c.exists(key)
+            except redis.exceptions.MovedError:
+                return False
+            return True
+
+        (owner,) = [i for i, c in enumerate(clients) if owns(c)]
+        target = (owner + 1) % 3
+        target_id = clients[target].execute_command("CLUSTER MYID")
+        for i in (target, owner, (owner + 2) % 3):  # the slot is empty: no keys to migrate
+            clients[i].execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        assert owns(clients[target])
+        assert not owns(clients[owner])
+
+        assert not tier.put(h(500), pl(500))  # the stale map sent it to the old owner: MOVED
+        assert tier.stats().errors == 1
+        assert tier.down_nodes() == []  # a live node that answers MOVED is not backed off
+        assert tier.put(h(500), pl(500))  # the map was refreshed first
+        assert clients[target].exists(key) == 1
+        assert tier.try_get(h(500)) == pl(500)
+        tier.check_invariants()
+    finally:
+        tier.close()
+        for c in clients:
+            c.close()
