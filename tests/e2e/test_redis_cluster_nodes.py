@@ -20,6 +20,7 @@ from redis.crc import key_slot
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
+from pagedkv.errors import TierUnavailableError
 from pagedkv.tiers import PayloadHeader, TierLayout, encode
 from pagedkv.tiers.redis_tier import RedisTier
 
@@ -85,6 +86,11 @@ def test_a_lost_master_misses_only_its_own_slots_and_returns_after_back_off(
         assert 1 <= stats.errors <= 3.0 / 0.2 + 2 < rounds
         assert stats.dropped_writes == rounds * len(lost)
         assert tier.contains_prefix([h(i) for i in sorted(alive)]) == len(alive)
+        with pytest.raises(TierUnavailableError, match=cluster.name(1)) as info:
+            tier.health_check()
+        dead = str(info.value).split(" from ", 1)[1]  # only the stopped master is named
+        assert cluster.name(0) not in dead
+        assert cluster.name(2) not in dead
         tier.check_invariants()
 
         cluster.nodes[1].start()  # same port and nodes.conf, no keys (no persistence)
@@ -96,6 +102,7 @@ def test_a_lost_master_misses_only_its_own_slots_and_returns_after_back_off(
         assert tier.get_many([h(i) for i in range(N)]) == [pl(i) for i in range(N)]
         assert keys_on(cluster, tier, 1) == lost
         assert tier.down_nodes() == []
+        tier.health_check()  # every master answers again
         tier.check_invariants()
     finally:
         tier.close()

@@ -29,13 +29,18 @@ def test_only_the_failing_node_backs_off_doubling_to_the_cap() -> None:
     health.check_invariants()
 
 
-def test_clear_forgets_every_node() -> None:
-    health = NodeBackoff(1.0, 2.0, lambda: 0.0)
+def test_nodes_back_off_independently() -> None:
+    now = [0.0]
+    health = NodeBackoff(1.0, 2.0, lambda: now[0])
     health.failed("a:1")
+    now[0] = 0.5
     health.failed("b:2")
     assert health.down_names() == ["a:1", "b:2"]
-    health.clear()
+    now[0] = 1.0
+    assert health.down_names() == ["b:2"]  # a's back-off ran out first
+    assert health.succeeded("b:2")
     assert health.down_names() == []
+    health.check_invariants()
 
 
 @pytest.mark.parametrize(("initial", "cap"), [(0.0, 1.0), (2.0, 1.0), (-1.0, 1.0)])

@@ -70,10 +70,6 @@ class NodeBackoff:
         """Record a success of ``name``; True if it had been failing (it recovered)."""
         return self._failing.pop(name, None) is not None
 
-    def clear(self) -> None:
-        """Forget every failure (after a check that reached every node)."""
-        self._failing.clear()
-
     def check_invariants(self) -> None:
         for name, state in self._failing.items():
             if not self.initial_s <= state.backoff_s <= self.max_s:

@@ -15,6 +15,7 @@ whose slot the map does not cover. Refreshes are at most one per ``min_refresh_i
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,10 @@ class SingleNode:
             return [], []
         return [NodeGroup(self.name, self.client, tuple(range(len(keys))))], []
 
+    def masters(self) -> list[tuple[str, Any]]:
+        """(name, client) of every node that serves keys: here the one server."""
+        return [(self.name, self.client)]
+
     def request_refresh(self) -> None:
         """A single server has no slot map."""
 
@@ -60,7 +65,9 @@ class ClusterNodes:
 
     Invariant: a refresh runs only when one was requested, at most once per
     ``min_refresh_interval_s`` (a dead node is re-probed once per back-off period, so a dead
-    master does not turn every operation into a topology query).
+    master does not turn every operation into a topology query), and by one thread at a time:
+    a thread that finds a refresh under way goes on with the current map. Thread-safe (its
+    own lock; redis-py's nodes manager guards its slot cache).
     """
 
     def __init__(
@@ -73,6 +80,8 @@ class ClusterNodes:
         self.client = client
         self.min_refresh_interval_s = min_refresh_interval_s
         self._clock = clock
+        self._lock = threading.Lock()  # guards the three fields below
+        self._refreshing = False
         self._refresh_requested = False
         self._last_refresh: float | None = None
         self.num_refreshes = 0  # slot-map refreshes that completed
@@ -99,24 +108,37 @@ class ClusterNodes:
         ]
         return out, orphans
 
+    def masters(self) -> list[tuple[str, Any]]:
+        """(name, client) of every master in the slot map."""
+        return [(n.name, self.client.get_redis_connection(n)) for n in self.client.get_primaries()]
+
     def request_refresh(self) -> None:
         """Ask for a slot-map refresh before the next operation."""
-        self._refresh_requested = True
+        with self._lock:
+            self._refresh_requested = True
 
     def refresh_if_requested(self) -> None:
-        """Refresh the slot map if asked to and not refreshed within the interval.
+        """Refresh the slot map if asked to, not refreshed within the interval and no other
+        thread is refreshing it (the query runs outside the lock).
 
         Raises what redis-py raises when no node answers (the caller counts it)."""
-        if not self._refresh_requested:
-            return
-        now = self._clock()
-        last = self._last_refresh
-        if last is not None and now - last < self.min_refresh_interval_s:
-            return
-        self._last_refresh = now
-        self._refresh_requested = False
-        self.client.nodes_manager.initialize()
-        self.num_refreshes += 1
+        with self._lock:
+            if not self._refresh_requested or self._refreshing:
+                return
+            now = self._clock()
+            last = self._last_refresh
+            if last is not None and now - last < self.min_refresh_interval_s:
+                return
+            self._last_refresh = now
+            self._refresh_requested = False
+            self._refreshing = True
+        try:
+            self.client.nodes_manager.initialize()
+        finally:
+            with self._lock:
+                self._refreshing = False
+        with self._lock:
+            self.num_refreshes += 1
         logger.info("redis tier: cluster slot map refreshed")
 
 

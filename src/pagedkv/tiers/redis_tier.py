@@ -170,14 +170,15 @@ class RedisTier(KVTier):
         the per-key results in ``keys`` order, None where the node is in back-off, failed or
         is not known (a counted failure). Never raises a Redis error."""
         out: list[T | None] = [None] * len(keys)
-        with self._lock:
-            try:
-                self._nodes.refresh_if_requested()
-                groups, _ = self._nodes.groups(keys)
-            except _FAILURES as exc:
+        try:  # the slot map's own locks; a refresh is network I/O, so not under ours
+            self._nodes.refresh_if_requested()
+            groups, _ = self._nodes.groups(keys)
+        except _FAILURES as exc:
+            with self._lock:
                 self._counters.errors += 1
-                logger.warning("redis tier %s: slot map unavailable: %s", self.url, exc)
-                return out
+            logger.warning("redis tier %s: slot map unavailable: %s", self.url, exc)
+            return out
+        with self._lock:
             groups = [g for g in groups if not self._health.is_down(g.name)]
         for group in groups:
             try:
@@ -216,18 +217,29 @@ class RedisTier(KVTier):
                 )
 
     def health_check(self) -> None:
-        """PING the server (every master of a cluster) now, ignoring the back-off; raise
-        TierUnavailableError if one does not answer. Success clears every back-off."""
+        """PING the server (every master of a cluster, each on its own connection) now,
+        ignoring the back-off; raise TierUnavailableError naming those that do not answer.
+        Each answer clears that node's back-off, each failure counts and backs it off."""
         try:
-            self._client.ping()
+            masters = self._nodes.masters()
         except _FAILURES as exc:
             with self._lock:
                 self._counters.errors += 1
+            raise TierUnavailableError(f"Redis/Valkey at {self.url}: no slot map: {exc}") from exc
+        dead: list[str] = []
+        for name, client in masters:
+            try:
+                client.ping()
+            except _FAILURES as exc:
+                self._failed(name, exc)
+                dead.append(f"{name} ({exc})")
+                continue
+            with self._lock:
+                self._health.succeeded(name)
+        if dead:
             raise TierUnavailableError(
-                f"Redis/Valkey at {self.url} does not answer PING: {exc}"
-            ) from exc
-        with self._lock:
-            self._health.clear()
+                f"Redis/Valkey at {self.url}: no answer to PING from {', '.join(dead)}"
+            )
 
     # ------------------------------------------------------------------ reads
     @staticmethod
