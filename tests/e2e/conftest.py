@@ -109,11 +109,17 @@ class RedisCluster:
 
     ``full_coverage=False`` starts the masters with ``cluster-require-full-coverage no``: the
     survivors of a lost master keep serving their own slots. Under Redis's default (``yes``)
-    they answer ``CLUSTERDOWN`` for every slot once the cluster marks itself failed."""
+    they answer ``CLUSTERDOWN`` for every slot once the cluster marks itself failed.
+    ``replicas=1`` adds one replica per master (``nodes[num_masters:]``; which one becomes a
+    master is ``redis-cli``'s choice, so tests ask a node's ``ROLE``): a stopped master's
+    replica takes over its slots about one node timeout later."""
 
-    def __init__(self, folder: Path, num_masters: int = 3, *, full_coverage: bool = True) -> None:
+    def __init__(
+        self, folder: Path, num_masters: int = 3, *, full_coverage: bool = True, replicas: int = 0
+    ) -> None:
         self.nodes = []
-        for i in range(num_masters):
+        self.replicas = replicas
+        for i in range(num_masters * (1 + replicas)):
             node_dir = folder / f"node{i}"
             node_dir.mkdir()
             # the bus port is explicit: the default (port + 10000) overflows for a high port
@@ -138,7 +144,8 @@ class RedisCluster:
             pytest.fail("redis-cli is not installed (apt-get install -y redis-tools)")
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
         done = subprocess.run(
-            [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+            [cli, "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas),
+             "--cluster-yes"],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         if done.returncode != 0:
@@ -196,6 +203,17 @@ def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
 def redis_cluster_partial(tmp_path: Path) -> Iterator[RedisCluster]:
     """A 3-master cluster with ``cluster-require-full-coverage no`` (survivors keep serving)."""
     cluster = RedisCluster(tmp_path, full_coverage=False)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_replicated(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A 3-master cluster with one replica per master (6 servers): a lost master fails over."""
+    cluster = RedisCluster(tmp_path, replicas=1)
     try:
         cluster.start()
         yield cluster

@@ -187,3 +187,41 @@ def test_a_moved_slot_refreshes_the_slot_map(redis_cluster_partial: RedisCluster
         tier.close()
         for c in clients:
             c.close()
+
+
+def test_a_failover_is_followed_and_the_promoted_replica_serves(
+    redis_cluster_replicated: RedisCluster,
+) -> None:
+    cluster = redis_cluster_replicated
+    clients = [redis.Redis(port=n.port) for n in cluster.nodes]
+    tier = RedisTier(
+        cluster.url, LAYOUT, connect_timeout_s=0.2, socket_timeout_s=0.5,
+        backoff_initial_s=0.2, backoff_max_s=0.4,
+    )  # fmt: skip
+    try:
+        assert tier.put_many((h(i), pl(i)) for i in range(N)) == N
+        masters = [i for i, c in enumerate(clients) if c.execute_command("ROLE")[0] == b"master"]
+        assert len(masters) == 3
+        for i in masters:  # every replica has acknowledged the writes
+            assert clients[i].execute_command("WAIT", 1, 5000) == 1
+        lost = masters[0] if masters[0] != 0 else masters[1]  # keep the URL's node up
+        held = keys_on(cluster, tier, lost)
+        assert held
+
+        cluster.nodes[lost].stop()
+        deadline = time.monotonic() + 20.0
+        while True:
+            got = tier.get_many([h(i) for i in range(N)])
+            assert all(g is None or g == pl(i) for i, g in enumerate(got))  # never wrong data
+            if all(g is not None for g in got):
+                break  # the replica took over and the tier's slot map found it
+            assert time.monotonic() < deadline, "the tier never followed the failover"
+            time.sleep(0.1)
+        assert tier.stats().errors > 0  # the lost master was noticed on the way
+        assert tier.put(h(N + 1), pl(N + 1))  # writes go to the new masters too
+        assert tier.try_get(h(N + 1)) == pl(N + 1)
+        tier.check_invariants()
+    finally:
+        tier.close()
+        for c in clients:
+            c.close()

@@ -29,7 +29,8 @@ so a failover is followed. Tested against a real 3-master cluster
 master's keys miss while the other masters' keys keep hitting, and hits on it resume after its
 back-off once it is back; under Redis's default ``cluster-require-full-coverage yes`` the
 survivors themselves answer ``CLUSTERDOWN`` for every slot about one node timeout after the
-master died, so every key misses until it returns (docs/routing.md, "Redis Cluster").
+master died, so every key misses until it returns (or its replica takes over: the refreshed slot
+map then sends its keys there) (docs/routing.md, "Redis Cluster").
 """
 
 from __future__ import annotations
