@@ -141,7 +141,9 @@ class RedisTier(KVTier):
         self._client = client or make_client(url, socket_timeout_s, connect_timeout_s)
         self._health = health  # guarded by _lock
         self._nodes: SingleNode | ClusterNodes
-        if hasattr(self._client, "get_node_from_key"):  # a RedisCluster
+        from redis.cluster import RedisCluster
+
+        if isinstance(self._client, RedisCluster):
             self._nodes = ClusterNodes(self._client, backoff_initial_s, clock)
         else:
             self._nodes = SingleNode(self._client, self.url)
