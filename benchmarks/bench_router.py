@@ -17,6 +17,12 @@ all prompt tokens; the ideal for this workload (one engine holding everything: e
 but each tenant's first hits its whole prefix); TTFT p50/p99 and requests/s. The router's own
 decision counts (``/router/stats``) are printed too. Numbers from a shared, loaded machine are
 noisy: compare policies within one run.
+
+The same workload (the same prompt shapes, pool size and closed-loop clients: request ``k``
+follows request ``k - concurrency``) then runs in the simulator over ``--sim-replicas``
+replicas (default 4 and 16) behind the router's own policy code
+(:func:`pagedkv.sim.cluster.simulate_cluster`): simulated time, deterministic.
+``--sim-only`` skips the real engines.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ import httpx
 
 from _harness import machine_info, stop_process
 from bench_server import Workload, _free_port, run_round, serve, write_model
+from pagedkv.core.config import CacheConfig
+from pagedkv.sim.cluster import simulate_cluster
+from pagedkv.sim.simulator import SimConfig
+from pagedkv.sim.workload import SimRequest
+from pagedkv.sim.workload import Workload as SimWorkload
 
 POLICIES = ("cache-aware", "least-load", "round-robin")
 
@@ -90,6 +101,38 @@ def router(engines: list[str], policy: str, log: Path) -> Iterator[str]:
         stop_process(proc)
 
 
+@dataclass(frozen=True, slots=True)
+class SimRun:
+    replicas: int
+    policy: str
+    cached_fraction: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    by_replica: list[int]
+
+
+def sim_runs(
+    prompts: list[list[int]], w: Workload, num_blocks: int, replicas: list[int], policies: list[str]
+) -> list[SimRun]:
+    """The benchmark's workload in the simulator: ``w.concurrency`` closed-loop clients."""
+    c = w.concurrency
+    reqs = tuple(
+        SimRequest(f"r{k}", 0.0, tuple(p), w.max_tokens, follows=f"r{k - c}" if k >= c else None)
+        for k, p in enumerate(prompts)
+    )
+    workload = SimWorkload("bench_router", reqs)
+    cfg = SimConfig(cache=CacheConfig(block_size=16, num_blocks=num_blocks, model_id="sim"))
+    runs = []
+    for n in replicas:
+        for policy in policies:
+            rep = simulate_cluster(workload, cfg, num_replicas=n, policy=policy)
+            if rep.num_finished != len(workload):
+                raise SystemExit(f"simulator: {rep.num_finished} of {len(workload)} finished")
+            runs.append(SimRun(n, policy, rep.prefix_hit_rate, rep.ttft_s.p50 * 1e3,
+                               rep.ttft_s.p99 * 1e3, list(rep.requests_per_replica)))  # fmt: skip
+    return runs
+
+
 def make_prompts(
     rng: random.Random, tenants: int, per_tenant: int, prefix: int, suffix: int, vocab: int
 ) -> list[list[int]]:
@@ -126,28 +169,15 @@ def run_policy(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", metavar="PATH", help="also write every run as JSON to PATH")
-    p.add_argument("--quick", action="store_true", help="a short run for smoke tests")
-    p.add_argument("--engines", type=int, default=3)
-    p.add_argument("--tenants", type=int, default=None, help="default 6 (quick: 4)")
-    p.add_argument("--requests-per-tenant", type=int, default=None, help="default 8 (quick: 3)")
-    p.add_argument("--prefix-tokens", type=int, default=512)
-    p.add_argument("--suffix-tokens", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=6)
-    p.add_argument("--num-blocks", type=int, default=96, help="each engine's KV pool (blocks)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads in each engine")
-    p.add_argument("--policies", default=",".join(POLICIES))
-    args = p.parse_args(argv)
-    tenants = args.tenants or (4 if args.quick else 6)
-    per_tenant = args.requests_per_tenant or (3 if args.quick else 8)
-    prefix = 256 if args.quick else args.prefix_tokens
-    policies = args.policies.split(",")
-    w = Workload(
-        tenants * per_tenant, args.concurrency, prefix, args.suffix_tokens, args.max_tokens
-    )
+def real_runs(
+    args: argparse.Namespace,
+    policies: list[str],
+    tenants: int,
+    per_tenant: int,
+    prefix: int,
+    w: Workload,
+) -> list[PolicyRun]:
+    """One ``pagedkv router`` per policy over ``args.engines`` real engines."""
     total = tenants * per_tenant
     bs = 16
     ideal = (total - tenants) * (prefix // bs * bs) / (total * (prefix + args.suffix_tokens))
@@ -165,13 +195,51 @@ def main(argv: list[str] | None = None) -> int:
             prompts = make_prompts(rng, tenants, per_tenant, prefix, args.suffix_tokens, vocab)
             with router(engines, policy, folder / f"router-{policy}.log") as base:
                 runs.append(run_policy(base, policy, prompts, w, ideal))
-    print_report(runs, args)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="PATH", help="also write every run as JSON to PATH")
+    p.add_argument("--quick", action="store_true", help="a short run for smoke tests")
+    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--tenants", type=int, default=None, help="default 6 (quick: 4)")
+    p.add_argument("--requests-per-tenant", type=int, default=None, help="default 8 (quick: 3)")
+    p.add_argument("--prefix-tokens", type=int, default=512)
+    p.add_argument("--suffix-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--num-blocks", type=int, default=96, help="each engine's KV pool (blocks)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in each engine")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--sim-replicas", default="4,16", help="replica counts for the simulator")
+    p.add_argument("--sim-only", action="store_true", help="skip the real engines")
+    args = p.parse_args(argv)
+    tenants = args.tenants or (4 if args.quick else 6)
+    per_tenant = args.requests_per_tenant or (3 if args.quick else 8)
+    prefix = 256 if args.quick else args.prefix_tokens
+    policies = args.policies.split(",")
+    w = Workload(
+        tenants * per_tenant, args.concurrency, prefix, args.suffix_tokens, args.max_tokens
+    )
+    total = tenants * per_tenant
+    bs = 16
+    ideal = (total - tenants) * (prefix // bs * bs) / (total * (prefix + args.suffix_tokens))
+    runs = [] if args.sim_only else real_runs(args, policies, tenants, per_tenant, prefix, w)
+    rng = random.Random(1000)
+    sim_prompts = make_prompts(rng, tenants, per_tenant, prefix, args.suffix_tokens, 256)
+    replicas = [int(n) for n in args.sim_replicas.split(",")]
+    sims = sim_runs(sim_prompts, w, args.num_blocks, replicas, policies)
+    if runs:
+        print_report(runs, args)
+    print_sim_report(sims, ideal)
     if args.json:
         doc = {
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "machine": machine_info(),
             "workload": asdict(w) | {"tenants": tenants, "engines": args.engines},
             "runs": [asdict(r) for r in runs],
+            "sim_runs": [asdict(r) for r in sims],
         }
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return 0
@@ -204,6 +272,26 @@ def print_report(runs: list[PolicyRun], args: argparse.Namespace) -> None:
                 ratio = rr.ttft_p50_ms / r.ttft_p50_ms if r.ttft_p50_ms else float("nan")
                 print(f"{r.policy}: TTFT p50 {ratio:.2f}x lower than round-robin's")
     print(f"median TTFT p50 over policies: {statistics.median(r.ttft_p50_ms for r in runs):.0f} ms")
+
+
+def print_sim_report(sims: list[SimRun], ideal: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="the same workload in the simulator (simulated time, deterministic)")
+    for col in ("replicas", "policy", "cached", "ideal", "TTFT p50", "TTFT p99", "per replica"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in sims:
+        table.add_row(str(r.replicas), r.policy, f"{r.cached_fraction:.0%}", f"{ideal:.0%}",
+                      f"{r.ttft_p50_ms:,.1f} ms", f"{r.ttft_p99_ms:,.1f} ms",
+                      "/".join(str(n) for n in r.by_replica))  # fmt: skip
+    Console(width=max(120, Console().width)).print(table)
+    for n in sorted({r.replicas for r in sims}):
+        rr = next((r for r in sims if r.replicas == n and r.policy == "round-robin"), None)
+        ca = next((r for r in sims if r.replicas == n and r.policy == "cache-aware"), None)
+        if rr is not None and ca is not None and ca.ttft_p50_ms:
+            print(f"{n} replicas: cache-aware TTFT p50 {rr.ttft_p50_ms / ca.ttft_p50_ms:.2f}x "
+                  "lower than round-robin's")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -83,6 +83,11 @@ class TierUnavailableError(PagedKVError, ConnectionError):
     """A storage tier (disk, Redis/Valkey) cannot be reached right now."""
 
 
+class StateFileError(PagedKVError, ValueError):
+    """A state file (the router's ``--engine-state-file``) cannot be read, parsed or written;
+    the message names the file."""
+
+
 class ModelLoadError(PagedKVError, ValueError):
     """A model folder is missing files, or names an architecture pagedkv does not support."""
 

@@ -105,18 +105,30 @@ def small_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 class RedisCluster:
     """Three ``redis-server --cluster-enabled yes`` masters on loopback, joined by
-    ``redis-cli --cluster create`` (no replicas: stopping a master loses its slots)."""
+    ``redis-cli --cluster create`` (no replicas: stopping a master loses its slots).
 
-    def __init__(self, folder: Path, num_masters: int = 3) -> None:
+    ``full_coverage=False`` starts the masters with ``cluster-require-full-coverage no``: the
+    survivors of a lost master keep serving their own slots. Under Redis's default (``yes``)
+    they answer ``CLUSTERDOWN`` for every slot once the cluster marks itself failed.
+    ``replicas=1`` adds one replica per master (``nodes[num_masters:]``; which one becomes a
+    master is ``redis-cli``'s choice, so tests ask a node's ``ROLE``): a stopped master's
+    replica takes over its slots about one node timeout later."""
+
+    def __init__(
+        self, folder: Path, num_masters: int = 3, *, full_coverage: bool = True, replicas: int = 0
+    ) -> None:
         self.nodes = []
-        for i in range(num_masters):
+        self.replicas = replicas
+        for i in range(num_masters * (1 + replicas)):
             node_dir = folder / f"node{i}"
             node_dir.mkdir()
             # the bus port is explicit: the default (port + 10000) overflows for a high port
             conf = str(node_dir / "nodes.conf")
             bus = str(_free_port())
+            coverage = "yes" if full_coverage else "no"
             args = ("--cluster-enabled", "yes", "--cluster-config-file", conf,
-                    "--cluster-node-timeout", "1000", "--cluster-port", bus)  # fmt: skip
+                    "--cluster-node-timeout", "1000", "--cluster-port", bus,
+                    "--cluster-require-full-coverage", coverage)  # fmt: skip
             self.nodes.append(RedisServer(node_dir, args))
 
     @property
@@ -132,7 +144,8 @@ class RedisCluster:
             pytest.fail("redis-cli is not installed (apt-get install -y redis-tools)")
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
         done = subprocess.run(
-            [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+            [cli, "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas),
+             "--cluster-yes"],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         if done.returncode != 0:
@@ -150,6 +163,19 @@ class RedisCluster:
         ).stdout
         return "cluster_state:ok" in out
 
+    def name(self, index: int) -> str:
+        """The node's ``host:port`` as the cluster (and redis-py) names it."""
+        return f"127.0.0.1:{self.nodes[index].port}"
+
+    def wait_state_ok(self, timeout_s: float = 20.0) -> None:
+        """Wait until every running node reports ``cluster_state:ok``."""
+        cli = shutil.which("redis-cli") or "redis-cli"
+        deadline = time.monotonic() + timeout_s
+        while not all(self._state_ok(cli, n.port) for n in self.nodes if n.proc is not None):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the Redis cluster did not reach cluster_state:ok in {timeout_s} s")
+            time.sleep(0.1)
+
     def dbsize(self, index: int) -> int:
         out = subprocess.run(
             ["redis-cli", "-p", str(self.nodes[index].port), "dbsize"],
@@ -166,6 +192,28 @@ class RedisCluster:
 def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
     """A fresh 3-master Redis Cluster for one test, stopped afterwards."""
     cluster = RedisCluster(tmp_path)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_partial(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A 3-master cluster with ``cluster-require-full-coverage no`` (survivors keep serving)."""
+    cluster = RedisCluster(tmp_path, full_coverage=False)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_replicated(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A 3-master cluster with one replica per master (6 servers): a lost master fails over."""
+    cluster = RedisCluster(tmp_path, replicas=1)
     try:
         cluster.start()
         yield cluster

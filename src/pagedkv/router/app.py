@@ -14,7 +14,9 @@ Membership at run time (with the router's own ``--api-key`` when it has one):
 ``POST /router/engines`` ``{"url": "http://HOST:PORT"}`` adds an engine (201; 409 if listed; it
 joins at the next poll, its cache seeded from its ``/kv_events/snapshot``) and
 ``DELETE /router/engines/{url}`` (the URL percent-encoded) removes one (200; 404 if unknown).
-Both act on the ``--engine`` (decode) engines, not on ``--prefill`` ones.
+Both act on the ``--engine`` (decode) engines, not on ``--prefill`` ones. With
+``--engine-state-file`` each change is saved first (:mod:`pagedkv.router.state_file`); a save
+that fails answers 500 and changes nothing.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedkv.errors import StateFileError
 from pagedkv.route.policy import CacheAwareConfig
 from pagedkv.router.engines import EngineRegistry
 from pagedkv.router.prompts import PromptTokenizer
 from pagedkv.router.proxy import ENGINE_HEADER, Router, error_response
+from pagedkv.router.state_file import parse_engine_url
 
-__all__ = ["ENGINE_HEADER", "build_router_app"]
+__all__ = ["ENGINE_HEADER", "build_router_app", "parse_engine_url"]
 
 
 def build_router_app(
@@ -120,7 +124,11 @@ def build_router_app(
         except (ValueError, KeyError) as exc:
             return error_response(400, f"want {{\"url\": \"http://HOST:PORT\"}}: {exc}",
                                   "invalid_request_error")  # fmt: skip
-        if not registry.add(url):
+        try:
+            added = registry.add(url)
+        except StateFileError as exc:  # nothing changed: the membership could not be saved
+            return error_response(500, str(exc), "server_error")
+        if not added:
             return error_response(409, f"engine {url} is already listed", "conflict_error")
         return JSONResponse({"url": url, "added": True}, status_code=201)
 
@@ -128,7 +136,11 @@ def build_router_app(
     async def remove_engine(url: str, request: Request) -> Response:
         if not router.authorized(request.headers):
             return _unauthorized()
-        if not registry.remove(url):
+        try:
+            removed = registry.remove(url)
+        except StateFileError as exc:  # nothing changed: the membership could not be saved
+            return error_response(500, str(exc), "server_error")
+        if not removed:
             return error_response(404, f"engine {url} is not listed", "not_found_error")
         return JSONResponse({"url": url.rstrip("/"), "removed": True})
 
@@ -142,13 +154,3 @@ def build_router_app(
 def _unauthorized() -> Response:
     return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
                           "authentication_error", "invalid_api_key")  # fmt: skip
-
-
-def parse_engine_url(value: object) -> str:
-    """An engine base URL ``http(s)://HOST:PORT`` (no path), or ValueError naming the problem."""
-    if not isinstance(value, str):
-        raise ValueError("url must be a string")
-    parsed = httpx.URL(value)
-    if parsed.scheme not in ("http", "https") or not parsed.host or parsed.path not in ("", "/"):
-        raise ValueError(f"{value!r} is not an http://HOST:PORT base URL")
-    return value.rstrip("/")

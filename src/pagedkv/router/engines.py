@@ -38,6 +38,7 @@ from pagedkv.kvevents.subscriber import EventSubscriber
 from pagedkv.kvevents.wire import KVEventBatch, WireAllBlocksCleared, WireBlockStored
 from pagedkv.route.index import PrefixIndex
 from pagedkv.route.policy import EngineLoad
+from pagedkv.router.state_file import EngineStateFile
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +142,10 @@ class EngineRegistry:
         poll_interval_s: float = 0.5,
         timeout_s: float = 2.0,
         discovery_interval_s: float | None = None,
+        state: EngineStateFile | None = None,
     ) -> None:
         self.engines = {u.rstrip("/"): EngineHandle(u) for u in urls}
+        self._state = state  # when set, every membership change is saved there first
         self.discovery_interval_s = (
             poll_interval_s if discovery_interval_s is None else discovery_interval_s
         )
@@ -173,27 +176,37 @@ class EngineRegistry:
 
     # ------------------------------------------------------------------ membership
     def add(self, url: str) -> bool:
-        """Add an engine (it joins at the next poll); False if it is already listed."""
+        """Add an engine (it joins at the next poll); False if it is already listed. With a
+        state file, the new membership is saved first: StateFileError changes nothing."""
         url = url.rstrip("/")
         with self.lock:
             if url in self.engines:
                 return False
+            self._save([*self.engines, url])
             self.engines[url] = EngineHandle(url)
         logger.info("engine %s added", url)
         return True
 
     def remove(self, url: str) -> bool:
         """Take an engine out for good: no routing, index entries dropped, event thread
-        stopped. False if it is not listed."""
+        stopped. False if it is not listed. With a state file, the new membership is saved
+        first: StateFileError changes nothing."""
+        url = url.rstrip("/")
         with self.lock:
-            handle = self.engines.pop(url.rstrip("/"), None)
-            if handle is None:
+            if url not in self.engines:
                 return False
+            self._save([u for u in self.engines if u != url])
+            handle = self.engines.pop(url)
             handle.healthy = False
             handle.generation += 1
             self.index.drop_engine(handle.url)
         logger.info("engine %s removed", url)
         return True
+
+    def _save(self, urls: list[str]) -> None:
+        """Save ``urls`` as the membership (caller holds ``lock``); raises StateFileError."""
+        if self._state is not None:
+            self._state.save(urls)
 
     def release(self, url: str) -> None:
         """One request the router sent to ``url`` finished (the engine may be gone since)."""

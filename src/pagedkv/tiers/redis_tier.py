@@ -10,24 +10,27 @@ stored is not sent again. Reads and writes go in pipelines of bounded size (``ba
 keys and about ``batch_max_bytes`` bytes per round trip). redis-py uses hiredis for parsing when
 it is installed (``pip install 'redis[hiredis]'``).
 
-Failure: a connection error or timeout marks the server down for a back-off period (doubling
-from ``backoff_initial_s`` to ``backoff_max_s``); meanwhile lookups miss and writes are dropped
-without touching the network, so the scheduler never waits on a dead server more than one
-connect timeout per back-off period. Every failure is counted; nothing is raised to the caller
-except from :meth:`RedisTier.health_check`. redis-py's own retries are disabled (we back off).
+Failure, per node: a connection error, a timeout or a ``CLUSTERDOWN`` reply puts *that node* in
+back-off (doubling from ``backoff_initial_s`` to ``backoff_max_s``,
+:class:`~pagedkv.tiers.node_health.NodeBackoff`). Meanwhile the keys it serves miss and their
+writes are dropped without touching the network; every other node keeps serving. For a single
+server that node is the whole tier; for a cluster it is one master and the slots it serves. The
+first operation after a node's back-off touches it again (the re-probe). So the scheduler never
+waits on a dead node more than one connect timeout per back-off period. Every failure is
+counted; nothing is raised to the caller except from :meth:`RedisTier.health_check`. redis-py's
+own retries are disabled (we back off).
 
 Cluster mode: a URL ``redis+cluster://host:port`` (or ``rediss+cluster://``) uses
-``redis.cluster.RedisCluster``; pipelines then split by slot on the client. Tested against a
-real 3-master cluster (``tests/e2e/test_redis_cluster.py``): keys spread over the masters, and a
-master that stops turns lookups into counted misses (its slots, or every slot once the cluster
-marks itself failed under ``cluster-require-full-coverage``) while the engine recomputes.
-
-The back-off is one state for the whole cluster client, not per node: the first call that
-touches a dead master's slot backs off the *whole* tier (the surviving masters' keys miss too),
-and the next call touching a dead slot after the back-off renews it. Under Redis's default
-``cluster-require-full-coverage yes`` that costs nothing extra (the survivors answer
-CLUSTERDOWN for every slot about one node timeout after the master died); under ``no`` it
-leaves the survivors unused until the master returns (docs/routing.md, "Redis Cluster").
+``redis.cluster.RedisCluster`` for the slot map and each master's own client; each operation
+sends one pipeline per master (:mod:`pagedkv.tiers.redis_nodes`). A node failure, a
+``MOVED``/``ASK`` reply or an uncovered slot refreshes the slot map before the next operation,
+so a failover is followed. Tested against a real 3-master cluster
+(``tests/e2e/test_redis_cluster.py``): with ``cluster-require-full-coverage no`` a stopped
+master's keys miss while the other masters' keys keep hitting, and hits on it resume after its
+back-off once it is back; under Redis's default ``cluster-require-full-coverage yes`` the
+survivors themselves answer ``CLUSTERDOWN`` for every slot about one node timeout after the
+master died, so every key misses until it returns (or its replica takes over: the refreshed slot
+map then sends its keys there) (docs/routing.md, "Redis Cluster").
 """
 
 from __future__ import annotations
@@ -44,18 +47,26 @@ from redis.retry import Retry
 from pagedkv.errors import (
     CorruptBlockError,
     InvalidRequestError,
-    InvariantViolation,
     TierUnavailableError,
 )
 from pagedkv.tiers.base import KVTier, TierStats
+from pagedkv.tiers.node_health import NodeBackoff
 from pagedkv.tiers.payload import TierLayout, decode, payload_size, read_header
+from pagedkv.tiers.redis_nodes import ClusterNodes, SingleNode, is_topology_error
 from pagedkv.tiers.urls import redact_url
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# failures that put a node in back-off: it is unreachable, or refuses every slot (CLUSTERDOWN)
+_TRANSIENT = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    OSError,
+)
+_FAILURES = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
 def make_client(url: str, socket_timeout_s: float, connect_timeout_s: float) -> Any:
@@ -90,10 +101,11 @@ class RedisTier(KVTier):
     """Block payloads in a Redis or Valkey server (or cluster), shared across engines.
 
     Invariants (check_invariants() verifies each):
-      I1  initial back-off <= current back-off <= maximum back-off
-      I2  not down (no back-off deadline) => the back-off is back at its initial value
-    Complexity: contains_prefix and get_many one round trip per batch; put_many two (EXISTS,
-    then SET NX for the absent ones); nothing scans the server.
+      I1, I2  of the per-node back-off (:class:`~pagedkv.tiers.node_health.NodeBackoff`)
+    A key's result comes only from the node the slot map names for it, so a node in back-off
+    changes nothing for the keys of the other nodes.
+    Complexity: contains_prefix and get_many one round trip per batch and node; put_many two
+    (EXISTS, then SET NX for the absent ones); nothing scans the server.
     """
 
     is_remote = True
@@ -118,11 +130,7 @@ class RedisTier(KVTier):
             raise InvalidRequestError(f"ttl_s must be positive or None, got {ttl_s}")
         if batch_max_keys <= 0 or batch_max_bytes <= 0:
             raise InvalidRequestError("batch_max_keys and batch_max_bytes must be positive")
-        if not 0 < backoff_initial_s <= backoff_max_s:
-            raise InvalidRequestError(
-                f"need 0 < backoff_initial_s <= backoff_max_s, got {backoff_initial_s}, "
-                f"{backoff_max_s}"
-            )
+        health = NodeBackoff(backoff_initial_s, backoff_max_s, clock)  # validates the pair
         super().__init__(name, layout)
         self.url = redact_url(url)  # for logs and errors: the password never shows
         self.ttl_s = ttl_s
@@ -130,11 +138,16 @@ class RedisTier(KVTier):
         self.batch_max_bytes = batch_max_bytes
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
-        self._clock = clock
         self._client = client or make_client(url, socket_timeout_s, connect_timeout_s)
+        self._health = health  # guarded by _lock
+        self._nodes: SingleNode | ClusterNodes
+        from redis.cluster import RedisCluster
+
+        if isinstance(self._client, RedisCluster):
+            self._nodes = ClusterNodes(self._client, backoff_initial_s, clock)
+        else:
+            self._nodes = SingleNode(self._client, self.url)
         self._prefix = (layout.namespace + ":").encode("utf-8")
-        self._backoff_s = backoff_initial_s
-        self._down_until: float | None = None  # I1
         # keys per GET batch so one response stays near batch_max_bytes
         per = max(1, batch_max_bytes // payload_size(layout))
         self._get_batch = min(batch_max_keys, per)
@@ -144,56 +157,92 @@ class RedisTier(KVTier):
 
     # ------------------------------------------------------------------ failure handling
     def is_down(self) -> bool:
-        """True during a back-off period after a connection failure."""
+        """True while some node (the server, or a cluster master) is in back-off."""
         with self._lock:
-            return self._is_down()
+            return self._health.any_down()
 
-    def _is_down(self) -> bool:
-        return self._down_until is not None and self._clock() < self._down_until
-
-    def _call(self, fn: Callable[[Any], T], *, force: bool = False) -> tuple[bool, T | None]:
-        """Run ``fn(client)``; (True, result), or (False, None) after a counted failure or
-        while backing off (unless ``force``)."""
+    def down_nodes(self) -> list[str]:
+        """The nodes (``host:port``; the URL for a single server) in back-off now, sorted."""
         with self._lock:
-            if self._is_down() and not force:
-                return False, None
-        try:
-            result = fn(self._client)
-        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
-            self._failed(exc)
-            return False, None
-        except OSError as exc:
-            self._failed(exc)
-            return False, None
-        with self._lock:
-            if self._down_until is not None:
-                logger.info("redis tier %s: reachable again", self.url)
-            self._down_until = None
-            self._backoff_s = self.backoff_initial_s
-        return True, result
+            return self._health.down_names()
 
-    def _failed(self, exc: Exception) -> None:
+    def _run(
+        self, keys: Sequence[bytes], fn: Callable[[Any, list[bytes]], Sequence[T]]
+    ) -> list[T | None]:
+        """``fn(node_client, node_keys)`` once per node that serves some of ``keys``; returns
+        the per-key results in ``keys`` order, None where the node is in back-off, failed or
+        is not known (a counted failure). Never raises a Redis error."""
+        out: list[T | None] = [None] * len(keys)
+        try:  # the slot map's own locks; a refresh is network I/O, so not under ours
+            self._nodes.refresh_if_requested()
+            groups, _ = self._nodes.groups(keys)
+        except _FAILURES as exc:
+            with self._lock:
+                self._counters.errors += 1
+            logger.warning("redis tier %s: slot map unavailable: %s", self.url, exc)
+            return out
+        with self._lock:
+            groups = [g for g in groups if not self._health.is_down(g.name)]
+        for group in groups:
+            try:
+                results = fn(group.client, [keys[i] for i in group.indices])
+            except _FAILURES as exc:
+                self._failed(group.name, exc)
+                continue
+            with self._lock:
+                if self._health.succeeded(group.name):
+                    logger.info("redis tier %s: node %s reachable again", self.url, group.name)
+            for i, r in zip(group.indices, results, strict=True):
+                out[i] = r
+        return out
+
+    def _failed(self, node: str, exc: Exception) -> None:
         with self._lock:
             self._counters.errors += 1
-            if not isinstance(exc, _TRANSIENT):
-                logger.warning("redis tier %s: %s: %s", self.url, type(exc).__name__, exc)
+            if is_topology_error(exc):
+                self._nodes.request_refresh()
+                logger.info("redis tier %s: %s (slot map stale): %s", self.url, node, exc)
                 return
-            if self._down_until is None:
+            if not isinstance(exc, _TRANSIENT):
+                logger.warning("redis tier %s: %s: %s: %s", self.url, node, type(exc).__name__, exc)
+                return
+            self._nodes.request_refresh()  # a replica may be taking over its slots
+            was_down = node in self._health.down_names()
+            wait = self._health.failed(node)
+            if not was_down:
                 logger.warning(
-                    "redis tier %s unreachable (%s); lookups miss and writes are dropped, "
-                    "retrying in %.1f s",
+                    "redis tier %s: node %s unavailable (%s); its keys miss and their writes "
+                    "are dropped, retrying in %.1f s",
                     self.url,
+                    node,
                     exc,
-                    self._backoff_s,
+                    wait,
                 )
-            self._down_until = self._clock() + self._backoff_s
-            self._backoff_s = min(self._backoff_s * 2, self.backoff_max_s)
 
     def health_check(self) -> None:
-        """PING the server now (ignoring the back-off); raise TierUnavailableError if it fails."""
-        ok, _ = self._call(lambda c: c.ping(), force=True)
-        if not ok:
-            raise TierUnavailableError(f"Redis/Valkey at {self.url} does not answer PING")
+        """PING the server (every master of a cluster, each on its own connection) now,
+        ignoring the back-off; raise TierUnavailableError naming those that do not answer.
+        Each answer clears that node's back-off, each failure counts and backs it off."""
+        try:
+            masters = self._nodes.masters()
+        except _FAILURES as exc:
+            with self._lock:
+                self._counters.errors += 1
+            raise TierUnavailableError(f"Redis/Valkey at {self.url}: no slot map: {exc}") from exc
+        dead: list[str] = []
+        for name, client in masters:
+            try:
+                client.ping()
+            except _FAILURES as exc:
+                self._failed(name, exc)
+                dead.append(f"{name} ({exc})")
+                continue
+            with self._lock:
+                self._health.succeeded(name)
+        if dead:
+            raise TierUnavailableError(
+                f"Redis/Valkey at {self.url}: no answer to PING from {', '.join(dead)}"
+            )
 
     # ------------------------------------------------------------------ reads
     @staticmethod
@@ -201,20 +250,24 @@ class RedisTier(KVTier):
         for i in range(0, len(seq), size):
             yield seq[i : i + size]
 
+    @staticmethod
+    def _exists(c: Any, keys: list[bytes]) -> list[int]:
+        pipe = c.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(k)
+        return list(pipe.execute())
+
+    @staticmethod
+    def _get(c: Any, keys: list[bytes]) -> list[bytes | None]:
+        pipe = c.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(k)
+        return list(pipe.execute())
+
     def contains_prefix(self, block_hashes: Sequence[bytes]) -> int:
         n = 0
         for chunk in self._chunks(block_hashes, self.batch_max_keys):
-            keys = [self.key_of(h) for h in chunk]
-
-            def exists(c: Any, keys: list[bytes] = keys) -> list[int]:
-                pipe = c.pipeline(transaction=False)
-                for k in keys:
-                    pipe.exists(k)
-                return list(pipe.execute())
-
-            ok, found = self._call(exists)
-            if not ok or found is None:
-                break
+            found = self._run([self.key_of(h) for h in chunk], self._exists)
             run = next((i for i, f in enumerate(found) if not f), len(found))
             n += run
             if run < len(found):
@@ -230,18 +283,7 @@ class RedisTier(KVTier):
         out: list[bytes | None] = []
         corrupt: list[bytes] = []
         for chunk in self._chunks(block_hashes, self._get_batch):
-            keys = [self.key_of(h) for h in chunk]
-
-            def get(c: Any, keys: list[bytes] = keys) -> list[bytes | None]:
-                pipe = c.pipeline(transaction=False)
-                for k in keys:
-                    pipe.get(k)
-                return list(pipe.execute())
-
-            ok, values = self._call(get)
-            if not ok or values is None:
-                out.extend([None] * len(chunk))
-                continue
+            values = self._run([self.key_of(h) for h in chunk], self._get)
             for h, value in zip(chunk, values, strict=True):
                 if value is None:
                     out.append(None)
@@ -255,8 +297,7 @@ class RedisTier(KVTier):
                     continue
                 out.append(bytes(value))
         if corrupt:
-            keys = [self.key_of(h) for h in corrupt]
-            self._call(lambda c: c.delete(*keys))
+            self._run([self.key_of(h) for h in corrupt], self._delete)
         num_hits = sum(v is not None for v in out)
         with self._lock:
             self._counters.hits += num_hits
@@ -296,42 +337,49 @@ class RedisTier(KVTier):
                 )
         stored = 0
         for batch in self._write_batches(todo):
-            keys = [self.key_of(h) for h, _ in batch]
+            payload_of = {self.key_of(h): p for h, p in batch}
 
             def write(
-                c: Any, batch: list[tuple[bytes, bytes]] = batch, keys: list[bytes] = keys
-            ) -> tuple[int, int]:
+                c: Any, keys: list[bytes], payload_of: dict[bytes, bytes] = payload_of
+            ) -> list[int]:
+                """Per key: the bytes sent (0 if another engine stored it first)."""
+                present = self._exists(c, keys)
                 pipe = c.pipeline(transaction=False)
-                for k in keys:
-                    pipe.exists(k)
-                present = pipe.execute()
-                pipe = c.pipeline(transaction=False)
-                sent = 0
-                for k, (_, p), there in zip(keys, batch, present, strict=True):
-                    if not there:
-                        pipe.set(k, p, nx=True, ex=self.ttl_s)
-                        sent += len(p)
-                if sent:
+                sent = [
+                    0 if there else len(payload_of[k])
+                    for k, there in zip(keys, present, strict=True)
+                ]
+                for k, n in zip(keys, sent, strict=True):
+                    if n:
+                        pipe.set(k, payload_of[k], nx=True, ex=self.ttl_s)
+                if any(sent):
                     pipe.execute()
-                return len(batch), sent
+                return sent
 
-            ok, res = self._call(write)
+            results = self._run(list(payload_of), write)
             with self._lock:
-                if ok and res is not None:
-                    stored += res[0]
-                    self._counters.bytes_in += res[1]
-                    for h, _ in batch:  # stored now or already there: the server holds it
-                        self._event_stored(h)
-                else:
-                    self._counters.dropped_writes += len(batch)
+                for (h, _), sent in zip(batch, results, strict=True):
+                    if sent is None:
+                        self._counters.dropped_writes += 1
+                        continue
+                    stored += 1  # stored now or already there: the server holds it
+                    self._counters.bytes_in += sent
+                    self._event_stored(h)
         return stored
 
+    @staticmethod
+    def _delete(c: Any, keys: list[bytes]) -> list[int]:
+        pipe = c.pipeline(transaction=False)
+        for k in keys:
+            pipe.delete(k)
+        return list(pipe.execute())
+
     def delete(self, block_hash: bytes) -> bool:
-        ok, n = self._call(lambda c: c.delete(self.key_of(block_hash)))
-        if ok and n:
+        (n,) = self._run([self.key_of(block_hash)], self._delete)
+        if n:
             with self._lock:
                 self._event_removed(block_hash)
-        return bool(ok and n)
+        return bool(n)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> TierStats:
@@ -340,13 +388,7 @@ class RedisTier(KVTier):
 
     def check_invariants(self) -> None:
         with self._lock:
-            if not self.backoff_initial_s <= self._backoff_s <= self.backoff_max_s:
-                raise InvariantViolation(
-                    f"I1: back-off {self._backoff_s} outside [{self.backoff_initial_s}, "
-                    f"{self.backoff_max_s}]"
-                )
-            if self._down_until is None and self._backoff_s != self.backoff_initial_s:
-                raise InvariantViolation(f"I2: not down but back-off is {self._backoff_s}")
+            self._health.check_invariants()
 
     def close(self) -> None:
         try:
