@@ -104,3 +104,16 @@ def test_smollm2_with_kept_q4_1_weights_generates_the_float32_text() -> None:
     want = LLM(str(SMOLLM2)).generate(prompts, params, progress=False)
     assert got[0].outputs[0].text.strip().startswith("Paris")
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_the_cli_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from pagedkv.engine.model_args import add_model_arguments, engine_config
+    from pagedkv.tiers.config import add_tier_arguments
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    add_tier_arguments(parser)
+    args = parser.parse_args(["m.gguf", "--quantization", "gguf"])
+    assert engine_config(parser, args).quantization == "gguf"
