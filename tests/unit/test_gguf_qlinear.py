@@ -4,6 +4,11 @@ batch independence, the C dequantization against ``gguf_quants``, and refusals."
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -177,3 +182,27 @@ def test_bad_blocks_and_inputs_are_refused() -> None:
         p(torch.zeros(1, 32, dtype=torch.float64))
     with pytest.raises(InvalidRequestError, match=r"\[4, 32\]"):
         p(torch.zeros(1, 64))
+
+
+@needs_kernel
+def test_a_build_without_avx2_computes_the_same_bits(tmp_path: Path) -> None:
+    """The C file built as native.py's fallback flag set builds it (no -march=native: the
+    portable path only) gives the AVX2 build's outputs bit for bit."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    lib_path = tmp_path / "portable.so"
+    source = str(Path(gguf_qlinear.__file__).with_name("csrc") / "ggml_qlinear.c")
+    flags = ["-O3", "-ffast-math", "-fPIC", "-shared", "-o", str(lib_path), source, "-lm"]
+    subprocess.run([cc, *flags], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.pagedkv_ggml_qlinear.argtypes = [i32, ptr, i64, ptr, ptr, ptr, *[i64] * 6, i32]
+    assert lib.pagedkv_ggml_has_avx2() == 0
+    for code, type_name in enumerate(KEPT_TYPES):
+        p = random_projection(type_name, 37, 320, seed=code)
+        x = torch.randn(5, 320, generator=torch.Generator().manual_seed(code))
+        y = torch.empty(5, 37)
+        args = (x.data_ptr(), 320, p.blocks.data_ptr(), None, y.data_ptr(), 37, 5, 320, 37)
+        assert lib.pagedkv_ggml_qlinear(code, *args, 0, 37, 0) == 0
+        assert torch.equal(y, p.native(x, 1)), type_name
