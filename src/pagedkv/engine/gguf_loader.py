@@ -15,7 +15,10 @@ layers whose tensors are Q8_0, Q4_0 or Q4_1 as the file's blocks (``gguf_qlinear
 vocabulary projection too when its tensor (``output.weight``, or ``token_embd.weight`` when
 tied) is one of those; the embedding lookup, the norms, and every tensor of another type stay
 float32. A fused group (q/k/v, gate/up) is kept only when all its tensors share one kept type.
-The default (None) stays float32 dequantized at load, exactly as before.
+The default (None) stays float32 dequantized at load, exactly as before. The loader leaves
+that step in the model's ``deferred_quantization``, so ``LlamaModel.quantize("gguf")`` applies
+it (the engine calls it when its config asks, with nothing GGUF-specific of its own); until then
+the function holds the reader's memory map (file-backed pages, evictable).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +44,7 @@ from pagedkv.engine.gguf_tokenizer import gguf_tokenizer
 from pagedkv.engine.kv_cache import parse_dtype
 from pagedkv.engine.model_config import ModelConfig
 from pagedkv.engine.models.llama import LlamaModel
-from pagedkv.engine.qlinear import UnsupportedQuantizationError, check_quantization
+from pagedkv.engine.qlinear import UnsupportedQuantizationError
 from pagedkv.engine.tokenizer import Tokenizer
 from pagedkv.errors import ModelLoadError
 
@@ -157,11 +161,9 @@ def load_gguf_model(
 ) -> LlamaModel:
     """Build a :class:`LlamaModel` from a GGUF file, weights dequantized to ``dtype`` (default
     float32, the precision of dequantized values). ``progress`` (default: stderr is a terminal)
-    shows a bar on stderr. ``quantization="gguf"`` keeps the quantized linears (module
-    docstring); another method is left to the engine (``LlamaModel.quantize``)."""
-    if quantization == "gguf":
-        dtype_name = "auto" if dtype is None else str(dtype).removeprefix("torch.")
-        check_quantization(quantization, dtype_name, torch.device(device).type)
+    shows a bar on stderr. ``quantization`` applies ``LlamaModel.quantize`` to the result;
+    ``"gguf"`` (left in ``deferred_quantization`` for a later ``quantize("gguf")`` too, as the
+    engine calls it) keeps the file's quantized linears (module docstring)."""
     gf = path if isinstance(path, GGUFFile) else GGUFFile.open(path)
     tensors = {str(t.name): t for t in gf.reader.tensors}
     rope_freqs = None
@@ -191,12 +193,13 @@ def load_gguf_model(
             advance()
     logger.info("loaded %d tensors from %s (%s, %s)", len(weights), gf.path, target, device)
     model = LlamaModel(config, weights, device)
-    if quantization == "gguf":
-        _keep_quantized(model, tensors, gf.path)
+    model.deferred_quantization["gguf"] = partial(_keep_quantized, tensors=tensors, path=gf.path)
+    if quantization is not None:
+        model.quantize(quantization)
     return model
 
 
-def _keep_quantized(model: LlamaModel, tensors: dict[str, Any], path: Path) -> None:
+def _keep_quantized(model: LlamaModel, *, tensors: dict[str, Any], path: Path) -> None:
     """Install :class:`GGUFProjection` s for the kept tensors (module docstring). Raises
     UnsupportedQuantizationError when no linear layer's tensor has a kept type."""
     config = model.config
@@ -295,10 +298,9 @@ def load_gguf_checkpoint(
     *,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
-    quantization: str | None = None,
 ) -> GGUFCheckpoint:
     """Open ``path`` once and build the model, its tokenizer and its fingerprint."""
     gf = GGUFFile.open(path)
     tokenizer = gguf_tokenizer(gf.metadata)  # first: a bad vocabulary fails before the weights
-    model = load_gguf_model(gf, dtype=dtype, device=device, quantization=quantization)
+    model = load_gguf_model(gf, dtype=dtype, device=device)
     return GGUFCheckpoint(model, tokenizer, gguf_fingerprint(gf))

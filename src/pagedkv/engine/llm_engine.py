@@ -253,9 +253,7 @@ class LLMEngine:
         cls, path: str, cfg: EngineConfig, *, offload: OffloadCoordinator | None
     ) -> LLMEngine:
         """A GGUF file: model, tokenizer and (unless given) a model id from its content."""
-        ckpt = load_gguf_checkpoint(
-            path, dtype=cfg.dtype, device=_device(cfg.device), quantization=cfg.quantization
-        )
+        ckpt = load_gguf_checkpoint(path, dtype=cfg.dtype, device=_device(cfg.device))
         if not cfg.model_id:
             cfg = replace(cfg, model_id=ckpt.fingerprint)
         tok = Tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else ckpt.tokenizer

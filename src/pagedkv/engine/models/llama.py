@@ -100,6 +100,7 @@ class LlamaModel:
         self._inv_freq = inv.to(torch.float32).to(self.device)
         self.quantization: str | None = None
         self._lm_head_q: Linear | None = None
+        self.deferred_quantization: dict[str, Callable[[LlamaModel], None]] = {}  # quantize()
         self._qkv: list[Linear] = []
         self._o: list[Linear] = []
         self._gate_up: list[Linear] = []
@@ -142,11 +143,17 @@ class LlamaModel:
         float32, and the head's int8 copy is used for the logits (``lm_head`` keeps the float32
         tensor: the embedding itself when tied). The float32 weights of the quantized decoder
         layers leave ``weights``, so their memory is freed. Fully succeeds or changes nothing:
-        everything is quantized before anything is replaced."""
+        everything is quantized before anything is replaced. A method a loader left in
+        ``deferred_quantization`` (the GGUF loader: ``"gguf"``, the file's own blocks) is
+        applied by that function instead, and the others are dropped."""
         check_quantization(method, str(self.dtype).removeprefix("torch."), self.device.type)
-        require_in_place(method)
         if self.quantization is not None:
             raise InvalidRequestError(f"the model is already quantized ({self.quantization})")
+        if method in self.deferred_quantization:
+            self.deferred_quantization[method](self)
+            self.deferred_quantization.clear()
+            return
+        require_in_place(method)
         groups = (self._qkv, self._o, self._gate_up, self._down)
         new = [[_quantized(p) for p in group] for group in groups]
         head = QuantizedProjection.from_float(self.lm_head.t(), None)
@@ -154,6 +161,7 @@ class LlamaModel:
             group[:] = q
         self._lm_head_q = head
         self.quantization = method
+        self.deferred_quantization.clear()
         linear = ("_proj.weight", "_proj.bias")
         for name in [n for n in self.weights if n.endswith(linear) and ".layers." in n]:
             del self.weights[name]
