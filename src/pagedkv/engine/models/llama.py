@@ -5,8 +5,7 @@ Weights are a flat ``{hf_name: tensor}`` dict with Hugging Face names, so the lo
 renaming. ``forward`` takes a step's flat token batch, writes K/V through the attention
 metadata's slot mapping and returns hidden states; ``logits`` projects chosen rows only, so a
 step pays the vocabulary projection only where a token is sampled. ``quantize("int8")``
-swaps the linear layers for int8 weight-only ones (``pagedkv.engine.qlinear``);
-``replace_linears`` installs others built by a loader (a GGUF file's own quantized blocks).
+swaps the linear layers for int8 weight-only ones (``pagedkv.engine.qlinear``).
 """
 
 from __future__ import annotations
