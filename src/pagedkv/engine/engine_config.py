@@ -58,7 +58,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     batched_decode: bool = True
     decode_kernel: str = "auto"  # "auto" | "torch" | "native" (see pagedkv.engine.native)
-    quantization: str | None = None  # None | "int8" (pagedkv.engine.qlinear)
+    quantization: str | None = None  # None | "int8" | "gguf" (pagedkv.engine.qlinear)
     watermark: float = 0.01
     reservation: str = "max_tokens"
     model_id: str = ""  # default: the checkpoint's fingerprint (pagedkv.engine.fingerprint)

@@ -9,6 +9,16 @@ a hash of the file's bytes (``gguf_fingerprint``), never its path.
 
 Every failure (not a GGUF file, an unsupported architecture, tensor type or tensor) raises
 :class:`ModelLoadError` naming it.
+
+``quantization="gguf"`` (``--quantization gguf``, vLLM's name for GGUF weights) keeps the linear
+layers whose tensors are Q8_0, Q4_0 or Q4_1 as the file's blocks (``gguf_qlinear``), and the
+vocabulary projection too when its tensor (``output.weight``, or ``token_embd.weight`` when
+tied) is one of those; the embedding lookup, the norms, and every tensor of another type stay
+float32. A fused group (q/k/v, gate/up) is kept only when all its tensors share one kept type.
+The default (None) stays float32 dequantized at load, exactly as before. The loader leaves
+that step in the model's ``deferred_quantization``, so ``LlamaModel.quantize("gguf")`` applies
+it (the engine calls it when its config asks, with nothing GGUF-specific of its own); until then
+the function holds the reader's memory map (file-backed pages, evictable).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +38,13 @@ import torch
 import xxhash
 
 from pagedkv.engine.gguf_config import PERMUTED_QK_ARCHS, gguf_model_config
+from pagedkv.engine.gguf_qlinear import KEPT_TYPES, GGUFProjection, concat_rows, from_gguf_bytes
 from pagedkv.engine.gguf_quants import SUPPORTED_TYPES, dequantize
 from pagedkv.engine.gguf_tokenizer import gguf_tokenizer
 from pagedkv.engine.kv_cache import parse_dtype
 from pagedkv.engine.model_config import ModelConfig
 from pagedkv.engine.models.llama import LlamaModel
+from pagedkv.engine.qlinear import UnsupportedQuantizationError
 from pagedkv.engine.tokenizer import Tokenizer
 from pagedkv.errors import ModelLoadError
 
@@ -144,10 +157,13 @@ def load_gguf_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    quantization: str | None = None,
 ) -> LlamaModel:
     """Build a :class:`LlamaModel` from a GGUF file, weights dequantized to ``dtype`` (default
     float32, the precision of dequantized values). ``progress`` (default: stderr is a terminal)
-    shows a bar on stderr."""
+    shows a bar on stderr. ``quantization`` applies ``LlamaModel.quantize`` to the result;
+    ``"gguf"`` (left in ``deferred_quantization`` for a later ``quantize("gguf")`` too, as the
+    engine calls it) keeps the file's quantized linears (module docstring)."""
     gf = path if isinstance(path, GGUFFile) else GGUFFile.open(path)
     tensors = {str(t.name): t for t in gf.reader.tensors}
     rope_freqs = None
@@ -176,7 +192,57 @@ def load_gguf_model(
             weights[names[name]] = _to_torch(info, config, target, device)
             advance()
     logger.info("loaded %d tensors from %s (%s, %s)", len(weights), gf.path, target, device)
-    return LlamaModel(config, weights, device)
+    model = LlamaModel(config, weights, device)
+    model.deferred_quantization["gguf"] = partial(_keep_quantized, tensors=tensors, path=gf.path)
+    if quantization is not None:
+        model.quantize(quantization)
+    return model
+
+
+def _keep_quantized(model: LlamaModel, *, tensors: dict[str, Any], path: Path) -> None:
+    """Install :class:`GGUFProjection` s for the kept tensors (module docstring). Raises
+    UnsupportedQuantizationError when no linear layer's tensor has a kept type."""
+    config = model.config
+    kept: dict[str, GGUFProjection] = {}
+    for name, info in tensors.items():
+        type_name = str(info.tensor_type.name)
+        if type_name not in KEPT_TYPES or not name.endswith(".weight") or len(info.shape) != 2:
+            continue
+        in_dim, out_dim = (int(d) for d in info.shape.tolist())  # GGUF dims: fastest first
+        proj = from_gguf_bytes(type_name, info.data, out_dim, in_dim)
+        if config.model_type in PERMUTED_QK_ARCHS and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            proj = GGUFProjection(type_name, unpermute_qk(proj.blocks, heads).contiguous(), in_dim)
+        kept[hf_tensor_name(name).removesuffix(".weight")] = proj
+
+    def make(prefixes: list[str]) -> GGUFProjection | None:
+        parts = [kept.get(p) for p in prefixes]
+        if any(p is None for p in parts) or len({p.type_name for p in parts if p}) != 1:
+            return None
+        bias = [model.weights.get(f"{p}.bias") for p in prefixes]
+        with_bias = [
+            p
+            if b is None
+            else GGUFProjection(p.type_name, p.blocks, p.in_dim, b.float().contiguous())
+            for p, b in zip(parts, bias, strict=True)
+            if p is not None
+        ]
+        return concat_rows(with_bias)
+
+    head_name = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
+    num_linears = len([n for n in kept if n.endswith("_proj")])
+    if num_linears == 0:
+        types = sorted({str(t.tensor_type.name) for t in tensors.values() if len(t.shape) == 2})
+        raise UnsupportedQuantizationError(
+            f"--quantization gguf: no linear layer of {path.name} is {'/'.join(KEPT_TYPES)} "
+            f"(its 2-D tensor types: {', '.join(types)}); load it without the flag"
+        )
+    model.replace_linears("gguf", make, kept.get(head_name))
+    logger.info(
+        "gguf quantization: %d linear tensors kept quantized, vocabulary projection %s",
+        num_linears,
+        kept[head_name].type_name if head_name in kept else "float32",
+    )
 
 
 def _dequantize(info: Any) -> np.ndarray[Any, np.dtype[np.float32]]:

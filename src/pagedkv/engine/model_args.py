@@ -12,7 +12,8 @@ vLLM's names are the primary spelling; pagedkv's earlier spellings stay as alias
     --num-speculative-tokens N              (alias --speculative-tokens)
     --chat-template FILE|TEMPLATE           --generation-config auto|vllm|DIR
     --seed N                                --threads N (torch intra-op threads)
-    --quantization int8                     int8 weight-only linears (pagedkv.engine.qlinear)
+    --quantization int8|gguf                int8 weight-only linears (pagedkv.engine.qlinear);
+                                            gguf: keep a .gguf file's Q8_0/Q4_0/Q4_1 blocks
 
 Exit codes, the same for every command: 2 for bad usage (argparse's, also for a flag value
 :class:`EngineConfig` rejects), 1 for a failure while running (a model folder that cannot be
@@ -91,7 +92,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=QUANTIZATION_CHOICES,
-        help="int8: weight-only int8 linear layers, per output channel (CPU, float32)",
+        help="int8: weight-only int8 linear layers, per output channel; gguf: a .gguf file's "
+        "Q8_0/Q4_0/Q4_1 linears kept quantized (CPU, float32)",
     )
     parser.add_argument(
         "--chat-template", default=None, help="a template file, or the template itself"

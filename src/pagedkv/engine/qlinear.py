@@ -1,5 +1,8 @@
 """Weight-only int8 linear layers (``EngineConfig.quantization="int8"``, ``--quantization int8``).
 
+The other choice, ``"gguf"``, keeps a GGUF file's own quantized blocks and is applied by the
+GGUF loader (:mod:`pagedkv.engine.gguf_qlinear`); this module validates both choices.
+
 Each weight is quantized per output channel, symmetrically: ``scale[j] = max_k |W[k, j]| / 127``
 and ``q[k, j] = round(W[k, j] / scale[j])`` in ``[-127, 127]``, kept as int8 in the transposed
 ``[in, out]`` layout the model uses, with float32 scales; ``y = (x @ q) * scale (+ bias)``.
@@ -36,7 +39,8 @@ from pagedkv.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_CHOICES = ("int8",)
+QUANTIZATION_CHOICES = ("int8", "gguf")  # gguf: a GGUF file's own blocks (gguf_qlinear)
+IN_PLACE_CHOICES = ("int8",)  # what LlamaModel.quantize applies to a loaded float model
 MAX_KERNEL_ROWS = 64  # above: dequantize + torch.mm (at 64 rows the kernel still measured
 # 1.5-2x faster than dequantize + mm on 576x3072 and 1536x576, 1 thread)
 _MIN_MACS_PER_THREAD = 1 << 20
@@ -69,6 +73,16 @@ def check_quantization(quantization: str | None, dtype: str, device: str) -> Non
     if dtype not in ("auto", "float32"):
         raise UnsupportedQuantizationError(
             f"quantization {quantization!r} needs dtype float32 (or auto on a CPU), got {dtype!r}"
+        )
+
+
+def require_in_place(quantization: str) -> None:
+    """Refuse a method that cannot quantize an already loaded float model: ``gguf`` keeps a
+    GGUF file's own quantized tensors, so only the GGUF loader can apply it."""
+    if quantization not in IN_PLACE_CHOICES:
+        raise UnsupportedQuantizationError(
+            f"quantization {quantization!r} keeps a GGUF file's own quantized tensors: it "
+            "applies only to a model loaded from a .gguf file with it, not to this model"
         )
 
 

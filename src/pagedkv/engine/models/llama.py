@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: N812
 from pagedkv.engine.attention import AttentionMetadata, paged_attention
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
-from pagedkv.engine.qlinear import QuantizedProjection, check_quantization
+from pagedkv.engine.qlinear import QuantizedProjection, check_quantization, require_in_place
 from pagedkv.errors import InvalidRequestError, ModelLoadError
 
 
@@ -98,7 +98,8 @@ class LlamaModel:
         inv = rope_inv_freq(config.rope, config.head_dim)
         self._inv_freq = inv.to(torch.float32).to(self.device)
         self.quantization: str | None = None
-        self._lm_head_q: QuantizedProjection | None = None
+        self._lm_head_q: Linear | None = None
+        self.deferred_quantization: dict[str, Callable[[LlamaModel], None]] = {}  # quantize()
         self._qkv: list[Linear] = []
         self._o: list[Linear] = []
         self._gate_up: list[Linear] = []
@@ -141,10 +142,17 @@ class LlamaModel:
         float32, and the head's int8 copy is used for the logits (``lm_head`` keeps the float32
         tensor: the embedding itself when tied). The float32 weights of the quantized decoder
         layers leave ``weights``, so their memory is freed. Fully succeeds or changes nothing:
-        everything is quantized before anything is replaced."""
+        everything is quantized before anything is replaced. A method a loader left in
+        ``deferred_quantization`` (the GGUF loader: ``"gguf"``, the file's own blocks) is
+        applied by that function instead, and the others are dropped."""
         check_quantization(method, str(self.dtype).removeprefix("torch."), self.device.type)
         if self.quantization is not None:
             raise InvalidRequestError(f"the model is already quantized ({self.quantization})")
+        if method in self.deferred_quantization:
+            self.deferred_quantization[method](self)
+            self.deferred_quantization.clear()
+            return
+        require_in_place(method)
         groups = (self._qkv, self._o, self._gate_up, self._down)
         new = [[_quantized(p) for p in group] for group in groups]
         head = QuantizedProjection.from_float(self.lm_head.t(), None)
@@ -152,9 +160,40 @@ class LlamaModel:
             group[:] = q
         self._lm_head_q = head
         self.quantization = method
+        self.deferred_quantization.clear()
         linear = ("_proj.weight", "_proj.bias")
         for name in [n for n in self.weights if n.endswith(linear) and ".layers." in n]:
             del self.weights[name]
+
+    def replace_linears(
+        self, method: str, make: Callable[[list[str]], Linear | None], head: Linear | None
+    ) -> None:
+        """Swap each linear layer for ``make(prefixes)``, where that is not None, given the
+        checkpoint names it joins (``[q, k, v]``, ``[o]``, ``[gate, up]``, ``[down]``, as
+        ``_project`` joined them), and the vocabulary projection for ``head`` where given;
+        ``quantization`` becomes ``method``. The float32 weights of replaced layers leave
+        ``weights``. Fully succeeds or changes nothing: every ``make`` runs first."""
+        if self.quantization is not None:
+            raise InvalidRequestError(f"the model is already quantized ({self.quantization})")
+        plan: list[tuple[list[Linear], int, list[str], Linear]] = []
+        for i in range(self.config.num_hidden_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            for group, names in (
+                (self._qkv, [a + "q_proj", a + "k_proj", a + "v_proj"]),
+                (self._o, [a + "o_proj"]),
+                (self._gate_up, [m + "gate_proj", m + "up_proj"]),
+                (self._down, [m + "down_proj"]),
+            ):
+                new = make(names)
+                if new is not None:
+                    plan.append((group, i, names, new))
+        for group, i, names, new in plan:
+            group[i] = new
+            for name in names:
+                self.weights.pop(f"{name}.weight")
+                self.weights.pop(f"{name}.bias", None)
+        self._lm_head_q = head
+        self.quantization = method
 
     def expected_weight_names(self) -> list[str]:
         cfg = self.config

@@ -1,0 +1,250 @@
+"""Linear layers on a GGUF file's own block-quantized weights (``--quantization gguf``).
+
+A :class:`GGUFProjection` holds a weight's bytes exactly as the file stores them (ggml's
+layout: output row ``j`` is ``in / 32`` consecutive blocks along the input dimension) for the
+types ``KEPT_TYPES`` = Q8_0 (1.06 bytes per weight), Q4_0 (0.56) and Q4_1 (0.63), instead of
+float32 (4 bytes), so batch-1 decode reads a sixth to a quarter of the bytes. Every other
+type (F32/F16/BF16, Q5_*, the K-quants) is dequantized to float32 at load as without the flag.
+
+The native kernel (``csrc/ggml_qlinear.c``) dequantizes each block in registers to exactly
+the float32 values :func:`pagedkv.engine.gguf_quants.dequantize` gives and multiplies with
+the float32 activations in a fixed order (8 lanes over ``k``, a fixed final tree: the C
+file's header), so one row's output does not depend on the other rows of the call or on the
+split of outputs among threads, and the portable C path is bit-identical to the AVX2 one.
+Against the float32 model (the same dequantized weights, ``torch.mm``) the only difference
+is the summation order: within ``in * 2**-24 * (|x| @ |W|.T)`` per output.
+
+Above ``MAX_KERNEL_ROWS`` rows (prefill), a call dequantizes ``_TILE_OUT`` output rows at a
+time in C and multiplies them with ``torch.mm`` (compute bound there). Without a C compiler
+every call dequantizes with numpy (correct, slow; one warning).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedkv.engine import native
+from pagedkv.engine.gguf_quants import dequantize
+from pagedkv.engine.qlinear import UnsupportedQuantizationError
+from pagedkv.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the C file's GQ_* codes, in this order
+_TYPE_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # per block of 32 values
+_QK = 32
+MAX_KERNEL_ROWS = 64  # as qlinear's int8 kernel: above, dequantize tiles + torch.mm
+_TILE_OUT = 1024  # output rows dequantized per torch.mm on the > MAX_KERNEL_ROWS path
+_MIN_MACS_PER_THREAD = 1 << 20
+_SOURCE = Path(__file__).with_name("csrc") / "ggml_qlinear.c"
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def available() -> bool:
+    """Whether the native kernel is built (building it on the first call) and loaded."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                lib = native.compile_library(_SOURCE)
+                p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+                lib.pagedkv_ggml_qlinear.argtypes = [i32, p, i64, p, p, p, i64, i64, i64]
+                lib.pagedkv_ggml_qlinear.argtypes += [i64, i64, i64, i32]
+                lib.pagedkv_ggml_qlinear.restype = i32
+                lib.pagedkv_ggml_dequant.argtypes = [i32, p, i64, i64, i64, i64, p]
+                lib.pagedkv_ggml_dequant.restype = i32
+                lib.pagedkv_ggml_has_avx2.restype = i32
+                _lib = lib
+            except OSError as exc:
+                _error = str(exc) or type(exc).__name__
+                logger.warning(
+                    "native GGUF kernel unavailable (%s); GGUF-quantized layers dequantize "
+                    "with numpy on every call (slow)",
+                    _error,
+                )
+        return _lib is not None
+
+
+def has_avx2() -> bool:
+    """Whether the built kernel has the AVX2/FMA/F16C path (else only the portable one)."""
+    return available() and _lib is not None and bool(_lib.pagedkv_ggml_has_avx2())
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFProjection:
+    """``x @ W.T + bias`` for float32 ``x [rows, in]``, ``W [out, in]`` kept as GGUF blocks:
+    ``blocks`` is uint8 ``[out, in / 32 * type bytes]`` (contiguous, row ``j`` = output ``j``),
+    ``bias`` float32 ``[out]`` or None. Validated once here, so a call checks only ``x``."""
+
+    type_name: str
+    blocks: torch.Tensor
+    in_dim: int
+    bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.type_name not in KEPT_TYPES:
+            raise UnsupportedQuantizationError(
+                f"GGUF tensor type {self.type_name} cannot be kept quantized; kept: "
+                f"{', '.join(KEPT_TYPES)} (other types are dequantized to float32 at load)"
+            )
+        b, bias = self.blocks, self.bias
+        row_bytes = self.in_dim // _QK * _TYPE_BYTES[self.type_name]
+        if (
+            self.in_dim <= 0
+            or self.in_dim % _QK
+            or b.dtype is not torch.uint8
+            or b.dim() != 2
+            or b.shape[1] != row_bytes
+            or not b.is_contiguous()
+            or b.device.type != "cpu"
+            or (
+                bias is not None
+                and (bias.dtype is not torch.float32 or bias.shape != (b.shape[0],))
+            )
+            or (bias is not None and not bias.is_contiguous())
+        ):
+            raise InvalidRequestError(
+                f"{self.type_name} weight: blocks {tuple(b.shape)} {b.dtype} for in_dim "
+                f"{self.in_dim} (needs uint8 [out, {row_bytes}], in_dim a multiple of 32), "
+                f"bias {None if bias is None else tuple(bias.shape)}"
+            )
+
+    @property
+    def out_dim(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def num_weight_bytes(self) -> int:
+        """Bytes one call reads for the weights (the blocks, scales included)."""
+        return self.blocks.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MAX_KERNEL_ROWS and (_lib is not None or available()):
+            return self.native(x)
+        return self.tiled_mm(x)
+
+    def _check(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype is not torch.float32
+            or x.device.type != "cpu"
+            or x.dim() != 2
+            or x.shape[1] != self.in_dim
+        ):
+            raise InvalidRequestError(
+                f"GGUF {self.type_name} kernel: input {tuple(x.shape)} {x.dtype} on {x.device} "
+                f"for a [{self.out_dim}, {self.in_dim}] weight (needs float32 on the CPU)"
+            )
+        return x.contiguous()
+
+    def native(
+        self, x: torch.Tensor, threads: int | None = None, *, portable: bool = False
+    ) -> torch.Tensor:
+        """The native kernel: ``[rows, out]`` float32. ``threads`` defaults to torch's
+        intra-op count; ``portable`` forces the plain-C path (bit-identical)."""
+        if _lib is None and not available():
+            raise InvalidRequestError(f"the native GGUF kernel is unavailable: {_error}")
+        assert _lib is not None
+        x = self._check(x)
+        rows, out = x.shape[0], self.out_dim
+        y = torch.empty(rows, out, dtype=torch.float32)
+        fn = _lib.pagedkv_ggml_qlinear
+        code = KEPT_TYPES.index(self.type_name)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        head = (code, x.data_ptr(), self.in_dim, self.blocks.data_ptr(), bias, y.data_ptr())
+        dims = (out, rows, self.in_dim, out)
+
+        def run(a: int, b: int) -> int:  # outputs a..b-1; ctypes releases the GIL
+            return int(fn(*head, *dims, a, b, int(portable)))
+
+        nthreads = torch.get_num_threads() if threads is None else threads
+        cuts = _split(out, self.in_dim, rows, nthreads)
+        if len(cuts) == 2:
+            codes = [run(0, out)]
+        else:
+            pool = native.workers(len(cuts) - 2)
+            futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(cuts[1:])]
+            codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
+        if any(codes):
+            raise InvalidRequestError("GGUF kernel rejected its inputs (a bad range)")
+        return y
+
+    def dequantized(self, j_begin: int = 0, j_end: int | None = None) -> torch.Tensor:
+        """Rows ``j_begin..j_end`` of ``W`` as float32 ``[rows, in]`` (C, else numpy): the
+        same values as :func:`pagedkv.engine.gguf_quants.dequantize`."""
+        stop = self.out_dim if j_end is None else j_end
+        if _lib is None and not available():
+            raw = self.blocks[j_begin:stop].numpy()
+            flat = dequantize(raw, self.type_name, (stop - j_begin) * self.in_dim)
+            return torch.from_numpy(flat.reshape(stop - j_begin, self.in_dim))
+        assert _lib is not None
+        dst = torch.empty(stop - j_begin, self.in_dim, dtype=torch.float32)
+        code = KEPT_TYPES.index(self.type_name)
+        args = (self.blocks.data_ptr(), self.in_dim, self.out_dim, j_begin, stop, dst.data_ptr())
+        if _lib.pagedkv_ggml_dequant(code, *args):
+            raise InvalidRequestError(f"GGUF dequantize: bad row range {j_begin}..{stop}")
+        return dst
+
+    def tiled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize ``_TILE_OUT`` output rows at a time and ``torch.mm`` each tile (memory
+        bounded by one tile, not the whole float32 weight)."""
+        x = self._check(x)
+        y = torch.empty(x.shape[0], self.out_dim, dtype=torch.float32)
+        for j in range(0, self.out_dim, _TILE_OUT):
+            stop = min(j + _TILE_OUT, self.out_dim)
+            torch.mm(x, self.dequantized(j, stop).t(), out=y[:, j:stop])
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def reference_linear(x: torch.Tensor, proj: GGUFProjection) -> torch.Tensor:
+    """The torch reference: the numpy dequantization (:mod:`gguf_quants`), one ``torch.mm``."""
+    raw = proj.blocks.numpy()
+    w = dequantize(raw, proj.type_name, proj.out_dim * proj.in_dim)
+    y = torch.mm(x, torch.from_numpy(w.reshape(proj.out_dim, proj.in_dim)).t())
+    return y if proj.bias is None else y + proj.bias
+
+
+def concat_rows(parts: list[GGUFProjection]) -> GGUFProjection:
+    """One projection for several that read the same input (q/k/v; gate/up): their output
+    rows stacked, as :class:`pagedkv.engine.models.llama.Projection` stacks float weights.
+    Raises UnsupportedQuantizationError when the parts differ in type or input size."""
+    first = parts[0]
+    if any(p.type_name != first.type_name or p.in_dim != first.in_dim for p in parts):
+        shown = ", ".join(f"{p.type_name} [{p.out_dim}, {p.in_dim}]" for p in parts)
+        raise UnsupportedQuantizationError(f"cannot stack GGUF projections {shown}")
+    biases = [p.bias for p in parts]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [torch.zeros(p.out_dim) if b is None else b for p, b in zip(parts, biases, strict=True)]
+        )
+    blocks = torch.cat([p.blocks for p in parts]).contiguous()
+    return GGUFProjection(first.type_name, blocks, first.in_dim, bias)
+
+
+def from_gguf_bytes(type_name: str, data: np.ndarray, out_dim: int, in_dim: int) -> GGUFProjection:
+    """A projection from one GGUF tensor's raw data (``[out, in]`` in numpy order), copied
+    out of the file's memory map."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(out_dim, -1)
+    return GGUFProjection(type_name, torch.from_numpy(raw.copy()), in_dim)
+
+
+def _split(out: int, in_dim: int, rows: int, threads: int) -> list[int]:
+    """Output cut points ``[0, ..., out]`` on multiples of 4 (the kernel's tile): at most
+    ``threads`` runs of about equal size, each with at least ``_MIN_MACS_PER_THREAD``
+    multiply-adds (handing a run to another thread costs tens of microseconds)."""
+    tiles = -(-out // 4)
+    parts = max(1, min(threads, tiles, rows * out * in_dim // _MIN_MACS_PER_THREAD))
+    if parts == 1:
+        return [0, out]
+    return sorted({min(out, 4 * round(tiles * i / parts)) for i in range(parts + 1)})
