@@ -51,6 +51,8 @@ from pagedkv.errors import (
     UnknownRequestError,
 )
 
+_MAX_TOKEN_ID = 2**32  # token ids are hashed as uint32
+
 
 class KVCacheManager:
     """Per-request block tables, prefix caching, copy-on-write forks, rollback and admission.
@@ -151,7 +153,27 @@ class KVCacheManager:
         """``append_tokens(token_ids)`` then ``commit(num_tokens)`` in one lookup: a sampling
         step's update (the scheduler's hot path, so both are inlined). All or nothing: both are
         validated before either changes anything. Returns what ``commit`` returns."""
-        seq = self._get(request_id)
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (never added, or freed)")
+        if (  # a plain decode: one token committed, completing no block (checked by the chain)
+            num_tokens == 1
+            and len(token_ids) == 1
+            and seq.num_pending
+            and not seq.held
+            and seq.match is None
+            and (
+                seq.chain.try_append(token_ids[0])
+                if self.config.enable_prefix_caching
+                else type(token_ids[0]) is int and 0 <= token_ids[0] < _MAX_TOKEN_ID
+            )
+        ):
+            seq.token_ids.append(token_ids[0])
+            new_computed = seq.num_computed = seq.num_computed + 1
+            seq.num_pending -= 1
+            if new_computed // self.block_size <= seq.num_cached_blocks:
+                return 0
+            return self._register_computed(seq)
         if seq.held:
             raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
         num_known = len(seq.token_ids) + len(token_ids)
@@ -375,6 +397,56 @@ class KVCacheManager:
         seq.num_pending += num_new_tokens
         self._update_claim(seq)
         return Allocation(tuple(new_ids), copies, seq.num_hit_tokens)
+
+    def try_extend_slots(
+        self, request_id: str, num_new_tokens: int, slots_out: list[int]
+    ) -> np.ndarray | None:
+        """``allocate_slots(num_new_tokens)`` when the positions fit the blocks the running
+        request holds and write into no shared block (most decodes): append their slots
+        (``block_id * block_size + offset``) to ``slots_out`` and return the block table view.
+        None, changing nothing, when ``allocate_slots`` is needed (a block must be taken or
+        copied, the request has not started, is held, or ``num_new_tokens`` is not positive).
+        No block and no claim changes, so admission's running sum stays exact."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.started or seq.held or num_new_tokens <= 0:
+            return None
+        bs = self.block_size
+        ids = seq.block_ids
+        write_pos = seq.num_computed + seq.num_pending
+        end = write_pos + num_new_tokens
+        if end > len(ids) * bs or (
+            write_pos % bs and seq.forked and not self.pool.is_exclusive(ids[write_pos // bs])
+        ):
+            return None  # a new block, or a copy-on-write of a shared partial block
+        seq.num_pending += num_new_tokens
+        if num_new_tokens == 1:
+            slots_out.append(ids[write_pos // bs] * bs + write_pos % bs)
+        else:
+            slots_out.extend(ids[p // bs] * bs + p % bs for p in range(write_pos, end))
+        table = seq.table
+        if table is None:
+            table = seq.table = np.array(ids, dtype=np.int32)
+        return table
+
+    def append_slot_mapping(
+        self, request_id: str, start: int, num_tokens: int, slots_out: list[int]
+    ) -> None:
+        """Append the slots of positions ``[start, start + num_tokens)`` to ``slots_out`` (the
+        positions must be allocated; the scheduler's path, without an array per request)."""
+        seq = self._get(request_id)
+        bs = self.block_size
+        ids = seq.block_ids
+        if not 0 <= start <= start + num_tokens <= len(ids) * bs:
+            raise InvalidRequestError(
+                f"positions [{start}, {start + num_tokens}) are outside the {len(ids) * bs} "
+                f"allocated slots of request {request_id!r}"
+            )
+        if num_tokens <= 16:
+            slots_out.extend(ids[p // bs] * bs + p % bs for p in range(start, start + num_tokens))
+        else:
+            pos = np.arange(start, start + num_tokens)
+            table = np.asarray(ids, dtype=np.int64)
+            slots_out.extend((table[pos // bs] * bs + pos % bs).tolist())
 
     def commit(self, request_id: str, num_tokens: int) -> int:
         """Mark ``num_tokens`` scheduled positions computed; share the blocks they filled.

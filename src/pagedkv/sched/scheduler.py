@@ -30,8 +30,6 @@ import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
 
-import numpy as np
-
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.errors import (
@@ -51,7 +49,7 @@ from pagedkv.sched.output import RequestOutput, ScheduledRequest, SchedulerOutpu
 from pagedkv.sched.queue import make_queue
 from pagedkv.sched.request import FinishReason, KVTransfer, Request, RequestStatus
 from pagedkv.sched.stats import SchedulerStats, StepStats
-from pagedkv.sched.step_plan import StepPlan, check_stop, is_token_id
+from pagedkv.sched.step_plan import StepPlan, check_stop, is_token_id, stop_reason_one
 
 logger = logging.getLogger(__name__)
 
@@ -202,12 +200,15 @@ class Scheduler(KVSharingMixin):
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
         """Phase 1: one token (+ drafts) per decoding request, in serving order; victims come
-        from the back of the running list. The common case (the allocation succeeds) is
-        inlined: this loop runs once per running request per step."""
+        from the back of the running list. The common case (the positions fit the blocks the
+        request holds: ``try_extend_slots``) is one manager call and one record: this loop runs
+        once per running request per step."""
         mgr = self.manager
-        allocate, views = mgr.allocate_slots, mgr.block_views
-        bs, lookahead, max_len = self.block_size, self.config.num_lookahead_tokens, self.max_len
-        running, scheduled, slots, done = self.running, plan.scheduled, plan.slots, plan.done
+        extend, views = mgr.try_extend_slots, mgr.block_table_view
+        lookahead, max_len = self.config.num_lookahead_tokens, self.max_len
+        running, scheduled, done = self.running, plan.scheduled, plan.done
+        step_slots = plan.step_slots
+        slots = step_slots.slots
         i = 0
         while i < len(running) and plan.budget > 0:
             req = running[i]
@@ -223,23 +224,16 @@ class Scheduler(KVSharingMixin):
                 room = min(plan.budget, req.max_tokens - num_out, max_len - len(all_ids)) - 1
                 drafts = drafts[: max(0, room)]
             n = 1 + len(drafts)
-            try:
-                alloc = allocate(rid, n, lookahead)
-            except OutOfBlocksError:
+            offset = len(slots)
+            table = None if lookahead else extend(rid, n, slots)
+            if table is None:
                 if not self._allocate_or_preempt(req, n, lookahead, plan):
                     break  # req itself was preempted; everything after it is gone too
-            else:
-                if alloc.copies:
-                    plan.copies.extend(alloc.copies)
-            table, array = views(rid)
-            if n == 1:
-                slots.append(table[pos // bs] * bs + pos % bs)
-                tokens = [all_ids[-1]]
-            else:
-                slots.extend(table[p // bs] * bs + p % bs for p in range(pos, pos + n))
-                tokens = [all_ids[-1], *drafts]
+                mgr.append_slot_mapping(rid, pos, n, slots)
+                table = views(rid)
+            tokens = [all_ids[-1], *drafts] if drafts else [all_ids[-1]]
             scheduled.append(
-                ScheduledRequest(rid, pos, tokens, n, array, _EMPTY, False, True, n - 1)
+                ScheduledRequest(rid, pos, tokens, n, table, step_slots, False, True, n - 1, offset)
             )
             done.add(rid)
             plan.budget -= n
@@ -262,7 +256,7 @@ class Scheduler(KVSharingMixin):
                 if req.status is RequestStatus.RUNNING:  # skipped, not preempted: look further
                     i += 1
                 continue
-            plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan.slots))
+            plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan))
             plan.done.add(req.request_id)
             plan.budget -= n
             i += 1
@@ -315,19 +309,15 @@ class Scheduler(KVSharingMixin):
         req.num_computed_tokens = cached
         plan.copies.extend(alloc.copies)
         bisect.insort(self.running, req, key=Request.sort_key)
-        plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan.slots))
+        plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan))
         plan.budget -= n
         plan.num_admitted += 1
         return True
 
     def _build_output(self, plan: StepPlan, admission_s: float) -> SchedulerOutput:
-        """Phase 4: one int32 slot array for the whole step (each request gets a view of its
-        part), the step's stats, and the output."""
-        flat = np.array(plan.slots, dtype=np.int32)
-        offset = 0
-        for sr in plan.scheduled:
-            sr.slot_mapping = flat[offset : offset + sr.num_tokens]
-            offset += sr.num_tokens
+        """Phase 4: the step's stats and the output (the step's slots become one int32 array
+        when a runner first reads a ``slot_mapping``)."""
+        offset = len(plan.step_slots.slots)  # every scheduled position has one slot
         finished = self._finished_ids
         self._finished_ids = []
         preempted = plan.preempted
@@ -404,7 +394,10 @@ class Scheduler(KVSharingMixin):
                 if windowed:
                     self._release_outside_window(req)
                 continue
-            results.append(self._apply_sampled(req, sr, toks, windowed))
+            if sr.num_tokens == 1 and not windowed:  # a plain decode (validated: one token)
+                results.append(self._apply_decode(req, toks[0]))
+            else:
+                results.append(self._apply_sampled(req, sr, toks, windowed))
         for rid in output.loading_ids:
             req_l = self.loading.pop(rid, None)
             if req_l is not None:
@@ -490,6 +483,29 @@ class Scheduler(KVSharingMixin):
             req.num_cached_tokens,
         )
 
+    def _apply_decode(self, req: Request, token_id: int) -> RequestOutput:
+        """``_apply_sampled`` for a plain decode (one position, no drafts, no window): append
+        and commit the token, finish on a stop. Validated already: cannot fail."""
+        tok = token_id if type(token_id) is int else int(token_id)
+        reason = stop_reason_one(req, tok, self.max_len)
+        final = (tok,)
+        self.manager.append_and_commit(req.request_id, final, 1)
+        req.all_token_ids.append(tok)
+        req.num_computed_tokens += 1  # == the manager's count (S3)
+        if req.draft_token_ids:
+            req.draft_token_ids = []
+        if reason is not None:
+            self._remove_running(req)
+            self._finish(req, reason)
+        return RequestOutput(
+            req.request_id,
+            final,
+            reason is not None,
+            reason,
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+        )
+
     def reset_prefix_cache(self, reset_running: bool = False) -> None:
         """Forget every cached prefix on the device (vLLM's ``reset_prefix_cache``).
 
@@ -560,20 +576,18 @@ class Scheduler(KVSharingMixin):
         return req
 
     def _prefill_entry(
-        self, req: Request, n: int, last_chunk: bool, slots: list[int]
+        self, req: Request, n: int, last_chunk: bool, plan: StepPlan
     ) -> ScheduledRequest:
         start = req.num_computed_tokens
-        bs = self.block_size
         rid = req.request_id
-        table = self.manager.block_table_view(rid)
-        if n <= 16:
-            ids = self.manager.block_ids_view(rid)
-            slots.extend(ids[p // bs] * bs + p % bs for p in range(start, start + n))
-        else:
-            pos = np.arange(start, start + n)
-            slots.extend((table[pos // bs].astype(np.int64) * bs + pos % bs).tolist())
+        step_slots = plan.step_slots
+        offset = len(step_slots.slots)
+        self.manager.append_slot_mapping(rid, start, n, step_slots.slots)
         tokens = req.all_token_ids[start : start + n]
-        return ScheduledRequest(rid, start, tokens, n, table, _EMPTY, True, last_chunk)
+        table = self.manager.block_table_view(rid)
+        return ScheduledRequest(
+            rid, start, tokens, n, table, step_slots, True, last_chunk, 0, offset
+        )
 
     def _allocate_or_preempt(
         self,
@@ -664,5 +678,4 @@ class Scheduler(KVSharingMixin):
         check_scheduler(self)
 
 
-_EMPTY = np.zeros(0, dtype=np.int32)
 _MAX_TOKEN_ID = 2**32
