@@ -206,11 +206,12 @@ class Scheduler(KVSharingMixin):
         mgr = self.manager
         extend, views = mgr.try_extend_slots, mgr.block_table_view
         lookahead, max_len = self.config.num_lookahead_tokens, self.max_len
-        running, scheduled, done = self.running, plan.scheduled, plan.done
+        running, scheduled = self.running, plan.scheduled
         step_slots = plan.step_slots
         slots = step_slots.slots
+        budget = plan.budget  # written back below (_allocate_or_preempt does not read it)
         i = 0
-        while i < len(running) and plan.budget > 0:
+        while i < len(running) and budget > 0:
             req = running[i]
             all_ids = req.all_token_ids
             pos = req.num_computed_tokens
@@ -221,7 +222,7 @@ class Scheduler(KVSharingMixin):
             drafts = req.draft_token_ids
             if drafts:
                 num_out = len(all_ids) - req.num_prompt_tokens
-                room = min(plan.budget, req.max_tokens - num_out, max_len - len(all_ids)) - 1
+                room = min(budget, req.max_tokens - num_out, max_len - len(all_ids)) - 1
                 drafts = drafts[: max(0, room)]
             n = 1 + len(drafts)
             offset = len(slots)
@@ -235,9 +236,9 @@ class Scheduler(KVSharingMixin):
             scheduled.append(
                 ScheduledRequest(rid, pos, tokens, n, table, step_slots, False, True, n - 1, offset)
             )
-            done.add(rid)
-            plan.budget -= n
+            budget -= n
             i += 1
+        plan.budget = budget
 
     def _schedule_prefill_chunks(self, plan: StepPlan) -> None:
         """Phase 2: the next chunk of every running request still prefilling, budget allowing."""
@@ -246,18 +247,17 @@ class Scheduler(KVSharingMixin):
         i = 0
         while i < len(running) and plan.budget > 0:
             req = running[i]
-            if req.request_id in plan.done or req.num_computed_tokens >= req.num_tokens - 1:
+            if req.num_computed_tokens >= req.num_tokens - 1:  # decoding (scheduled above)
                 i += 1
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(remaining, plan.budget)
             la = lookahead if n == remaining else 0
-            if not self._allocate_or_preempt(req, n, la, plan, protect=plan.done):
+            if not self._allocate_or_preempt(req, n, la, plan, protect_scheduled=True):
                 if req.status is RequestStatus.RUNNING:  # skipped, not preempted: look further
                     i += 1
                 continue
             plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan))
-            plan.done.add(req.request_id)
             plan.budget -= n
             i += 1
 
@@ -595,7 +595,7 @@ class Scheduler(KVSharingMixin):
         n: int,
         lookahead: int,
         plan: StepPlan,
-        protect: set[str] | None = None,
+        protect_scheduled: bool = False,
     ) -> bool:
         """Allocate ``n`` slots for a running request, preempting victims from the back of the
         running list until it fits. Returns False when ``req`` itself was preempted or skipped."""
@@ -604,7 +604,7 @@ class Scheduler(KVSharingMixin):
             try:
                 alloc = mgr.allocate_slots(req.request_id, n, lookahead)
             except OutOfBlocksError:
-                victim = self._pick_victim(req, protect)
+                victim = self._pick_victim(req, plan, protect_scheduled)
                 if victim is None:  # only scheduled requests are left to take from: wait
                     return False
                 if victim is req and len(self.running) == 1 and not self.remote_waiting:
@@ -623,8 +623,11 @@ class Scheduler(KVSharingMixin):
             plan.copies.extend(alloc.copies)
             return True
 
-    def _pick_victim(self, req: Request, protect: set[str] | None) -> Request | None:
-        """The lowest-priority, latest running request that is not protected (maybe ``req``)."""
+    def _pick_victim(self, req: Request, plan: StepPlan, protect_scheduled: bool) -> Request | None:
+        """The lowest-priority, latest running request (maybe ``req``), skipping those this
+        step already scheduled when ``protect_scheduled`` (a prefill chunk never takes a
+        scheduled request's blocks; only then is the set of their ids built)."""
+        protect = plan.scheduled_ids() if protect_scheduled else None
         for victim in reversed(self.running):
             if victim is req or protect is None or victim.request_id not in protect:
                 return victim

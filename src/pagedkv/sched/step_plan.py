@@ -27,8 +27,11 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[str] = field(default_factory=list)
     loads: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, hash) from tiers
-    done: set[str] = field(default_factory=set)  # scheduled (or deliberately skipped) this step
     num_admitted: int = 0
+
+    def scheduled_ids(self) -> set[str]:
+        """The ids scheduled so far this step (built on demand: only a preemption asks)."""
+        return {sr.request_id for sr in self.scheduled}
 
 
 def check_stop(
