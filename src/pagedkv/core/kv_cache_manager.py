@@ -100,9 +100,14 @@ class KVCacheManager:
         max_tokens: int = 0,
         cache_salt: str | None = None,
         hash_context: HashContext | None = None,
+        adopt_token_ids: bool = False,
     ) -> None:
         """Register a waiting request and hash its prompt once. Takes no blocks.
 
+        With ``adopt_token_ids`` (and a ``list``) the manager keeps ``prompt_token_ids`` itself
+        as the request's token list instead of a copy, and appends accepted tokens to it: the
+        caller reads it from then on and never mutates it (the scheduler shares it with its
+        ``Request``, so a request's tokens are held, appended and dropped once, not twice).
         Raises InvalidRequestError for a duplicate id, an empty prompt, bad token ids or a
         negative ``max_tokens``; PromptTooLongError when the prompt alone exceeds the pool.
         """
@@ -110,7 +115,10 @@ class KVCacheManager:
             raise InvalidRequestError(f"request {request_id!r} is already registered")
         if max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
-        tokens = list(prompt_token_ids)
+        if adopt_token_ids and type(prompt_token_ids) is list:
+            tokens = prompt_token_ids
+        else:
+            tokens = list(prompt_token_ids)
         if not tokens:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
         bs = self.block_size
@@ -737,6 +745,10 @@ class KVCacheManager:
     def token_ids(self, request_id: str) -> list[int]:
         return list(self._get(request_id).token_ids)
 
+    def token_ids_view(self, request_id: str) -> list[int]:
+        """The request's token list itself (no copy; the manager appends to it): read-only."""
+        return self._get(request_id).token_ids
+
     def num_hit_tokens(self, request_id: str) -> int:
         """Tokens served from the prefix cache at the request's last admission."""
         return self._get(request_id).num_hit_tokens
@@ -816,9 +828,18 @@ class KVCacheManager:
         self._drop_memo(seq)
         if seq.block_ids:
             released = seq.num_released_blocks  # leading entries: the null block
-            held = seq.block_ids[::-1] if not released else seq.block_ids[: released - 1 : -1]
+            if released:
+                held = seq.block_ids[: released - 1 : -1]
+            else:  # reversed in place, no copy: the list is dropped below (views are not kept)
+                held = seq.block_ids
+                held.reverse()
             if held:
-                self.pool.free_owned(held)
+                try:
+                    self.pool.free_owned(held)
+                except RequestStateError:  # pragma: no cover - M1 makes it impossible
+                    if not released:
+                        held.reverse()
+                    raise
             seq.block_ids = []
             seq.num_released_blocks = 0
             seq.table = None

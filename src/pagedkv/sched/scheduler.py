@@ -68,6 +68,8 @@ class Scheduler(KVSharingMixin):
       S4  requests holding blocks are exactly the running, loading, remote-wait and sending
           ones (a running request with nothing computed may hold none: its tier load failed)
       S5  the manager's invariants hold
+      S6  every request the manager knows shares its token list with the manager
+          (``all_token_ids is manager.token_ids_view(id)``): only the manager appends to it
     Complexity per step: O(scheduled requests + admitted requests); admission never scans the
     waiting queue beyond the requests it admits.
     """
@@ -140,6 +142,7 @@ class Scheduler(KVSharingMixin):
             max_tokens=max_tokens,
             cache_salt=request.cache_salt,
             hash_context=request.hash_context,
+            adopt_token_ids=True,  # one list: the manager appends, the request reads (S6)
         )
         request.max_tokens = max_tokens
         self.requests[rid] = request
@@ -461,8 +464,7 @@ class Scheduler(KVSharingMixin):
         final, reason = check_stop(req, toks, self.max_len)
         accepted = len(final) - 1
         num_committed = sr.num_tokens - sr.num_draft_tokens + accepted
-        mgr.append_and_commit(rid, final, num_committed)
-        req.all_token_ids.extend(final)
+        mgr.append_and_commit(rid, final, num_committed)  # req.all_token_ids too (S6)
         rejected = sr.num_draft_tokens - accepted
         if rejected:
             mgr.rollback(rid, rejected)
@@ -489,8 +491,7 @@ class Scheduler(KVSharingMixin):
         tok = token_id if type(token_id) is int else int(token_id)
         reason = stop_reason_one(req, tok, self.max_len)
         final = (tok,)
-        self.manager.append_and_commit(req.request_id, final, 1)
-        req.all_token_ids.append(tok)
+        self.manager.append_and_commit(req.request_id, final, 1)  # req.all_token_ids too (S6)
         req.num_computed_tokens += 1  # == the manager's count (S3)
         if req.draft_token_ids:
             req.draft_token_ids = []
@@ -677,7 +678,7 @@ class Scheduler(KVSharingMixin):
             self.manager.release_outside_window(req.request_id)
 
     def check_invariants(self) -> None:
-        """Verify S1..S5 from scratch; raise InvariantViolation naming the broken one."""
+        """Verify S1..S6 from scratch; raise InvariantViolation naming the broken one."""
         check_scheduler(self)
 
 
