@@ -18,8 +18,10 @@ The running list is kept in serving order (``Request.sort_key``: priority, arriv
 so the preemption victim, the lowest priority and then the latest arrival, is always at its
 back. Decodes are scheduled before any prefill chunk, so prefills never starve decodes.
 
-Requests whose KV is shared with something else (remote prefill or decode, KV tiers, forks) are
-handled by ``KVSharingMixin`` (``kv_sharing.py``); the invariant checks live in ``checks.py``.
+The class is assembled from parts that each own one noun: ``step_update.py`` (``update`` and
+finishing), ``preemption.py`` (allocation with victims), ``kv_sharing.py`` (remote prefill or
+decode, KV tiers, forks) and ``checks.py`` (S1..S6); this module keeps the queue, admission and
+the phases of ``schedule``.
 The scheduler owns the manager and is single-threaded: one loop calls ``schedule``/``update``.
 """
 
@@ -28,7 +30,6 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.kv_cache_manager import KVCacheManager
@@ -44,17 +45,18 @@ from pagedkv.errors import (
 )
 from pagedkv.sched.checks import check_scheduler
 from pagedkv.sched.config import SchedulerConfig
-from pagedkv.sched.kv_sharing import KVSharingMixin, TierIndex
-from pagedkv.sched.output import RequestOutput, ScheduledRequest, SchedulerOutput
+from pagedkv.sched.kv_sharing import TierIndex
+from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
+from pagedkv.sched.preemption import PreemptionMixin
 from pagedkv.sched.queue import make_queue
 from pagedkv.sched.request import FinishReason, KVTransfer, Request, RequestStatus
 from pagedkv.sched.stats import SchedulerStats, StepStats
-from pagedkv.sched.step_plan import StepPlan, check_stop, is_token_id, stop_reason_one
+from pagedkv.sched.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(KVSharingMixin):
+class Scheduler(PreemptionMixin):
     """Decides, each step, which requests compute which tokens, within the budget and the pool.
 
     Invariants (``check_invariants()`` verifies each):
@@ -370,143 +372,6 @@ class Scheduler(KVSharingMixin):
                 )
         self._outstanding = None
 
-    def update(
-        self,
-        output: SchedulerOutput,
-        sampled: Mapping[str, Sequence[int]],
-        *,
-        failed_loads: Collection[str] = (),
-    ) -> list[RequestOutput]:
-        """Apply a step's results: ``sampled[rid]`` holds the accepted tokens of every sampling
-        request (accepted drafts, then the bonus token). Returns one output per sampling request.
-
-        Requests in ``output.loading_ids`` become running with their loaded prefix committed,
-        except those in ``failed_loads``: they drop the loaded blocks and recompute.
-        All or nothing: everything is validated first; SchedulerStateError (not the outstanding
-        step) or InvalidRequestError (bad sampled tokens, unknown failed loads) change nothing.
-        """
-        work = self._validate_update(output, sampled, failed_loads)
-        self._outstanding = None
-        mgr = self.manager
-        windowed = self.cache_config.sliding_window is not None
-        results: list[RequestOutput] = []
-        for req, sr, toks in work:
-            if toks is None:
-                mgr.commit(req.request_id, sr.num_tokens)
-                req.num_computed_tokens += sr.num_tokens
-                if windowed:
-                    self._release_outside_window(req)
-                continue
-            if sr.num_tokens == 1 and not windowed:  # a plain decode (validated: one token)
-                results.append(self._apply_decode(req, toks[0]))
-            else:
-                results.append(self._apply_sampled(req, sr, toks, windowed))
-        for rid in output.loading_ids:
-            req_l = self.loading.pop(rid, None)
-            if req_l is not None:
-                self._finish_load(req_l, success=rid not in failed_loads)
-        if self.config.check_invariants:
-            self.check_invariants()
-        return results
-
-    def _validate_update(
-        self,
-        output: SchedulerOutput,
-        sampled: Mapping[str, Sequence[int]],
-        failed_loads: Collection[str],
-    ) -> list[tuple[Request, ScheduledRequest, Sequence[int] | None]]:
-        """Check everything ``update`` will apply; return, in step order, each scheduled request
-        still running with its sampled tokens (None: it only commits)."""
-        if output is not self._outstanding:
-            raise SchedulerStateError(
-                f"update() got step {output.step}, but the outstanding step is "
-                f"{None if self._outstanding is None else self._outstanding.step}"
-            )
-        requests = self.requests
-        running = RequestStatus.RUNNING
-        work: list[tuple[Request, ScheduledRequest, Sequence[int] | None]] = []
-        append = work.append
-        for sr in output.scheduled:
-            req = requests.get(sr.request_id)
-            if req is None or req.status is not running:
-                continue  # aborted or finished since schedule(): nothing to apply
-            if not sr.samples:
-                append((req, sr, None))
-                continue
-            toks = sampled.get(sr.request_id)
-            if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
-                raise InvalidRequestError(
-                    f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
-                    f"tokens, got {None if toks is None else len(toks)}"
-                )
-            t0 = toks[0]
-            fast_ok = len(toks) == 1 and type(t0) is int and 0 <= t0 < _MAX_TOKEN_ID
-            if not fast_ok and not all(map(is_token_id, toks)):
-                raise InvalidRequestError(
-                    f"request {sr.request_id!r} sampled {list(toks)}: token ids must be "
-                    "integers in [0, 2**32)"
-                )
-            append((req, sr, toks))
-        unknown = set(failed_loads).difference(output.loading_ids)
-        if unknown:
-            raise InvalidRequestError(
-                f"failed_loads names {sorted(unknown)}, which step {output.step} did not load"
-            )
-        return work
-
-    def _apply_sampled(
-        self, req: Request, sr: ScheduledRequest, toks: Sequence[int], windowed: bool
-    ) -> RequestOutput:
-        """Append a sampling request's accepted tokens, commit them, roll back rejected drafts,
-        and finish it on a stop (``check_stop``). Validated already: cannot fail."""
-        rid = req.request_id
-        mgr = self.manager
-        final, reason = check_stop(req, toks, self.max_len)
-        accepted = len(final) - 1
-        num_committed = sr.num_tokens - sr.num_draft_tokens + accepted
-        mgr.append_and_commit(rid, final, num_committed)  # req.all_token_ids too (S6)
-        rejected = sr.num_draft_tokens - accepted
-        if rejected:
-            mgr.rollback(rid, rejected)
-        req.num_computed_tokens += num_committed  # == the manager's count (S3)
-        if windowed:
-            self._release_outside_window(req)
-        if req.draft_token_ids:
-            req.draft_token_ids = []
-        if reason is not None:
-            self._remove_running(req)
-            self._finish(req, reason)
-        return RequestOutput(
-            rid,
-            tuple(final),
-            reason is not None,
-            reason,
-            req.num_prompt_tokens,
-            req.num_cached_tokens,
-        )
-
-    def _apply_decode(self, req: Request, token_id: int) -> RequestOutput:
-        """``_apply_sampled`` for a plain decode (one position, no drafts, no window): append
-        and commit the token, finish on a stop. Validated already: cannot fail."""
-        tok = token_id if type(token_id) is int else int(token_id)
-        reason = stop_reason_one(req, tok, self.max_len)
-        final = (tok,)
-        self.manager.append_and_commit(req.request_id, final, 1)  # req.all_token_ids too (S6)
-        req.num_computed_tokens += 1  # == the manager's count (S3)
-        if req.draft_token_ids:
-            req.draft_token_ids = []
-        if reason is not None:
-            self._remove_running(req)
-            self._finish(req, reason)
-        return RequestOutput(
-            req.request_id,
-            final,
-            reason is not None,
-            reason,
-            req.num_prompt_tokens,
-            req.num_cached_tokens,
-        )
-
     def reset_prefix_cache(self, reset_running: bool = False) -> None:
         """Forget every cached prefix on the device (vLLM's ``reset_prefix_cache``).
 
@@ -590,96 +455,6 @@ class Scheduler(KVSharingMixin):
             rid, start, tokens, n, table, step_slots, True, last_chunk, 0, offset
         )
 
-    def _allocate_or_preempt(
-        self,
-        req: Request,
-        n: int,
-        lookahead: int,
-        plan: StepPlan,
-        protect_scheduled: bool = False,
-    ) -> bool:
-        """Allocate ``n`` slots for a running request, preempting victims from the back of the
-        running list until it fits. Returns False when ``req`` itself was preempted or skipped."""
-        mgr = self.manager
-        while True:
-            try:
-                alloc = mgr.allocate_slots(req.request_id, n, lookahead)
-            except OutOfBlocksError:
-                victim = self._pick_victim(req, plan, protect_scheduled)
-                if victim is None:  # only scheduled requests are left to take from: wait
-                    return False
-                if victim is req and len(self.running) == 1 and not self.remote_waiting:
-                    # Alone and still too big: preempting would loop forever.
-                    logger.warning(
-                        "request %s cannot grow: the pool is full with it alone; finishing it",
-                        req.request_id,
-                    )
-                    self._remove_running(req)
-                    self._finish(req, FinishReason.LENGTH)
-                    return False
-                self._preempt(victim, plan.preempted)
-                if victim is req:
-                    return False
-                continue
-            plan.copies.extend(alloc.copies)
-            return True
-
-    def _pick_victim(self, req: Request, plan: StepPlan, protect_scheduled: bool) -> Request | None:
-        """The lowest-priority, latest running request (maybe ``req``), skipping those this
-        step already scheduled when ``protect_scheduled`` (a prefill chunk never takes a
-        scheduled request's blocks; only then is the set of their ids built)."""
-        protect = plan.scheduled_ids() if protect_scheduled else None
-        for victim in reversed(self.running):
-            if victim is req or protect is None or victim.request_id not in protect:
-                return victim
-        return None  # pragma: no cover - req is always in the running list
-
-    def _preempt(self, req: Request, preempted: list[str]) -> None:
-        self.manager.preempt(req.request_id)
-        self._remove_running(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        req.draft_token_ids = []
-        self.waiting.push_front(req)
-        preempted.append(req.request_id)
-        self.num_preemptions += 1
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        """Mark a request finished (already out of the running list) and free or hold its KV."""
-        rid = req.request_id
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        self.num_finished += 1
-        self._finished_ids.append(rid)
-        if req.kv_transfer is KVTransfer.SEND and reason is not FinishReason.ABORT:
-            mgr = self.manager
-            pending = mgr.num_pending_tokens(rid)
-            if pending:
-                mgr.rollback(rid, pending)
-            mgr.hold(rid)
-            self.sending[rid] = req
-            return
-        self.manager.free(rid)
-        del self.requests[rid]
-
-    def _remove_running(self, req: Request) -> None:
-        running = self.running
-        i = bisect.bisect_left(running, req.sort_key(), key=Request.sort_key)
-        if i < len(running) and running[i] is req:
-            del running[i]
-        else:  # pragma: no cover - S2 guarantees the bisect finds it
-            running.remove(req)
-
-    def _release_outside_window(self, req: Request) -> None:
-        """Sliding-window models: free the blocks before the request's window (after commit).
-        A request that will send its KV to another engine keeps it whole."""
-        if self.cache_config.sliding_window is not None and req.kv_transfer is not KVTransfer.SEND:
-            self.manager.release_outside_window(req.request_id)
-
     def check_invariants(self) -> None:
         """Verify S1..S6 from scratch; raise InvariantViolation naming the broken one."""
         check_scheduler(self)
-
-
-_MAX_TOKEN_ID = 2**32
