@@ -1,6 +1,6 @@
 """The core: block hashing, the block pool and the KV cache manager (numpy and xxhash only)."""
 
-from pagedkv.core.block_pool import NULL_BLOCK_ID, BlockPool, PoolConfig
+from pagedkv.core.block_pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.config import CacheConfig, ReservationPolicy
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagedkv.core.eviction import EvictionPolicy, LRUPolicy
@@ -14,6 +14,7 @@ from pagedkv.core.hashing import (
     hash_blocks,
 )
 from pagedkv.core.kv_cache_manager import KVCacheManager
+from pagedkv.core.pool_config import PoolConfig
 from pagedkv.core.seq_state import Allocation, PrefixMatch
 from pagedkv.core.stats import KVCacheStats, PrefixSnapshot
 

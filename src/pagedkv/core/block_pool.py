@@ -31,21 +31,20 @@ The pool is single-threaded by design: one owner (the scheduler loop) calls it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from itertools import compress
 from operator import itemgetter
-from typing import TypeVar
 
 from pagedkv.core.events import (
     AllBlocksCleared,
     BlockRemoved,
     EventQueue,
     KVEvent,
-    stored_events,
 )
 from pagedkv.core.eviction import EvictionPolicy, make_policy
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.pool_checks import check_pool
+from pagedkv.core.pool_config import PoolConfig as PoolConfig  # re-exported (its old home)
+from pagedkv.core.prefix_index import PrefixIndexMixin
 from pagedkv.errors import (
     CacheBusyError,
     InvalidRequestError,
@@ -56,46 +55,6 @@ from pagedkv.errors import (
 
 NULL_BLOCK_ID = 0
 """With ``use_null_block``, block 0 is never allocated: runners point padding at it."""
-_MATCH_CHUNK = 64  # hashes looked up per step of match_prefix
-_K = TypeVar("_K")
-
-
-@dataclass(frozen=True, slots=True)
-class PoolConfig:
-    """Sizes of a block pool. Counts are physical blocks, the null block included.
-
-    ``initial_blocks`` < ``num_blocks`` makes the pool elastic: it starts small and grows by
-    ``growth_blocks`` at a time (at least what one allocation needs) up to ``num_blocks``.
-    """
-
-    num_blocks: int
-    initial_blocks: int | None = None
-    growth_blocks: int = 64
-    use_null_block: bool = True
-    eviction_policy: str = "lru"
-    enable_events: bool = False
-    max_events: int = 10_000
-
-    def __post_init__(self) -> None:
-        reserved = 1 if self.use_null_block else 0
-        if self.num_blocks <= reserved:
-            raise InvalidRequestError(
-                f"num_blocks must exceed {reserved} (the null block), got {self.num_blocks}"
-            )
-        initial = self.initial_num_blocks
-        if not reserved < initial <= self.num_blocks:
-            raise InvalidRequestError(
-                f"initial_blocks must be in ({reserved}, {self.num_blocks}], got {initial}"
-            )
-        if self.growth_blocks <= 0:
-            raise InvalidRequestError(f"growth_blocks must be positive, got {self.growth_blocks}")
-        if self.max_events <= 0:
-            raise InvalidRequestError(f"max_events must be positive, got {self.max_events}")
-        make_policy(self.eviction_policy)  # raises InvalidRequestError for an unknown name
-
-    @property
-    def initial_num_blocks(self) -> int:
-        return self.num_blocks if self.initial_blocks is None else self.initial_blocks
 
 
 def _gather(values: Sequence[int], ids: Sequence[int]) -> tuple[int, ...]:
@@ -116,17 +75,7 @@ def _first_repeat(items: Sequence[int]) -> int:
     return len(items)
 
 
-def _drop_counts(table: dict[_K, int], keys: Iterable[_K]) -> None:
-    """Decrement a count per key; a count reaching 0 leaves the table."""
-    for k in keys:
-        n = table[k] - 1
-        if n:
-            table[k] = n
-        else:
-            del table[k]
-
-
-class BlockPool:
+class BlockPool(PrefixIndexMixin):
     """Fixed-size KV blocks with reference counts, a free list and a prefix-hash index.
 
     Invariants (``check_invariants()`` recomputes each from scratch):
@@ -230,49 +179,11 @@ class BlockPool:
         self._check_id(block_id)
         return self._hash[block_id]
 
-    def is_cached(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._index
-
-    def match_prefix(
-        self, block_hashes: Sequence[BlockHash], max_blocks: int | None = None
-    ) -> list[int]:
-        """Block ids of the longest run of cached hashes from the start (read-only, no refs)."""
-        get = self._index.get
-        limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
-        out: list[int] = []
-        # Look up in chunks with C-level map/index (~3x faster than a Python loop per block)
-        # while keeping the cost O(hit blocks + one chunk) when the hit is short.
-        for start in range(0, limit, _MATCH_CHUNK):
-            ids = list(map(get, block_hashes[start : min(start + _MATCH_CHUNK, limit)]))
-            if None in ids:
-                out.extend(ids[: ids.index(None)])  # type: ignore[arg-type]
-                return out
-            out.extend(ids)  # type: ignore[arg-type]
-        return out
-
     def eviction_order(self) -> list[int]:
         """Cached-free blocks, next victim first (O(n); for tests and debugging)."""
         return list(self._policy)
 
-    def copies_of(self, block_hash: BlockHash) -> list[int]:
-        """In-use copies of an indexed hash, next to take it over first (for tests)."""
-        return list(self._copies.get(block_hash, ()))
-
     # ------------------------------------------------------------------ watches
-    def watch(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
-        """Bump ``watch_epoch`` whenever one of these blocks is evicted or crosses ref count 0,
-        or one of these hashes becomes indexed, until ``unwatch`` with the same arguments."""
-        wb, wh = self._watched_blocks, self._watched_hashes
-        for b in block_ids:
-            wb[b] = wb.get(b, 0) + 1
-        for h in block_hashes:
-            wh[h] = wh.get(h, 0) + 1
-
-    def unwatch(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
-        """Drop watches taken by ``watch`` (same arguments)."""
-        _drop_counts(self._watched_blocks, block_ids)
-        _drop_counts(self._watched_hashes, block_hashes)
-
     # ------------------------------------------------------------------ mutation
     def allocate(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` free blocks (ref count 1, no hash). All or nothing.
@@ -345,16 +256,6 @@ class BlockPool:
         if removed and self.events.enabled:
             self.events.push(BlockRemoved(tuple(removed)))
         return victims
-
-    def _promote_copy(self, block_hash: BlockHash) -> None:
-        copies = self._copies[block_hash]
-        d = copies.pop(0)
-        if not copies:
-            del self._copies[block_hash]
-        del self._copy_of[d]
-        self._index[block_hash] = d
-        self._hash[d] = block_hash
-        self._hashed[d] = 1
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (a prefix hit or a fork). O(1) per block.
@@ -499,69 +400,6 @@ class BlockPool:
                 what = "is freed twice" if twice else "is not in use"
                 raise RequestStateError(f"block {b} {what}; it cannot be freed")
 
-    def _drop_copies(self, uncached: list[int]) -> None:
-        """Freed copies whose hash is served elsewhere become plain garbage (I7)."""
-        copy_of = self._copy_of
-        for b in uncached:
-            h = copy_of.pop(b, None)
-            if h is not None:
-                copies = self._copies[h]
-                copies.remove(b)
-                if not copies:
-                    del self._copies[h]
-
-    def cache_blocks(
-        self,
-        block_ids: Sequence[int],
-        block_hashes: Sequence[BlockHash],
-        *,
-        parent_hash: BlockHash | None,
-        token_ids: Sequence[int] = (),
-        block_size: int = 0,
-        lora_name: str | None = None,
-    ) -> int:
-        """Register consecutive full blocks of one chain under their hashes; return how many.
-
-        Blocks must be in use and unhashed (or already hold, or copy, this hash). A hash already
-        indexed at another block makes this block a copy (see the module docstring). When events
-        are on, emits one ``BlockStored`` per run of consecutive blocks newly indexed (usually
-        one run), so a consumer never hears of a hash twice while it stays cached.
-        """
-        if len(block_ids) != len(block_hashes):
-            raise InvalidRequestError(
-                f"{len(block_ids)} blocks but {len(block_hashes)} hashes to cache"
-            )
-        ref, hashes, index, copy_of = self._ref, self._hash, self._index, self._copy_of
-        for b, h in zip(block_ids, block_hashes, strict=True):
-            self._check_id(b)
-            if ref[b] <= 0 or hashes[b] not in (None, h) or copy_of.get(b, h) != h:
-                raise RequestStateError(
-                    f"block {b} must be in use and unhashed (or hold this hash) to be cached"
-                )
-        watched = self._watched_hashes
-        stored: list[int] = []  # positions in block_ids newly indexed (for events)
-        for i, (b, h) in enumerate(zip(block_ids, block_hashes, strict=True)):
-            if hashes[b] is not None or b in copy_of:  # already cached (a shared, forked block)
-                continue
-            if h in index:
-                self.num_duplicate_commits += 1
-                copy_of[b] = h
-                self._copies.setdefault(h, []).append(b)
-                continue
-            index[h] = b
-            hashes[b] = h
-            self._hashed[b] = 1
-            stored.append(i)
-            if watched and h in watched:
-                self.watch_epoch += 1
-        if stored and self.events.enabled:
-            for event in stored_events(
-                stored, block_hashes, parent_hash, token_ids, block_size, lora_name
-            ):
-                self.events.push(event)
-        self.version += 1
-        return len(stored)
-
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; raise CacheBusyError, changing nothing, if a block is in use.
 
@@ -611,10 +449,6 @@ class BlockPool:
         # reused first and new ids are handed out in ascending order (predictable block ids).
         new_ids = list(range(total - 1, first - 1, -1))
         self._free_uncached[:0] = new_ids
-
-    def _check_id(self, block_id: int) -> None:
-        if not 0 <= block_id < len(self._ref):
-            raise InvalidRequestError(f"block id {block_id} is outside [0, {len(self._ref)})")
 
     def check_invariants(self) -> None:
         """Recompute every counter from scratch; raise InvariantViolation naming the broken one."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from pagedkv.core.block_pool import PoolConfig
 from pagedkv.core.hashing import HashAlgo
+from pagedkv.core.pool_config import PoolConfig
 from pagedkv.errors import InvalidRequestError
 
 

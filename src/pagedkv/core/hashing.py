@@ -243,6 +243,19 @@ class BlockHashChain:
         """The hash before block ``index`` (the root for block 0)."""
         return self._root if index == 0 else self._hashes[index - 1]
 
+    def try_append(self, token_id: int) -> bool:
+        """Append one valid token id that completes no block (the decode hot path, with no
+        list built); False, changing nothing, for anything else (then call ``extend``)."""
+        pending = self._pending
+        if (
+            len(pending) + 1 < self.block_size
+            and type(token_id) is int
+            and 0 <= token_id < _MAX_TOKEN_ID
+        ):
+            pending.append(token_id)
+            return True
+        return False
+
     def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Append tokens and return the hashes of the blocks they completed (maybe none)."""
         bs = self.block_size

@@ -25,6 +25,12 @@ of the blocks each may still claim under the reservation policy, and is updated 
 allocate, rollback, fork, hold and free; ``can_admit`` compares one candidate against it and the
 pool's O(1) free count. Nothing scans the pool or the running requests.
 
+The class is assembled from parts that each own one noun: ``prefix_admission.py`` (the
+memoised match and ``can_admit``), ``manager_commit.py`` (append, commit, register),
+``manager_tables.py`` (block tables and slot mappings), ``manager_queries.py`` (read-only
+counters and stats) and ``manager_checks.py`` (M1..M7); this module keeps the block lifecycle
+(allocate, rollback, window release, fork, preempt, free, hold, release).
+
 The manager is single-threaded by design: it is owned by the scheduler loop. Concurrent callers
 must serialise access themselves.
 """
@@ -33,17 +39,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from pagedkv.core.block_pool import NULL_BLOCK_ID, BlockPool
 from pagedkv.core.config import CacheConfig, ReservationPolicy
-from pagedkv.core.hashing import BlockHash, BlockHashChain, HashContext, pack_tokens
+from pagedkv.core.hashing import BlockHashChain, HashContext, pack_tokens
 from pagedkv.core.inflight import InflightTable
-from pagedkv.core.seq_state import Allocation, PrefixMatch, SeqState
-from pagedkv.core.stats import KVCacheStats, PrefixStats
+from pagedkv.core.manager_checks import check_manager
+from pagedkv.core.manager_commit import CommitMixin
+from pagedkv.core.manager_queries import ManagerQueriesMixin
+from pagedkv.core.manager_tables import BlockTablesMixin
+from pagedkv.core.seq_state import Allocation, SeqState
+from pagedkv.core.stats import PrefixStats
 from pagedkv.errors import (
     InvalidRequestError,
-    InvariantViolation,
     OutOfBlocksError,
     PromptTooLongError,
     RequestStateError,
@@ -52,7 +59,7 @@ from pagedkv.errors import (
 )
 
 
-class KVCacheManager:
+class KVCacheManager(CommitMixin, BlockTablesMixin, ManagerQueriesMixin):
     """Per-request block tables, prefix caching, copy-on-write forks, rollback and admission.
 
     Invariants (``check_invariants()`` recomputes each from scratch):
@@ -98,9 +105,14 @@ class KVCacheManager:
         max_tokens: int = 0,
         cache_salt: str | None = None,
         hash_context: HashContext | None = None,
+        adopt_token_ids: bool = False,
     ) -> None:
         """Register a waiting request and hash its prompt once. Takes no blocks.
 
+        With ``adopt_token_ids`` (and a ``list``) the manager keeps ``prompt_token_ids`` itself
+        as the request's token list instead of a copy, and appends accepted tokens to it: the
+        caller reads it from then on and never mutates it (the scheduler shares it with its
+        ``Request``, so a request's tokens are held, appended and dropped once, not twice).
         Raises InvalidRequestError for a duplicate id, an empty prompt, bad token ids or a
         negative ``max_tokens``; PromptTooLongError when the prompt alone exceeds the pool.
         """
@@ -108,7 +120,10 @@ class KVCacheManager:
             raise InvalidRequestError(f"request {request_id!r} is already registered")
         if max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
-        tokens = list(prompt_token_ids)
+        if adopt_token_ids and type(prompt_token_ids) is list:
+            tokens = prompt_token_ids
+        else:
+            tokens = list(prompt_token_ids)
         if not tokens:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
         bs = self.block_size
@@ -139,155 +154,6 @@ class KVCacheManager:
         else:
             pack_tokens(tokens)
         self._seqs[request_id] = SeqState(request_id, tokens, chain, len(tokens) + max_tokens)
-
-    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Append accepted tokens (sampled outputs) to a request; extends its hashes."""
-        seq = self._get(request_id)
-        if seq.held:
-            raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
-        self._append(seq, token_ids)
-
-    def append_and_commit(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
-        """``append_tokens(token_ids)`` then ``commit(num_tokens)`` in one lookup: a sampling
-        step's update (the scheduler's hot path, so both are inlined). All or nothing: both are
-        validated before either changes anything. Returns what ``commit`` returns."""
-        seq = self._get(request_id)
-        if seq.held:
-            raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
-        num_known = len(seq.token_ids) + len(token_ids)
-        new_computed = seq.num_computed + num_tokens
-        if num_tokens < 0 or num_tokens > seq.num_pending or new_computed > num_known:
-            self._check_commit(seq, num_tokens, num_known)  # raises, naming the reason
-        new = list(token_ids)
-        if self.config.enable_prefix_caching:
-            completed = seq.chain.extend(new)  # raises, changing nothing, for bad token ids
-            if completed and seq.started:  # they are this request's to compute: in flight
-                self._inflight.extend(seq, completed)
-        else:
-            pack_tokens(new)
-        seq.token_ids.extend(new)
-        if seq.match is not None:
-            self._drop_memo(seq)
-        seq.num_computed = new_computed
-        seq.num_pending -= num_tokens
-        if new_computed // self.block_size <= seq.num_cached_blocks:
-            return 0  # no block filled (or prefix caching off: nothing is ever registered)
-        return self._register_computed(seq)
-
-    def _append(self, seq: SeqState, token_ids: Sequence[int]) -> None:
-        new = list(token_ids)
-        if self.config.enable_prefix_caching:
-            completed = seq.chain.extend(new)
-            if completed and seq.started:  # they are this request's to compute: in flight
-                self._inflight.extend(seq, completed)
-        else:
-            pack_tokens(new)
-        seq.token_ids.extend(new)
-        if seq.match is not None:
-            self._drop_memo(seq)
-
-    def match_prefix(self, request_id: str) -> PrefixMatch:
-        """The longest cached run of full blocks, never the whole prompt. Read-only.
-
-        At least one token is always left to compute, so the model produces logits.
-
-        The answer is memoised. Memo invariant: a *watched* match taken at the pool's
-        ``watch_epoch`` E over N tokens equals a fresh match while the epoch is still E and the
-        request still has N tokens (an unwatched first match: while the pool's ``version``,
-        bumped by every mutation, is unchanged, so admitting at once costs no watches). It holds
-        because the match depends only on (a) which of the chain's hashes are indexed, and at which
-        blocks, and (b) which matched blocks have ref count 0; the memo watches its matched blocks
-        (evicted, or crossing ref count 0) and the next hash of its chain (indexed), and any of
-        those bumps the epoch. Nothing else can change the answer, so a blocked waiting head
-        re-matches only when its own chain changed.
-        """
-        seq = self._get(request_id)
-        if seq.started:
-            raise RequestStateError(f"request {request_id!r} already holds its prefix")
-        match = seq.match
-        pool = self.pool
-        if (
-            match is not None
-            and seq.match_num_tokens == len(seq.token_ids)
-            and (
-                seq.match_epoch == pool.watch_epoch
-                if seq.match_watched
-                else seq.match_version == pool.version
-            )
-        ):
-            return match  # nothing it depends on changed since: the memo is exact
-        # A first match is checked against the pool's version (any mutation); a request matched
-        # again has waited across operations (a blocked head), so it now watches its chain.
-        watch = match is not None
-        if match is not None:
-            self._drop_memo(seq)
-        nxt: tuple[BlockHash, ...] = ()
-        if self.config.enable_prefix_caching:
-            max_blocks = (len(seq.token_ids) - 1) // self.block_size
-            ids = pool.match_prefix(seq.chain.hashes, max_blocks)
-            evictable = pool.ref_counts(ids).count(0)
-            if len(ids) < max_blocks:
-                nxt = (seq.chain.hashes[len(ids)],)
-        else:
-            ids, evictable = [], 0
-        match = PrefixMatch(tuple(ids), len(ids) * self.block_size, evictable)
-        if watch:
-            pool.watch(match.block_ids, nxt)
-            seq.match_next = nxt
-        seq.match = match
-        seq.match_watched = watch
-        seq.match_epoch = pool.watch_epoch
-        seq.match_version = pool.version
-        seq.match_num_tokens = len(seq.token_ids)
-        return match
-
-    def waits_for_inflight(self, request_id: str) -> bool:
-        """Whether the next block a waiting request would compute past its cached prefix is
-        being computed now by a request holding blocks (so waiting for its commit turns that
-        block into a hit instead of computing it twice). O(1) once matched."""
-        seq = self._get(request_id)
-        match = self.match_prefix(request_id)
-        i = len(match.block_ids)
-        return (
-            bool(self._inflight)
-            and i < (len(seq.token_ids) - 1) // self.block_size
-            and self._inflight.contains(seq.chain.hashes[i])
-        )
-
-    def _drop_memo(self, seq: SeqState) -> None:
-        match = seq.match
-        if match is not None:
-            if seq.match_watched:
-                self.pool.unwatch(match.block_ids, seq.match_next)
-            seq.match = None
-            seq.match_next = ()
-            seq.match_watched = False
-
-    def num_blocks_to_admit(self, request_id: str) -> int:
-        """Blocks admitting this waiting request would take now, its future claim included."""
-        seq = self._get(request_id)
-        match = self.match_prefix(request_id)
-        return self._admission_need(seq, match)
-
-    def _admission_need(self, seq: SeqState, match: PrefixMatch) -> int:
-        bs = self.block_size
-        prompt_blocks = -(-len(seq.token_ids) // bs)
-        need = prompt_blocks - len(match.block_ids) + match.num_evictable_blocks
-        if self.config.reservation is ReservationPolicy.MAX_TOKENS:
-            need += max(0, self._reserve_blocks(seq) - prompt_blocks)
-        return need
-
-    def _reserve_blocks(self, seq: SeqState) -> int:
-        """Blocks reserved for a request in total: prompt + max_tokens, capped at what fits."""
-        return min(-(-seq.max_total_tokens // self.block_size), self._admissible_blocks)
-
-    def can_admit(self, request_id: str) -> bool:
-        """Whether a waiting request fits: its blocks plus the running requests' claim must fit
-        under free capacity minus the watermark. O(1) once ``match_prefix`` ran for it."""
-        seq = self._get(request_id)
-        match = self.match_prefix(request_id)  # O(1): memoized until the pool changes
-        need = self._admission_need(seq, match)
-        return need + self._running_claim <= self.pool.num_free_blocks - self._watermark_blocks
 
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
@@ -348,26 +214,9 @@ class KVCacheManager:
                 f"of {pool.capacity_blocks}"
             )
         # Validated: nothing below can fail.
-        copies: tuple[tuple[int, int], ...] = ()
         if not seq.started:
-            pool.touch(hit_ids)
-            seq.block_ids = list(hit_ids)
-            seq.table = None
-            seq.num_computed = num_computed
-            seq.num_cached_blocks = len(hit_ids)
-            seq.num_hit_tokens = num_computed
-            seq.started = True
-            self._drop_memo(seq)
-            self._prefix.record(len(seq.token_ids), num_computed, bs, resumed=seq.resumed)
-            self._inflight_start(seq)
-        if cow_index >= 0:
-            src = seq.block_ids[cow_index]
-            (dst,) = pool.allocate(1)
-            seq.block_ids[cow_index] = dst
-            seq.table = None
-            pool.free([src])
-            copies = ((src, dst),)
-            self.num_cow_copies += 1
+            self._start(seq, hit_ids, num_computed)
+        copies = self._copy_on_write(seq, cow_index) if cow_index >= 0 else ()
         new_ids = pool.allocate(num_new_blocks) if num_new_blocks else []
         if new_ids:
             seq.block_ids.extend(new_ids)
@@ -376,59 +225,29 @@ class KVCacheManager:
         self._update_claim(seq)
         return Allocation(tuple(new_ids), copies, seq.num_hit_tokens)
 
-    def commit(self, request_id: str, num_tokens: int) -> int:
-        """Mark ``num_tokens`` scheduled positions computed; share the blocks they filled.
+    def _start(self, seq: SeqState, hit_ids: tuple[int, ...], num_computed: int) -> None:
+        """A request's first allocation: take its prefix hit and count the prefix query."""
+        self.pool.touch(hit_ids)
+        seq.block_ids = list(hit_ids)
+        seq.table = None
+        seq.num_computed = num_computed
+        seq.num_cached_blocks = len(hit_ids)
+        seq.num_hit_tokens = num_computed
+        seq.started = True
+        self._drop_memo(seq)
+        self._prefix.record(len(seq.token_ids), num_computed, self.block_size, resumed=seq.resumed)
+        self._inflight_start(seq)
 
-        The tokens at those positions must be known (prompt or appended). Returns the number of
-        blocks newly registered in the prefix index.
-        """
-        seq = self._get(request_id)
-        self._check_commit(seq, num_tokens, len(seq.token_ids))
-        return self._commit(seq, num_tokens)
-
-    def _check_commit(self, seq: SeqState, num_tokens: int, num_known: int) -> None:
-        """Raise (a commit would change nothing) unless ``num_tokens`` scheduled positions can
-        be committed with ``num_known`` tokens known."""
-        if num_tokens < 0 or num_tokens > seq.num_pending:
-            raise InvalidRequestError(
-                f"cannot commit {num_tokens} tokens of request {seq.request_id!r}: "
-                f"{seq.num_pending} are scheduled"
-            )
-        if seq.num_computed + num_tokens > num_known:
-            raise InvalidRequestError(
-                f"cannot commit position {seq.num_computed + num_tokens - 1} of request "
-                f"{seq.request_id!r}: only {num_known} tokens are known; append accepted "
-                "tokens first"
-            )
-
-    def _commit(self, seq: SeqState, num_tokens: int) -> int:
-        new_computed = seq.num_computed + num_tokens
-        seq.num_computed = new_computed
-        seq.num_pending -= num_tokens
-        if new_computed // self.block_size <= seq.num_cached_blocks:
-            return 0
-        return self._register_computed(seq)
-
-    def _register_computed(self, seq: SeqState) -> int:
-        """Register the full blocks committed past ``num_cached_blocks`` in the prefix index."""
-        if not self.config.enable_prefix_caching:
-            return 0
-        bs = self.block_size
-        full = seq.num_computed // bs
-        first = seq.num_cached_blocks
-        chain = seq.chain
+    def _copy_on_write(self, seq: SeqState, index: int) -> tuple[tuple[int, int], ...]:
+        """Replace the shared partial block at ``index`` by a fresh one; return the copy."""
         pool = self.pool
-        num_new = pool.cache_blocks(
-            seq.block_ids[first:full],
-            chain.hashes[first:full],
-            parent_hash=chain.parent_of(first) if first else None,
-            token_ids=seq.token_ids[first * bs : full * bs] if pool.events.enabled else (),
-            block_size=bs,
-            lora_name=chain.context.adapter_id,
-        )
-        seq.num_cached_blocks = full
-        self._inflight.commit(seq, full)
-        return num_new
+        src = seq.block_ids[index]
+        (dst,) = pool.allocate(1)
+        seq.block_ids[index] = dst
+        seq.table = None
+        pool.free([src])
+        self.num_cow_copies += 1
+        return ((src, dst),)
 
     def rollback(self, request_id: str, num_tokens: int) -> list[int]:
         """Drop ``num_tokens`` scheduled (uncommitted) positions, e.g. rejected drafts.
@@ -590,143 +409,7 @@ class KVCacheManager:
         for seq in self._seqs.values():
             self._drop_memo(seq)
 
-    # ------------------------------------------------------------------ tables
-    def block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's block table as a list."""
-        return list(self._get(request_id).block_ids)
-
-    def block_table(self, request_id: str) -> np.ndarray:
-        """The request's block table as an int32 array (a copy the caller may keep)."""
-        return np.array(self._get(request_id).block_ids, dtype=np.int32)
-
-    def block_ids_view(self, request_id: str) -> list[int]:
-        """The request's block table itself (no copy): read it now, never mutate or keep it."""
-        return self._get(request_id).block_ids
-
-    def block_views(self, request_id: str) -> tuple[list[int], np.ndarray]:
-        """``(block_ids_view, block_table_view)`` in one lookup (the scheduler's hot path)."""
-        seq = self._get(request_id)
-        table = seq.table
-        if table is None:
-            table = seq.table = np.array(seq.block_ids, dtype=np.int32)
-        return seq.block_ids, table
-
-    def block_table_view(self, request_id: str) -> np.ndarray:
-        """The request's block table as an int32 array, cached until the table changes (a
-        read-only view for one step's batch: the manager replaces it, never mutates it)."""
-        seq = self._get(request_id)
-        table = seq.table
-        if table is None:
-            table = seq.table = np.array(seq.block_ids, dtype=np.int32)
-        return table
-
-    def slot_mapping(self, request_id: str, start: int, end: int) -> np.ndarray:
-        """Slots of positions ``[start, end)``: ``block_id * block_size + offset`` (int32)."""
-        seq = self._get(request_id)
-        bs = self.block_size
-        if not 0 <= start <= end <= len(seq.block_ids) * bs:
-            raise InvalidRequestError(
-                f"positions [{start}, {end}) are outside the {len(seq.block_ids) * bs} allocated "
-                f"slots of request {request_id!r}"
-            )
-        ids = seq.block_ids
-        if end - start <= 4:
-            return np.array([ids[p // bs] * bs + p % bs for p in range(start, end)], dtype=np.int32)
-        pos = np.arange(start, end, dtype=np.int64)
-        table = np.asarray(ids, dtype=np.int64)
-        return (table[pos // bs] * bs + pos % bs).astype(np.int32)
-
-    # ------------------------------------------------------------------ queries
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._seqs
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._seqs)
-
-    def block_hashes(self, request_id: str) -> list[BlockHash]:
-        """The request's full-block hashes so far (the manager's own list: do not mutate)."""
-        return self._get(request_id).chain.hashes
-
-    def preview_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Hashes of the blocks that appending ``token_ids`` would complete (read-only), e.g.
-        the blocks accepted drafts fill before ``update`` appends them."""
-        return self._get(request_id).chain.preview(token_ids)
-
-    def num_computed_tokens(self, request_id: str) -> int:
-        return self._get(request_id).num_computed
-
-    def num_pending_tokens(self, request_id: str) -> int:
-        return self._get(request_id).num_pending
-
-    def num_tokens(self, request_id: str) -> int:
-        return len(self._get(request_id).token_ids)
-
-    def token_ids(self, request_id: str) -> list[int]:
-        return list(self._get(request_id).token_ids)
-
-    def num_hit_tokens(self, request_id: str) -> int:
-        """Tokens served from the prefix cache at the request's last admission."""
-        return self._get(request_id).num_hit_tokens
-
-    def is_held(self, request_id: str) -> bool:
-        return self._get(request_id).held
-
-    @property
-    def running_claim_blocks(self) -> int:
-        """Blocks the requests holding blocks may still claim (O(1) running sum)."""
-        return self._running_claim
-
-    @property
-    def admissible_blocks(self) -> int:
-        """The most blocks one request can be admitted with: capacity less the watermark."""
-        return self._admissible_blocks
-
-    @property
-    def watermark_blocks(self) -> int:
-        return self._watermark_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
-
-    def stats(self, *, ref_histogram: bool = False) -> KVCacheStats:
-        """A snapshot of counters. O(1), or O(materialized blocks) with ``ref_histogram``."""
-        pool = self.pool
-        hist: tuple[tuple[int, int], ...] = ()
-        if ref_histogram:
-            counts: dict[int, int] = {}
-            first = 1 if pool.config.use_null_block else 0
-            for r in pool.ref_counts(range(first, pool.num_materialized_blocks)):
-                counts[r] = counts.get(r, 0) + 1
-            hist = tuple(sorted(counts.items()))
-        return KVCacheStats(
-            block_size=self.block_size,
-            capacity_blocks=pool.capacity_blocks,
-            num_materialized_blocks=pool.num_materialized_blocks,
-            num_free_blocks=pool.num_free_blocks,
-            num_used_blocks=pool.num_used_blocks,
-            num_cached_blocks=pool.num_cached_blocks,
-            num_cached_free_blocks=pool.num_cached_free_blocks,
-            num_shared_blocks=pool.num_shared_blocks,
-            usage=pool.usage,
-            num_requests=len(self._seqs),
-            running_claim_blocks=self._running_claim,
-            prefix=self._prefix.snapshot(),
-            num_evictions=pool.num_evictions,
-            num_cow_copies=self.num_cow_copies,
-            num_duplicate_commits=pool.num_duplicate_commits,
-            num_events_dropped=pool.events.num_dropped,
-            ref_count_histogram=hist,
-        )
-
     # ------------------------------------------------------------------ internals
-    def _get(self, request_id: str) -> SeqState:
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            raise UnknownRequestError(f"unknown request {request_id!r} (never added, or freed)")
-        return seq
-
     def _claim_of(self, seq: SeqState) -> int:
         if seq.held or not seq.started:
             return 0
@@ -744,9 +427,18 @@ class KVCacheManager:
         self._drop_memo(seq)
         if seq.block_ids:
             released = seq.num_released_blocks  # leading entries: the null block
-            held = seq.block_ids[::-1] if not released else seq.block_ids[: released - 1 : -1]
+            if released:
+                held = seq.block_ids[: released - 1 : -1]
+            else:  # reversed in place, no copy: the list is dropped below (views are not kept)
+                held = seq.block_ids
+                held.reverse()
             if held:
-                self.pool.free_owned(held)
+                try:
+                    self.pool.free_owned(held)
+                except RequestStateError:  # pragma: no cover - M1 makes it impossible
+                    if not released:
+                        held.reverse()
+                    raise
             seq.block_ids = []
             seq.num_released_blocks = 0
             seq.table = None
@@ -760,56 +452,4 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Recompute every counter from scratch; raise InvariantViolation naming the broken one."""
-        self.pool.check_invariants()
-        pool = self.pool
-        refs: dict[int, int] = {}
-        claim_sum = 0
-        bs = self.block_size
-        for seq in self._seqs.values():
-            self._check_released(seq)
-            for b in seq.block_ids[seq.num_released_blocks :]:
-                refs[b] = refs.get(b, 0) + 1
-            if seq.claim != self._claim_of(seq):
-                raise InvariantViolation(f"M2: request {seq.request_id!r} claim is stale")
-            claim_sum += seq.claim
-            if len(seq.block_ids) * bs < seq.num_computed + seq.num_pending:
-                raise InvariantViolation(
-                    f"M3: request {seq.request_id!r} has {len(seq.block_ids)} blocks for "
-                    f"{seq.num_computed + seq.num_pending} positions"
-                )
-            if seq.num_computed > len(seq.token_ids):
-                raise InvariantViolation(f"M4: request {seq.request_id!r} computed unknown tokens")
-            if self.config.enable_prefix_caching:
-                for i in range(seq.num_cached_blocks):
-                    h = pool.block_hash(seq.block_ids[i])
-                    if h is not None and h != seq.chain.hashes[i]:
-                        raise InvariantViolation(
-                            f"M4: block {seq.block_ids[i]} of request {seq.request_id!r} is "
-                            "hashed with another chain's hash"
-                        )
-        if claim_sum != self._running_claim:
-            raise InvariantViolation(f"M2: running claim {self._running_claim} != {claim_sum}")
-        counts = pool.ref_counts(range(pool.num_materialized_blocks))
-        for b, r in enumerate(counts):
-            if r != refs.get(b, 0):
-                raise InvariantViolation(
-                    f"M1: block {b} has ref count {r} but requests hold {refs.get(b, 0)}"
-                )
-        self._inflight.check(self._seqs.values(), self.config.enable_prefix_caching)
-
-    def _check_released(self, seq: SeqState) -> None:
-        """M6 for one request (see the class docstring)."""
-        k = seq.num_released_blocks
-        window = self.config.sliding_window
-        if k and (window is None or k * self.block_size > seq.num_computed + 1 - window):
-            raise InvariantViolation(
-                f"M6: request {seq.request_id!r} released {k} blocks; window {window}, "
-                f"{seq.num_computed} positions computed"
-            )
-        ids = seq.block_ids
-        if any(b != NULL_BLOCK_ID for b in ids[:k]) or (
-            self.pool.config.use_null_block and NULL_BLOCK_ID in ids[k:]
-        ):
-            raise InvariantViolation(
-                f"M6: request {seq.request_id!r}: null block entries are not exactly its first {k}"
-            )
+        check_manager(self)

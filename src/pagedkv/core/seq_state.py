@@ -1,4 +1,5 @@
-"""Per-request records of the KV cache manager: its state, prefix match and allocation."""
+"""Per-request records of the KV cache manager: its state, prefix match and allocation, and the
+table of them by request id."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.core.hashing import BlockHashChain
+from pagedkv.errors import UnknownRequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +98,16 @@ class SeqState:
         self.match_watched = False  # the memo watches its blocks and next hash
         self.match_num_tokens = 0  # len(token_ids) when matched
         self.match_next: tuple[bytes, ...] = ()  # the watched next hash (none at the limit)
+
+
+class SeqTable:
+    """The manager's requests by id: the one lookup every part of ``KVCacheManager`` shares
+    (its block tables, its prefix admission, its queries)."""
+
+    _seqs: dict[str, SeqState]
+
+    def _get(self, request_id: str) -> SeqState:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (never added, or freed)")
+        return seq

@@ -19,7 +19,7 @@ _HOLDING = (
 
 
 def check_scheduler(sched: Scheduler) -> None:
-    """Verify S1..S5 from scratch; raise InvariantViolation naming the broken one."""
+    """Verify S1..S6 from scratch; raise InvariantViolation naming the broken one."""
     sched.manager.check_invariants()
     keys = [r.sort_key() for r in sched.running]
     if keys != sorted(keys):
@@ -44,6 +44,8 @@ def check_scheduler(sched: Scheduler) -> None:
             raise InvariantViolation(f"S1: {rid} is {st.value} vs the sending set")
         if rid not in sched.manager:
             raise InvariantViolation(f"S4: {rid} is unfinished but unknown to the manager")
+        if req.all_token_ids is not sched.manager.token_ids_view(rid):
+            raise InvariantViolation(f"S6: {rid} does not share its token list with the manager")
         holds = bool(sched.manager.block_ids(rid))
         must_hold = st in _HOLDING
         if st is RequestStatus.RUNNING and req.num_computed_tokens == 0:

@@ -123,7 +123,7 @@ class KVSharingMixin:
         )
         remaining = child.max_tokens - parent.num_output_tokens
         self.manager.fork(parent_id, child_id, max_tokens=max(0, remaining))
-        child.all_token_ids = list(parent.all_token_ids)
+        child.all_token_ids = self.manager.token_ids_view(child_id)  # shared (S6)
         child.status = RequestStatus.RUNNING
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens

@@ -9,7 +9,28 @@ import numpy as np
 from pagedkv.sched.request import FinishReason
 
 
-@dataclass(slots=True)
+class StepSlots:
+    """Every slot one step scheduled, in batch order: a list of ints that ``schedule()`` fills,
+    turned into one int32 array the first time a request's ``slot_mapping`` is read.
+
+    The list is complete before the output is returned and never changes after, so the array
+    (and every view of it) is the same whenever it is built. A step whose slot mappings nobody
+    reads (the simulator, a benchmark) never builds it.
+    """
+
+    __slots__ = ("_array", "slots")
+
+    def __init__(self) -> None:
+        self.slots: list[int] = []
+        self._array: np.ndarray | None = None
+
+    def array(self) -> np.ndarray:
+        arr = self._array
+        if arr is None:
+            arr = self._array = np.array(self.slots, dtype=np.int32)
+        return arr
+
+
 class ScheduledRequest:
     """One request's work in a step: positions ``[start_position, start_position + num_tokens)``.
 
@@ -17,17 +38,68 @@ class ScheduledRequest:
     sampled token followed by ``num_draft_tokens`` drafts. ``slot_mapping[i]`` is where position
     ``start_position + i`` writes its K/V (``block_id * block_size + offset``). ``block_table``
     is the request's whole table (int32); both arrays are views the runner must not modify.
+
+    A hot record (one per scheduled request per step): the scheduler passes its step's
+    :class:`StepSlots` and this request's offset in it instead of an array, and the view is cut
+    on first read (a step's slots are final once ``schedule()`` returns). Any other caller
+    passes the array itself.
     """
 
-    request_id: str
-    start_position: int
-    token_ids: list[int]
-    num_tokens: int
-    block_table: np.ndarray
-    slot_mapping: np.ndarray
-    is_prefill: bool
-    samples: bool
-    num_draft_tokens: int = 0
+    __slots__ = (
+        "_slot_mapping",
+        "_slot_offset",
+        "block_table",
+        "is_prefill",
+        "num_draft_tokens",
+        "num_tokens",
+        "request_id",
+        "samples",
+        "start_position",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        start_position: int,
+        token_ids: list[int],
+        num_tokens: int,
+        block_table: np.ndarray,
+        slot_mapping: np.ndarray | StepSlots,
+        is_prefill: bool,
+        samples: bool,
+        num_draft_tokens: int = 0,
+        slot_offset: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.start_position = start_position
+        self.token_ids = token_ids
+        self.num_tokens = num_tokens
+        self.block_table = block_table
+        self._slot_mapping = slot_mapping
+        self._slot_offset = slot_offset  # where this request's slots start in a StepSlots
+        self.is_prefill = is_prefill
+        self.samples = samples
+        self.num_draft_tokens = num_draft_tokens
+
+    @property
+    def slot_mapping(self) -> np.ndarray:
+        m = self._slot_mapping
+        if isinstance(m, StepSlots):
+            start = self._slot_offset
+            m = self._slot_mapping = m.array()[start : start + self.num_tokens]
+        return m
+
+    @slot_mapping.setter
+    def slot_mapping(self, value: np.ndarray) -> None:
+        self._slot_mapping = value
+
+    def __repr__(self) -> str:
+        return (
+            f"ScheduledRequest({self.request_id!r}, start_position={self.start_position}, "
+            f"num_tokens={self.num_tokens}, is_prefill={self.is_prefill}, "
+            f"samples={self.samples}, num_draft_tokens={self.num_draft_tokens})"
+        )
 
 
 @dataclass(slots=True)

@@ -18,8 +18,10 @@ The running list is kept in serving order (``Request.sort_key``: priority, arriv
 so the preemption victim, the lowest priority and then the latest arrival, is always at its
 back. Decodes are scheduled before any prefill chunk, so prefills never starve decodes.
 
-Requests whose KV is shared with something else (remote prefill or decode, KV tiers, forks) are
-handled by ``KVSharingMixin`` (``kv_sharing.py``); the invariant checks live in ``checks.py``.
+The class is assembled from parts that each own one noun: ``step_update.py`` (``update`` and
+finishing), ``preemption.py`` (allocation with victims), ``kv_sharing.py`` (remote prefill or
+decode, KV tiers, forks) and ``checks.py`` (S1..S6); this module keeps the queue, admission and
+the phases of ``schedule``.
 The scheduler owns the manager and is single-threaded: one loop calls ``schedule``/``update``.
 """
 
@@ -28,9 +30,6 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
-
-import numpy as np
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.kv_cache_manager import KVCacheManager
@@ -46,17 +45,18 @@ from pagedkv.errors import (
 )
 from pagedkv.sched.checks import check_scheduler
 from pagedkv.sched.config import SchedulerConfig
-from pagedkv.sched.kv_sharing import KVSharingMixin, TierIndex
-from pagedkv.sched.output import RequestOutput, ScheduledRequest, SchedulerOutput
+from pagedkv.sched.kv_sharing import TierIndex
+from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
+from pagedkv.sched.preemption import PreemptionMixin
 from pagedkv.sched.queue import make_queue
 from pagedkv.sched.request import FinishReason, KVTransfer, Request, RequestStatus
 from pagedkv.sched.stats import SchedulerStats, StepStats
-from pagedkv.sched.step_plan import StepPlan, check_stop, is_token_id
+from pagedkv.sched.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(KVSharingMixin):
+class Scheduler(PreemptionMixin):
     """Decides, each step, which requests compute which tokens, within the budget and the pool.
 
     Invariants (``check_invariants()`` verifies each):
@@ -70,6 +70,8 @@ class Scheduler(KVSharingMixin):
       S4  requests holding blocks are exactly the running, loading, remote-wait and sending
           ones (a running request with nothing computed may hold none: its tier load failed)
       S5  the manager's invariants hold
+      S6  every request the manager knows shares its token list with the manager
+          (``all_token_ids is manager.token_ids_view(id)``): only the manager appends to it
     Complexity per step: O(scheduled requests + admitted requests); admission never scans the
     waiting queue beyond the requests it admits.
     """
@@ -142,6 +144,7 @@ class Scheduler(KVSharingMixin):
             max_tokens=max_tokens,
             cache_salt=request.cache_salt,
             hash_context=request.hash_context,
+            adopt_token_ids=True,  # one list: the manager appends, the request reads (S6)
         )
         request.max_tokens = max_tokens
         self.requests[rid] = request
@@ -202,14 +205,18 @@ class Scheduler(KVSharingMixin):
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
         """Phase 1: one token (+ drafts) per decoding request, in serving order; victims come
-        from the back of the running list. The common case (the allocation succeeds) is
-        inlined: this loop runs once per running request per step."""
+        from the back of the running list. The common case (the positions fit the blocks the
+        request holds: ``try_extend_slots``) is one manager call and one record: this loop runs
+        once per running request per step."""
         mgr = self.manager
-        allocate, views = mgr.allocate_slots, mgr.block_views
-        bs, lookahead, max_len = self.block_size, self.config.num_lookahead_tokens, self.max_len
-        running, scheduled, slots, done = self.running, plan.scheduled, plan.slots, plan.done
+        extend, views = mgr.try_extend_slots, mgr.block_table_view
+        lookahead, max_len = self.config.num_lookahead_tokens, self.max_len
+        running, scheduled = self.running, plan.scheduled
+        step_slots = plan.step_slots
+        slots = step_slots.slots
+        budget = plan.budget  # written back below (_allocate_or_preempt does not read it)
         i = 0
-        while i < len(running) and plan.budget > 0:
+        while i < len(running) and budget > 0:
             req = running[i]
             all_ids = req.all_token_ids
             pos = req.num_computed_tokens
@@ -220,30 +227,23 @@ class Scheduler(KVSharingMixin):
             drafts = req.draft_token_ids
             if drafts:
                 num_out = len(all_ids) - req.num_prompt_tokens
-                room = min(plan.budget, req.max_tokens - num_out, max_len - len(all_ids)) - 1
+                room = min(budget, req.max_tokens - num_out, max_len - len(all_ids)) - 1
                 drafts = drafts[: max(0, room)]
             n = 1 + len(drafts)
-            try:
-                alloc = allocate(rid, n, lookahead)
-            except OutOfBlocksError:
+            offset = len(slots)
+            table = None if lookahead else extend(rid, n, slots)
+            if table is None:
                 if not self._allocate_or_preempt(req, n, lookahead, plan):
                     break  # req itself was preempted; everything after it is gone too
-            else:
-                if alloc.copies:
-                    plan.copies.extend(alloc.copies)
-            table, array = views(rid)
-            if n == 1:
-                slots.append(table[pos // bs] * bs + pos % bs)
-                tokens = [all_ids[-1]]
-            else:
-                slots.extend(table[p // bs] * bs + p % bs for p in range(pos, pos + n))
-                tokens = [all_ids[-1], *drafts]
+                mgr.append_slot_mapping(rid, pos, n, slots)
+                table = views(rid)
+            tokens = [all_ids[-1], *drafts] if drafts else [all_ids[-1]]
             scheduled.append(
-                ScheduledRequest(rid, pos, tokens, n, array, _EMPTY, False, True, n - 1)
+                ScheduledRequest(rid, pos, tokens, n, table, step_slots, False, True, n - 1, offset)
             )
-            done.add(rid)
-            plan.budget -= n
+            budget -= n
             i += 1
+        plan.budget = budget
 
     def _schedule_prefill_chunks(self, plan: StepPlan) -> None:
         """Phase 2: the next chunk of every running request still prefilling, budget allowing."""
@@ -252,18 +252,17 @@ class Scheduler(KVSharingMixin):
         i = 0
         while i < len(running) and plan.budget > 0:
             req = running[i]
-            if req.request_id in plan.done or req.num_computed_tokens >= req.num_tokens - 1:
+            if req.num_computed_tokens >= req.num_tokens - 1:  # decoding (scheduled above)
                 i += 1
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(remaining, plan.budget)
             la = lookahead if n == remaining else 0
-            if not self._allocate_or_preempt(req, n, la, plan, protect=plan.done):
+            if not self._allocate_or_preempt(req, n, la, plan, protect_scheduled=True):
                 if req.status is RequestStatus.RUNNING:  # skipped, not preempted: look further
                     i += 1
                 continue
-            plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan.slots))
-            plan.done.add(req.request_id)
+            plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan))
             plan.budget -= n
             i += 1
 
@@ -315,19 +314,15 @@ class Scheduler(KVSharingMixin):
         req.num_computed_tokens = cached
         plan.copies.extend(alloc.copies)
         bisect.insort(self.running, req, key=Request.sort_key)
-        plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan.slots))
+        plan.scheduled.append(self._prefill_entry(req, n, n == remaining, plan))
         plan.budget -= n
         plan.num_admitted += 1
         return True
 
     def _build_output(self, plan: StepPlan, admission_s: float) -> SchedulerOutput:
-        """Phase 4: one int32 slot array for the whole step (each request gets a view of its
-        part), the step's stats, and the output."""
-        flat = np.array(plan.slots, dtype=np.int32)
-        offset = 0
-        for sr in plan.scheduled:
-            sr.slot_mapping = flat[offset : offset + sr.num_tokens]
-            offset += sr.num_tokens
+        """Phase 4: the step's stats and the output (the step's slots become one int32 array
+        when a runner first reads a ``slot_mapping``)."""
+        offset = len(plan.step_slots.slots)  # every scheduled position has one slot
         finished = self._finished_ids
         self._finished_ids = []
         preempted = plan.preempted
@@ -376,119 +371,6 @@ class Scheduler(KVSharingMixin):
                     f"{sr.request_id!r} has uncommitted positions); call update() first"
                 )
         self._outstanding = None
-
-    def update(
-        self,
-        output: SchedulerOutput,
-        sampled: Mapping[str, Sequence[int]],
-        *,
-        failed_loads: Collection[str] = (),
-    ) -> list[RequestOutput]:
-        """Apply a step's results: ``sampled[rid]`` holds the accepted tokens of every sampling
-        request (accepted drafts, then the bonus token). Returns one output per sampling request.
-
-        Requests in ``output.loading_ids`` become running with their loaded prefix committed,
-        except those in ``failed_loads``: they drop the loaded blocks and recompute.
-        All or nothing: everything is validated first; SchedulerStateError (not the outstanding
-        step) or InvalidRequestError (bad sampled tokens, unknown failed loads) change nothing.
-        """
-        work = self._validate_update(output, sampled, failed_loads)
-        self._outstanding = None
-        mgr = self.manager
-        windowed = self.cache_config.sliding_window is not None
-        results: list[RequestOutput] = []
-        for req, sr, toks in work:
-            if toks is None:
-                mgr.commit(req.request_id, sr.num_tokens)
-                req.num_computed_tokens += sr.num_tokens
-                if windowed:
-                    self._release_outside_window(req)
-                continue
-            results.append(self._apply_sampled(req, sr, toks, windowed))
-        for rid in output.loading_ids:
-            req_l = self.loading.pop(rid, None)
-            if req_l is not None:
-                self._finish_load(req_l, success=rid not in failed_loads)
-        if self.config.check_invariants:
-            self.check_invariants()
-        return results
-
-    def _validate_update(
-        self,
-        output: SchedulerOutput,
-        sampled: Mapping[str, Sequence[int]],
-        failed_loads: Collection[str],
-    ) -> list[tuple[Request, ScheduledRequest, Sequence[int] | None]]:
-        """Check everything ``update`` will apply; return, in step order, each scheduled request
-        still running with its sampled tokens (None: it only commits)."""
-        if output is not self._outstanding:
-            raise SchedulerStateError(
-                f"update() got step {output.step}, but the outstanding step is "
-                f"{None if self._outstanding is None else self._outstanding.step}"
-            )
-        requests = self.requests
-        running = RequestStatus.RUNNING
-        work: list[tuple[Request, ScheduledRequest, Sequence[int] | None]] = []
-        append = work.append
-        for sr in output.scheduled:
-            req = requests.get(sr.request_id)
-            if req is None or req.status is not running:
-                continue  # aborted or finished since schedule(): nothing to apply
-            if not sr.samples:
-                append((req, sr, None))
-                continue
-            toks = sampled.get(sr.request_id)
-            if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
-                raise InvalidRequestError(
-                    f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
-                    f"tokens, got {None if toks is None else len(toks)}"
-                )
-            t0 = toks[0]
-            fast_ok = len(toks) == 1 and type(t0) is int and 0 <= t0 < _MAX_TOKEN_ID
-            if not fast_ok and not all(map(is_token_id, toks)):
-                raise InvalidRequestError(
-                    f"request {sr.request_id!r} sampled {list(toks)}: token ids must be "
-                    "integers in [0, 2**32)"
-                )
-            append((req, sr, toks))
-        unknown = set(failed_loads).difference(output.loading_ids)
-        if unknown:
-            raise InvalidRequestError(
-                f"failed_loads names {sorted(unknown)}, which step {output.step} did not load"
-            )
-        return work
-
-    def _apply_sampled(
-        self, req: Request, sr: ScheduledRequest, toks: Sequence[int], windowed: bool
-    ) -> RequestOutput:
-        """Append a sampling request's accepted tokens, commit them, roll back rejected drafts,
-        and finish it on a stop (``check_stop``). Validated already: cannot fail."""
-        rid = req.request_id
-        mgr = self.manager
-        final, reason = check_stop(req, toks, self.max_len)
-        accepted = len(final) - 1
-        num_committed = sr.num_tokens - sr.num_draft_tokens + accepted
-        mgr.append_and_commit(rid, final, num_committed)
-        req.all_token_ids.extend(final)
-        rejected = sr.num_draft_tokens - accepted
-        if rejected:
-            mgr.rollback(rid, rejected)
-        req.num_computed_tokens += num_committed  # == the manager's count (S3)
-        if windowed:
-            self._release_outside_window(req)
-        if req.draft_token_ids:
-            req.draft_token_ids = []
-        if reason is not None:
-            self._remove_running(req)
-            self._finish(req, reason)
-        return RequestOutput(
-            rid,
-            tuple(final),
-            reason is not None,
-            reason,
-            req.num_prompt_tokens,
-            req.num_cached_tokens,
-        )
 
     def reset_prefix_cache(self, reset_running: bool = False) -> None:
         """Forget every cached prefix on the device (vLLM's ``reset_prefix_cache``).
@@ -560,109 +442,19 @@ class Scheduler(KVSharingMixin):
         return req
 
     def _prefill_entry(
-        self, req: Request, n: int, last_chunk: bool, slots: list[int]
+        self, req: Request, n: int, last_chunk: bool, plan: StepPlan
     ) -> ScheduledRequest:
         start = req.num_computed_tokens
-        bs = self.block_size
         rid = req.request_id
-        table = self.manager.block_table_view(rid)
-        if n <= 16:
-            ids = self.manager.block_ids_view(rid)
-            slots.extend(ids[p // bs] * bs + p % bs for p in range(start, start + n))
-        else:
-            pos = np.arange(start, start + n)
-            slots.extend((table[pos // bs].astype(np.int64) * bs + pos % bs).tolist())
+        step_slots = plan.step_slots
+        offset = len(step_slots.slots)
+        self.manager.append_slot_mapping(rid, start, n, step_slots.slots)
         tokens = req.all_token_ids[start : start + n]
-        return ScheduledRequest(rid, start, tokens, n, table, _EMPTY, True, last_chunk)
-
-    def _allocate_or_preempt(
-        self,
-        req: Request,
-        n: int,
-        lookahead: int,
-        plan: StepPlan,
-        protect: set[str] | None = None,
-    ) -> bool:
-        """Allocate ``n`` slots for a running request, preempting victims from the back of the
-        running list until it fits. Returns False when ``req`` itself was preempted or skipped."""
-        mgr = self.manager
-        while True:
-            try:
-                alloc = mgr.allocate_slots(req.request_id, n, lookahead)
-            except OutOfBlocksError:
-                victim = self._pick_victim(req, protect)
-                if victim is None:  # only scheduled requests are left to take from: wait
-                    return False
-                if victim is req and len(self.running) == 1 and not self.remote_waiting:
-                    # Alone and still too big: preempting would loop forever.
-                    logger.warning(
-                        "request %s cannot grow: the pool is full with it alone; finishing it",
-                        req.request_id,
-                    )
-                    self._remove_running(req)
-                    self._finish(req, FinishReason.LENGTH)
-                    return False
-                self._preempt(victim, plan.preempted)
-                if victim is req:
-                    return False
-                continue
-            plan.copies.extend(alloc.copies)
-            return True
-
-    def _pick_victim(self, req: Request, protect: set[str] | None) -> Request | None:
-        """The lowest-priority, latest running request that is not protected (maybe ``req``)."""
-        for victim in reversed(self.running):
-            if victim is req or protect is None or victim.request_id not in protect:
-                return victim
-        return None  # pragma: no cover - req is always in the running list
-
-    def _preempt(self, req: Request, preempted: list[str]) -> None:
-        self.manager.preempt(req.request_id)
-        self._remove_running(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        req.draft_token_ids = []
-        self.waiting.push_front(req)
-        preempted.append(req.request_id)
-        self.num_preemptions += 1
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        """Mark a request finished (already out of the running list) and free or hold its KV."""
-        rid = req.request_id
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        self.num_finished += 1
-        self._finished_ids.append(rid)
-        if req.kv_transfer is KVTransfer.SEND and reason is not FinishReason.ABORT:
-            mgr = self.manager
-            pending = mgr.num_pending_tokens(rid)
-            if pending:
-                mgr.rollback(rid, pending)
-            mgr.hold(rid)
-            self.sending[rid] = req
-            return
-        self.manager.free(rid)
-        del self.requests[rid]
-
-    def _remove_running(self, req: Request) -> None:
-        running = self.running
-        i = bisect.bisect_left(running, req.sort_key(), key=Request.sort_key)
-        if i < len(running) and running[i] is req:
-            del running[i]
-        else:  # pragma: no cover - S2 guarantees the bisect finds it
-            running.remove(req)
-
-    def _release_outside_window(self, req: Request) -> None:
-        """Sliding-window models: free the blocks before the request's window (after commit).
-        A request that will send its KV to another engine keeps it whole."""
-        if self.cache_config.sliding_window is not None and req.kv_transfer is not KVTransfer.SEND:
-            self.manager.release_outside_window(req.request_id)
+        table = self.manager.block_table_view(rid)
+        return ScheduledRequest(
+            rid, start, tokens, n, table, step_slots, True, last_chunk, 0, offset
+        )
 
     def check_invariants(self) -> None:
-        """Verify S1..S5 from scratch; raise InvariantViolation naming the broken one."""
+        """Verify S1..S6 from scratch; raise InvariantViolation naming the broken one."""
         check_scheduler(self)
-
-
-_EMPTY = np.zeros(0, dtype=np.int32)
-_MAX_TOKEN_ID = 2**32

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedkv.sched.output import ScheduledRequest
+from pagedkv.sched.output import ScheduledRequest, StepSlots
 from pagedkv.sched.request import FinishReason, Request
 
 _MAX_TOKEN_ID = 2**32
@@ -23,12 +23,15 @@ class StepPlan:
 
     budget: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # every scheduled position's slot, in order
+    step_slots: StepSlots = field(default_factory=StepSlots)  # every scheduled position's slot
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[str] = field(default_factory=list)
     loads: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, hash) from tiers
-    done: set[str] = field(default_factory=set)  # scheduled (or deliberately skipped) this step
     num_admitted: int = 0
+
+    def scheduled_ids(self) -> set[str]:
+        """The ids scheduled so far this step (built on demand: only a preemption asks)."""
+        return {sr.request_id for sr in self.scheduled}
 
 
 def check_stop(
@@ -47,12 +50,8 @@ def check_stop(
         room = cap
     stop_ids = req.stop_token_ids
     if len(sampled) == 1:  # the common case (a plain decode), without the loop
-        tok = sampled[0]
-        if type(tok) is not int:
-            tok = int(tok)
-        if tok in stop_ids:
-            return [tok], FinishReason.STOP
-        return [tok], FinishReason.LENGTH if room <= 1 else None
+        tok = int(sampled[0])
+        return [tok], stop_reason_one(req, tok, max_model_len)
     final: list[int] = []
     for t in sampled:
         tok = int(t)
@@ -62,6 +61,17 @@ def check_stop(
         if len(final) >= room:
             return final, FinishReason.LENGTH
     return final, None
+
+
+def stop_reason_one(req: Request, token_id: int, max_model_len: int) -> FinishReason | None:
+    """``check_stop`` for one sampled token (``req`` before it is appended): STOP for a stop
+    token, LENGTH when it is the ``max_tokens``-th output or reaches ``max_model_len``."""
+    if token_id in req.stop_token_ids:
+        return FinishReason.STOP
+    num_after = len(req.all_token_ids) + 1
+    if num_after - req.num_prompt_tokens >= req.max_tokens or num_after >= max_model_len:
+        return FinishReason.LENGTH
+    return None
 
 
 def is_token_id(t: object) -> bool:

@@ -1,0 +1,122 @@
+"""The block tables of the manager's requests, as the runner reads them: lists, int32 arrays
+and slot mappings (``block_id * block_size + offset``), and the decode hot path that extends a
+request's scheduled positions inside the blocks it holds (``try_extend_slots``).
+
+A part of :class:`~pagedkv.core.kv_cache_manager.KVCacheManager` (a mixin over its state): the
+int32 table of a request is cached on its ``SeqState`` until the table changes, and replaced,
+never mutated, so a view handed out for one step stays what it was.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedkv.core.seq_state import SeqTable
+from pagedkv.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pagedkv.core.block_pool import BlockPool
+
+
+class BlockTablesMixin(SeqTable):
+    """Block tables and slot mappings of ``KVCacheManager`` (which provides this state)."""
+
+    block_size: int
+    pool: BlockPool
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table as a list."""
+        return list(self._get(request_id).block_ids)
+
+    def block_table(self, request_id: str) -> np.ndarray:
+        """The request's block table as an int32 array (a copy the caller may keep)."""
+        return np.array(self._get(request_id).block_ids, dtype=np.int32)
+
+    def block_ids_view(self, request_id: str) -> list[int]:
+        """The request's block table itself (no copy): read it now, never mutate or keep it."""
+        return self._get(request_id).block_ids
+
+    def block_views(self, request_id: str) -> tuple[list[int], np.ndarray]:
+        """``(block_ids_view, block_table_view)`` in one lookup (the scheduler's hot path)."""
+        seq = self._get(request_id)
+        table = seq.table
+        if table is None:
+            table = seq.table = np.array(seq.block_ids, dtype=np.int32)
+        return seq.block_ids, table
+
+    def block_table_view(self, request_id: str) -> np.ndarray:
+        """The request's block table as an int32 array, cached until the table changes (a
+        read-only view for one step's batch: the manager replaces it, never mutates it)."""
+        seq = self._get(request_id)
+        table = seq.table
+        if table is None:
+            table = seq.table = np.array(seq.block_ids, dtype=np.int32)
+        return table
+
+    def slot_mapping(self, request_id: str, start: int, end: int) -> np.ndarray:
+        """Slots of positions ``[start, end)``: ``block_id * block_size + offset`` (int32)."""
+        seq = self._get(request_id)
+        bs = self.block_size
+        if not 0 <= start <= end <= len(seq.block_ids) * bs:
+            raise InvalidRequestError(
+                f"positions [{start}, {end}) are outside the {len(seq.block_ids) * bs} allocated "
+                f"slots of request {request_id!r}"
+            )
+        ids = seq.block_ids
+        if end - start <= 4:
+            return np.array([ids[p // bs] * bs + p % bs for p in range(start, end)], dtype=np.int32)
+        pos = np.arange(start, end, dtype=np.int64)
+        table = np.asarray(ids, dtype=np.int64)
+        return (table[pos // bs] * bs + pos % bs).astype(np.int32)
+
+    def try_extend_slots(
+        self, request_id: str, num_new_tokens: int, slots_out: list[int]
+    ) -> np.ndarray | None:
+        """``allocate_slots(num_new_tokens)`` when the positions fit the blocks the running
+        request holds and write into no shared block (most decodes): append their slots
+        (``block_id * block_size + offset``) to ``slots_out`` and return the block table view.
+        None, changing nothing, when ``allocate_slots`` is needed (a block must be taken or
+        copied, the request has not started, is held, or ``num_new_tokens`` is not positive).
+        No block and no claim changes, so admission's running sum stays exact."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.started or seq.held or num_new_tokens <= 0:
+            return None
+        bs = self.block_size
+        ids = seq.block_ids
+        write_pos = seq.num_computed + seq.num_pending
+        end = write_pos + num_new_tokens
+        if end > len(ids) * bs or (
+            write_pos % bs and seq.forked and not self.pool.is_exclusive(ids[write_pos // bs])
+        ):
+            return None  # a new block, or a copy-on-write of a shared partial block
+        seq.num_pending += num_new_tokens
+        if num_new_tokens == 1:
+            slots_out.append(ids[write_pos // bs] * bs + write_pos % bs)
+        else:
+            slots_out.extend(ids[p // bs] * bs + p % bs for p in range(write_pos, end))
+        table = seq.table
+        if table is None:
+            table = seq.table = np.array(ids, dtype=np.int32)
+        return table
+
+    def append_slot_mapping(
+        self, request_id: str, start: int, num_tokens: int, slots_out: list[int]
+    ) -> None:
+        """Append the slots of positions ``[start, start + num_tokens)`` to ``slots_out`` (the
+        positions must be allocated; the scheduler's path, without an array per request)."""
+        seq = self._get(request_id)
+        bs = self.block_size
+        ids = seq.block_ids
+        if not 0 <= start <= start + num_tokens <= len(ids) * bs:
+            raise InvalidRequestError(
+                f"positions [{start}, {start + num_tokens}) are outside the {len(ids) * bs} "
+                f"allocated slots of request {request_id!r}"
+            )
+        if num_tokens <= 16:
+            slots_out.extend(ids[p // bs] * bs + p % bs for p in range(start, start + num_tokens))
+        else:
+            pos = np.arange(start, start + num_tokens)
+            table = np.asarray(ids, dtype=np.int64)
+            slots_out.extend((table[pos // bs] * bs + pos % bs).tolist())

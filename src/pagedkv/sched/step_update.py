@@ -1,0 +1,208 @@
+"""The second half of a scheduler step: ``update`` applies what the runner computed.
+
+For each scheduled request still running, in step order: commit the computed positions, append
+the accepted tokens (a plain decode takes ``_apply_decode``), roll back rejected drafts, and
+finish it on a stop (``check_stop``, the one stop check), freeing or holding its blocks. All or
+nothing: ``_validate_update`` checks everything before anything changes.
+
+A part of :class:`~pagedkv.sched.scheduler.Scheduler` (a mixin over its state).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from pagedkv.errors import InvalidRequestError, SchedulerStateError
+from pagedkv.sched.kv_sharing import KVSharingMixin
+from pagedkv.sched.output import RequestOutput, ScheduledRequest, SchedulerOutput
+from pagedkv.sched.request import FinishReason, KVTransfer, Request, RequestStatus
+from pagedkv.sched.step_plan import check_stop, is_token_id, stop_reason_one
+
+if TYPE_CHECKING:
+    from pagedkv.core.config import CacheConfig
+
+_MAX_TOKEN_ID = 2**32
+
+
+class StepUpdateMixin(KVSharingMixin):
+    """``update`` and finishing for ``Scheduler`` (which provides this state)."""
+
+    cache_config: CacheConfig
+    max_len: int
+    num_finished: int
+    _finished_ids: list[str]
+    _outstanding: SchedulerOutput | None
+
+    def check_invariants(self) -> None:
+        raise NotImplementedError
+
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, Sequence[int]],
+        *,
+        failed_loads: Collection[str] = (),
+    ) -> list[RequestOutput]:
+        """Apply a step's results: ``sampled[rid]`` holds the accepted tokens of every sampling
+        request (accepted drafts, then the bonus token). Returns one output per sampling request.
+
+        Requests in ``output.loading_ids`` become running with their loaded prefix committed,
+        except those in ``failed_loads``: they drop the loaded blocks and recompute.
+        All or nothing: everything is validated first; SchedulerStateError (not the outstanding
+        step) or InvalidRequestError (bad sampled tokens, unknown failed loads) change nothing.
+        """
+        work = self._validate_update(output, sampled, failed_loads)
+        self._outstanding = None
+        mgr = self.manager
+        windowed = self.cache_config.sliding_window is not None
+        results: list[RequestOutput] = []
+        for req, sr, toks in work:
+            if toks is None:
+                mgr.commit(req.request_id, sr.num_tokens)
+                req.num_computed_tokens += sr.num_tokens
+                if windowed:
+                    self._release_outside_window(req)
+                continue
+            if sr.num_tokens == 1 and not windowed:  # a plain decode (validated: one token)
+                results.append(self._apply_decode(req, toks[0]))
+            else:
+                results.append(self._apply_sampled(req, sr, toks, windowed))
+        for rid in output.loading_ids:
+            req_l = self.loading.pop(rid, None)
+            if req_l is not None:
+                self._finish_load(req_l, success=rid not in failed_loads)
+        if self.config.check_invariants:
+            self.check_invariants()
+        return results
+
+    def _validate_update(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, Sequence[int]],
+        failed_loads: Collection[str],
+    ) -> list[tuple[Request, ScheduledRequest, Sequence[int] | None]]:
+        """Check everything ``update`` will apply; return, in step order, each scheduled request
+        still running with its sampled tokens (None: it only commits)."""
+        if output is not self._outstanding:
+            raise SchedulerStateError(
+                f"update() got step {output.step}, but the outstanding step is "
+                f"{None if self._outstanding is None else self._outstanding.step}"
+            )
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        work: list[tuple[Request, ScheduledRequest, Sequence[int] | None]] = []
+        append = work.append
+        for sr in output.scheduled:
+            req = requests.get(sr.request_id)
+            if req is None or req.status is not running:
+                continue  # aborted or finished since schedule(): nothing to apply
+            if not sr.samples:
+                append((req, sr, None))
+                continue
+            toks = sampled.get(sr.request_id)
+            if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
+                raise InvalidRequestError(
+                    f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
+                    f"tokens, got {None if toks is None else len(toks)}"
+                )
+            t0 = toks[0]
+            fast_ok = len(toks) == 1 and type(t0) is int and 0 <= t0 < _MAX_TOKEN_ID
+            if not fast_ok and not all(map(is_token_id, toks)):
+                raise InvalidRequestError(
+                    f"request {sr.request_id!r} sampled {list(toks)}: token ids must be "
+                    "integers in [0, 2**32)"
+                )
+            append((req, sr, toks))
+        unknown = set(failed_loads).difference(output.loading_ids)
+        if unknown:
+            raise InvalidRequestError(
+                f"failed_loads names {sorted(unknown)}, which step {output.step} did not load"
+            )
+        return work
+
+    def _apply_sampled(
+        self, req: Request, sr: ScheduledRequest, toks: Sequence[int], windowed: bool
+    ) -> RequestOutput:
+        """Append a sampling request's accepted tokens, commit them, roll back rejected drafts,
+        and finish it on a stop (``check_stop``). Validated already: cannot fail."""
+        rid = req.request_id
+        mgr = self.manager
+        final, reason = check_stop(req, toks, self.max_len)
+        accepted = len(final) - 1
+        num_committed = sr.num_tokens - sr.num_draft_tokens + accepted
+        mgr.append_and_commit(rid, final, num_committed)  # req.all_token_ids too (S6)
+        rejected = sr.num_draft_tokens - accepted
+        if rejected:
+            mgr.rollback(rid, rejected)
+        req.num_computed_tokens += num_committed  # == the manager's count (S3)
+        if windowed:
+            self._release_outside_window(req)
+        if req.draft_token_ids:
+            req.draft_token_ids = []
+        if reason is not None:
+            self._remove_running(req)
+            self._finish(req, reason)
+        return RequestOutput(
+            rid,
+            tuple(final),
+            reason is not None,
+            reason,
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+        )
+
+    def _apply_decode(self, req: Request, token_id: int) -> RequestOutput:
+        """``_apply_sampled`` for a plain decode (one position, no drafts, no window): append
+        and commit the token, finish on a stop. Validated already: cannot fail."""
+        tok = token_id if type(token_id) is int else int(token_id)
+        reason = stop_reason_one(req, tok, self.max_len)
+        final = (tok,)
+        self.manager.append_and_commit(req.request_id, final, 1)  # req.all_token_ids too (S6)
+        req.num_computed_tokens += 1  # == the manager's count (S3)
+        if req.draft_token_ids:
+            req.draft_token_ids = []
+        if reason is not None:
+            self._remove_running(req)
+            self._finish(req, reason)
+        return RequestOutput(
+            req.request_id,
+            final,
+            reason is not None,
+            reason,
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+        )
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Mark a request finished (already out of the running list) and free or hold its KV."""
+        rid = req.request_id
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.num_finished += 1
+        self._finished_ids.append(rid)
+        if req.kv_transfer is KVTransfer.SEND and reason is not FinishReason.ABORT:
+            mgr = self.manager
+            pending = mgr.num_pending_tokens(rid)
+            if pending:
+                mgr.rollback(rid, pending)
+            mgr.hold(rid)
+            self.sending[rid] = req
+            return
+        self.manager.free(rid)
+        del self.requests[rid]
+
+    def _remove_running(self, req: Request) -> None:
+        running = self.running
+        i = bisect.bisect_left(running, req.sort_key(), key=Request.sort_key)
+        if i < len(running) and running[i] is req:
+            del running[i]
+        else:  # pragma: no cover - S2 guarantees the bisect finds it
+            running.remove(req)
+
+    def _release_outside_window(self, req: Request) -> None:
+        """Sliding-window models: free the blocks before the request's window (after commit).
+        A request that will send its KV to another engine keeps it whole."""
+        if self.cache_config.sliding_window is not None and req.kv_transfer is not KVTransfer.SEND:
+            self.manager.release_outside_window(req.request_id)
