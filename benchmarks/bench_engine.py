@@ -19,12 +19,19 @@ decode16  16 concurrent requests, prompts of 16..256 tokens (mixed), 64 tokens e
           generated token. transformers: one left-padded batch through ``generate``.
 ttft      TTFT of a 2,048-token prompt (max_tokens=1) whose first 1,920 tokens are cached (a
           previous request computed them) vs uncached (prefix cache reset before each round).
+overhead  the batch-1 decode step with every linear layer and the vocabulary projection stubbed
+          out (each returns a cached zero tensor): what is left is the per-step Python and small-op
+          work (norms, RoPE, K/V write, attention, SiLU, scheduling, sampling); ms per step.
 grow      growing the KV tensors by 64 blocks when they hold 256 blocks of 1 MiB (256 MiB; a
           16-layer, 8 KV-head, head_dim 64, block 16, float32 layout): reallocation (what
           ``PagedKVCache.grow`` does: new buffers, one copy) vs allocating only a new 64-block
           chunk (what chunked growth would pay, before the cost of gathering across chunks).
 Targets (issue 4): decode1 within 1.2x of transformers; decode16 at least 1.5x faster than its
-padded batch; cached TTFT at least 5x faster than uncached.
+padded batch; cached TTFT at least 5x faster than uncached. Issue 15: overhead under 3 ms.
+
+decode1, decode16 and overhead also time pagedkv with its native layer ops switched off
+(``pagedkv torch-ops``: ``LlamaModel.fused_layer_ops = False``, the same engine, rounds
+interleaved), so the ratio column shows what the layer ops buy.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
 
-FIXTURES = ("decode1", "decode16", "ttft", "grow")
+FIXTURES = ("decode1", "decode16", "overhead", "ttft", "grow")
 MODEL = {
     "hidden_size": 256,
     "intermediate_size": 704,
@@ -107,6 +114,7 @@ def decode_cases(
             dtype=dtype,
         ),
     )
+    fused = engine.model.fused_layer_ops
     gen = torch.Generator().manual_seed(0)
     new = 16 if quick else 64
     lengths = [32] if batch == 1 else [16 + (240 * i) // (batch - 1) for i in range(batch)]
@@ -119,17 +127,69 @@ def decode_cases(
     total = batch * new
 
     def ours() -> None:
+        engine.model.fused_layer_ops = fused
         counts["pagedkv"] = _run(engine, prompts, params)
+
+    def torch_ops() -> None:
+        engine.model.fused_layer_ops = False
+        counts["pagedkv torch-ops"] = _run(engine, prompts, params)
 
     def theirs() -> None:
         counts["transformers"] = _hf_generate(hf, prompts, new)
 
     rounds = 2 if quick else 5  # interleaved rounds; the median of 5 steadies a noisy host
     common: dict[str, Any] = {"ops": total, "rounds": rounds, "warmup": 1, "interleave": name}
-    return [
-        Case(name, case, "pagedkv", "token", ours, **common),
-        Case(name, case, "transformers", "token", theirs, **common),
-    ], counts
+    cases = [Case(name, case, "pagedkv", "token", ours, **common)]
+    if fused:
+        cases.append(Case(name, case, "pagedkv torch-ops", "token", torch_ops, **common))
+    cases.append(Case(name, case, "transformers", "token", theirs, **common))
+    return cases, counts
+
+
+class _Stub:
+    """A linear layer that computes nothing: a cached zero tensor per batch size."""
+
+    def __init__(self, out_features: int) -> None:
+        self.out_features = out_features
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.cache.get(x.shape[0])
+        if out is None:
+            out = self.cache[x.shape[0]] = torch.zeros(x.shape[0], self.out_features)
+        return out
+
+
+def overhead_cases(model_dir: Path, quick: bool, kernel: str) -> list[Case]:
+    engine = LLMEngine.from_model_dir(
+        str(model_dir),
+        EngineConfig(block_size=16, num_blocks=512, enable_prefix_caching=False,
+                     decode_kernel=kernel),
+    )  # fmt: skip
+    model = engine.model
+    for group in (model._qkv, model._o, model._gate_up, model._down):
+        group[:] = [_Stub(p(torch.zeros(1, p.weight_t.shape[0])).shape[1]) for p in group]
+    vocab = model.config.vocab_size
+    model.logits = lambda hidden: torch.zeros(hidden.shape[0], vocab)  # type: ignore[method-assign]
+    rounds, calls = (2, 10) if quick else (7, 30)
+    steps = 4 * rounds * calls + 64
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    engine.add_request("o", list(range(2, 34)), params)
+    engine.step()  # the prefill
+    fused = model.fused_layer_ops
+
+    def step(fused: bool) -> None:
+        model.fused_layer_ops = fused
+        engine.step()
+
+    case = "batch=1 prompt=32, linears stubbed"
+    common: dict[str, Any] = {"calls_per_round": calls, "rounds": rounds, "warmup": 5,
+                              "interleave": "overhead"}  # fmt: skip
+    cases = [Case("overhead", case, "pagedkv", "step", lambda: step(fused), **common)]
+    if fused:
+        cases.append(Case("overhead", case, "pagedkv torch-ops", "step", lambda: step(False),
+                          **common))  # fmt: skip
+    return cases
 
 
 def ttft_cases(model_dir: Path, quick: bool, real: bool) -> list[Case]:
@@ -257,9 +317,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             res = run_cases(cases)
             expected = cases[0].ops
-            if counts != {"pagedkv": expected, "transformers": expected}:
+            if set(counts.values()) != {expected} or "transformers" not in counts:
                 raise RuntimeError(f"decode{batch}: generated {counts}, expected {expected} each")
             results += res
+        if "overhead" in only:
+            results += run_cases(overhead_cases(model_dir, args.quick, args.decode_kernel))
         if "ttft" in only:
             res = run_cases(ttft_cases(model_dir, args.quick, args.model is not None))
             speedup = res[1].timing.median_s / res[0].timing.median_s
@@ -268,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     if "grow" in only:
         results += run_cases(grow_cases(args.quick))
     add_ratios(results)
+    footer += [
+        f"overhead: {r.impl} {r.timing.median_s * 1e3:.2f} ms per step (target < 3 ms)"
+        for r in results
+        if r.bench == "overhead"
+    ]
     for r in results:
         if r.impl == "transformers" and r.ratio is not None:
             target = "1/1.2" if r.bench == "decode1" else "1.5"

@@ -53,6 +53,7 @@ __all__ = [
     "DecodeGroup",
     "NativeDecode",
     "SeqAttention",
+    "attend",
     "build_metadata",
     "context_slots",
     "paged_attention",
@@ -129,6 +130,21 @@ class NativeDecode:
     lens: torch.Tensor  # [D] int64 positions covered from the first block to the query
     starts: torch.Tensor | None = None  # [D] int64 positions of the first block before the
     # window (not attended); None when every row starts at its first block's first position
+    _call: native.PreparedDecode | None = None  # the kernel call, checked once per step
+    _call_key: tuple[int, ...] = ()  # (cache blocks, heads) _call was prepared for
+
+    def call(
+        self, cache: PagedKVCache, layer: int, num_heads: int, scale: float
+    ) -> native.PreparedDecode:
+        """The kernel call for ``cache`` (prepared once per step, shared by every layer)."""
+        key = (cache.num_blocks, num_heads)
+        if self._call is None or self._call_key != key:
+            self._call = native.PreparedDecode(
+                cache.k[layer], cache.v[layer], self.tables, self.lens, scale, num_heads,
+                starts=self.starts,
+            )  # fmt: skip
+            self._call_key = key
+        return self._call
 
 
 @dataclass(slots=True)
@@ -357,7 +373,22 @@ def paged_attention(
     ``[tokens, heads, head_dim]``, ``k``/``v`` are ``[tokens, kv_heads, head_dim]``; returns
     ``[tokens, heads, head_dim]``."""
     cache.write(layer, meta.slot_mapping, k, v)
-    out = torch.empty_like(q)
+    return attend(layer, q, cache, meta, scale)
+
+
+def attend(
+    layer: int,
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` (``[tokens, heads, head_dim]``) with this step's K/V already in the
+    cache (``paged_attention`` writes them first; the fused layer ops write them with RoPE).
+    Writes into ``out`` (contiguous, ``q``'s shape) when given, and returns it."""
+    if out is None:
+        out = torch.empty_like(q)
     num_heads = q.shape[1]
     for s in meta.seqs:
         qs = q[s.token_offset : s.token_offset + s.num_tokens]
@@ -366,28 +397,16 @@ def paged_attention(
         )
     nat = meta.native
     if nat is not None:
-        if nat.token_range is not None:
+        call = nat.call(cache, layer, num_heads, scale)
+        if nat.token_range == (0, q.shape[0]):  # every row decodes (no slicing: it costs)
+            call(q, out, cache.k[layer], cache.v[layer])
+        elif nat.token_range is not None:  # rows a..b-1: written in place
             a, b = nat.token_range
-            out[a:b] = native.decode_attention(
-                q[a:b],
-                cache.k[layer],
-                cache.v[layer],
-                nat.tables,
-                nat.lens,
-                scale,
-                starts=nat.starts,
-            )
+            call(q[a:b], out[a:b], cache.k[layer], cache.v[layer])
         else:
             qd = q.index_select(0, nat.token_idx)
-            od = native.decode_attention(
-                qd,
-                cache.k[layer],
-                cache.v[layer],
-                nat.tables,
-                nat.lens,
-                scale,
-                starts=nat.starts,
-            )
+            od = torch.empty_like(qd)
+            call(qd, od, cache.k[layer], cache.v[layer])
             out.index_copy_(0, nat.token_idx, od)
     for group in meta.decode:
         if group.token_range is not None:  # rows a..b-1: a view in, a slice copy out

@@ -80,9 +80,13 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
-def compile_library(source_path: Path) -> ctypes.CDLL:
+FlagSets = tuple[tuple[list[str], list[str]], ...]  # (compile flags, link flags), tried in order
+
+
+def compile_library(source_path: Path, flag_sets: FlagSets = _FLAG_SETS) -> ctypes.CDLL:
     """Compile one C file of ``csrc`` into the per-user cache (the module docstring: keyed by
-    the source, flags, compiler and CPU) and load it. Raises OSError naming why it failed."""
+    the source, flags, compiler and CPU) and load it, with the first of ``flag_sets`` that
+    builds (default: -O3 -march=native -ffast-math). Raises OSError naming why it failed."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (set CC, or install gcc)")
@@ -92,7 +96,7 @@ def compile_library(source_path: Path) -> ctypes.CDLL:
     source = source_path.read_bytes()
     stem = source_path.stem
     errors = []
-    for cflags, ldflags in _FLAG_SETS:
+    for cflags, ldflags in flag_sets:
         flags = " ".join([*cflags, "|", *ldflags]).encode()
         key = hashlib.sha256(
             b"\0".join([source, flags, version.encode(), _cpu_key().encode()])
@@ -189,72 +193,123 @@ def decode_attention(
     Returns ``[seqs, heads, head_dim]``. CPU only. The rows are shared out
     among ``threads`` threads (default: torch's intra-op thread count) when there is enough
     work, each a run of rows with about the same total context."""
-    if not available():
-        raise InvalidRequestError(f"the native decode kernel is unavailable: {_error}")
-    assert _lib is not None
-    num_kv, num_blocks, block_size, head_dim = k_pool.shape
-    seqs, heads, qdim = q.shape
-    if (
-        q.dtype is not torch.float32
-        or k_pool.dtype is not torch.float32
-        or q.device.type != "cpu"
-        or qdim != head_dim
-        or heads % num_kv
-        or v_pool.shape != k_pool.shape
-        or tables.dtype is not torch.int64
-        or lens.dtype is not torch.int64
-        or tables.shape[0] != seqs
-        or lens.shape != (seqs,)
-        or not (k_pool.is_contiguous() and v_pool.is_contiguous() and tables.is_contiguous())
-        or not supports(heads, num_kv, block_size, head_dim, q.dtype)
-        or (seqs and int(lens.max()) > tables.shape[1] * block_size)
-        or (starts is not None and (starts.dtype is not torch.int64 or starts.shape != (seqs,)))
-    ):
+    if q.dtype is not torch.float32 or q.device.type != "cpu" or q.dim() != 3:
         raise InvalidRequestError(
-            f"native decode kernel: unsupported inputs q{tuple(q.shape)} {q.dtype}, pool "
-            f"{tuple(k_pool.shape)} {k_pool.dtype}, tables {tuple(tables.shape)}, lens "
-            f"{tuple(lens.shape)}"
+            f"native decode kernel: unsupported query q{tuple(q.shape)} {q.dtype} on {q.device}"
         )
-    q = q.contiguous()
-    lens = lens.contiguous()
-    starts = None if starts is None else starts.contiguous()
-    out = torch.empty_like(q)
-    fn = _lib.pagedkv_decode_f32
-    row_q, row_t = heads * head_dim * 4, tables.shape[1] * 8  # bytes per row
-
-    def run(a: int, b: int) -> int:  # rows a..b-1; ctypes releases the GIL for the call
-        return int(
-            fn(
-                q.data_ptr() + a * row_q,
-                out.data_ptr() + a * row_q,
-                k_pool.data_ptr(),
-                v_pool.data_ptr(),
-                tables.data_ptr() + a * row_t,
-                lens.data_ptr() + a * 8,
-                None if starts is None else starts.data_ptr() + a * 8,
-                b - a,
-                tables.shape[1],
-                heads,
-                num_kv,
-                num_blocks,
-                block_size,
-                head_dim,
-                scale,
-            )
-        )
-
-    cuts = _split(lens, torch.get_num_threads() if threads is None else threads)
-    if len(cuts) == 2:
-        codes = [run(0, seqs)]
-    else:
-        pool = workers(len(cuts) - 2)
-        futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(cuts[1:])]
-        codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
-    if any(codes):
-        raise InvalidRequestError(
-            "native decode kernel rejected its inputs: a block id, a length or a start out of range"
-        )
+    call = PreparedDecode(
+        k_pool, v_pool, tables, lens, scale, q.shape[1], threads=threads, starts=starts
+    )
+    out = torch.empty(q.shape, dtype=torch.float32)
+    call(q, out, k_pool, v_pool)
     return out
+
+
+class PreparedDecode:
+    """One step's decode-attention call, checked once and run for every layer.
+
+    Everything that does not change between layers (the block tables, lengths, window starts,
+    shapes, the row split among threads) is validated and converted when it is built; a call
+    then costs one ctypes call per thread. Every layer's pool must have the shape of the pool
+    it was built with (a ``PagedKVCache``'s layers all do; build it again after the cache
+    grows)."""
+
+    def __init__(
+        self,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+        num_heads: int,
+        threads: int | None = None,
+        *,
+        starts: torch.Tensor | None = None,
+    ) -> None:
+        if not available():
+            raise InvalidRequestError(f"the native decode kernel is unavailable: {_error}")
+        assert _lib is not None
+        num_kv, num_blocks, block_size, head_dim = k_pool.shape
+        seqs = int(lens.shape[0]) if lens.dim() == 1 else -1
+        if (
+            k_pool.dtype is not torch.float32
+            or k_pool.device.type != "cpu"
+            or num_heads % num_kv
+            or v_pool.shape != k_pool.shape
+            or v_pool.dtype is not torch.float32
+            or tables.dtype is not torch.int64
+            or lens.dtype is not torch.int64
+            or tables.dim() != 2
+            or tables.shape[0] != seqs
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+            or not supports(num_heads, num_kv, block_size, head_dim, k_pool.dtype)
+            or (seqs and int(lens.max()) > tables.shape[1] * block_size)
+            or (starts is not None and (starts.dtype is not torch.int64 or starts.shape != (seqs,)))
+        ):
+            raise InvalidRequestError(
+                f"native decode kernel: unsupported inputs ({num_heads} heads), pool "
+                f"{tuple(k_pool.shape)} {k_pool.dtype}, tables {tuple(tables.shape)}, lens "
+                f"{tuple(lens.shape)}"
+            )
+        self._tables = tables.contiguous()  # kept alive: the kernel reads their memory
+        self._lens = lens.contiguous()
+        self._starts = None if starts is None else starts.contiguous()
+        self._pool_shape = k_pool.shape
+        self._fn = _lib.pagedkv_decode_f32
+        self._seqs, self._heads, self._head_dim = seqs, num_heads, head_dim
+        self._dims = (self._tables.shape[1], num_heads, num_kv, num_blocks, block_size, head_dim)
+        self._scale = scale
+        self._row_q = num_heads * head_dim * 4  # bytes per row of q / out
+        self._row_t = self._tables.shape[1] * 8
+        cuts = _split(self._lens, torch.get_num_threads() if threads is None else threads)
+        self._runs = list(itertools.pairwise(cuts))
+
+    def __call__(
+        self, q: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> None:
+        """Write the attention of ``q`` (``[seqs, heads, head_dim]`` float32) over one
+        layer's pools into ``out`` (the same shape, contiguous)."""
+        shape = (self._seqs, self._heads, self._head_dim)
+        if (
+            q.shape != shape
+            or out.shape != shape
+            or q.dtype is not torch.float32
+            or out.dtype is not torch.float32
+            or not out.is_contiguous()
+            or k_pool.shape != self._pool_shape
+            or v_pool.shape != self._pool_shape
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+        ):
+            raise InvalidRequestError(
+                f"native decode kernel: q{tuple(q.shape)} / out{tuple(out.shape)} / pool "
+                f"{tuple(k_pool.shape)} do not match the prepared {shape} over "
+                f"{tuple(self._pool_shape)}"
+            )
+        if not q.is_contiguous():
+            q = q.contiguous()
+        qp, op, kp, vp = q.data_ptr(), out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr()
+        tp, lp = self._tables.data_ptr(), self._lens.data_ptr()
+        sp = None if self._starts is None else self._starts.data_ptr()
+        fn, rq, rt, dims, scale = self._fn, self._row_q, self._row_t, self._dims, self._scale
+
+        def run(a: int, b: int) -> int:  # rows a..b-1; ctypes releases the GIL for the call
+            s = None if sp is None else sp + a * 8
+            return int(
+                fn(qp + a * rq, op + a * rq, kp, vp, tp + a * rt, lp + a * 8, s, b - a, *dims,
+                   scale)
+            )  # fmt: skip
+
+        if len(self._runs) == 1:
+            codes = [run(*self._runs[0])]
+        else:
+            pool = workers(len(self._runs) - 1)
+            futures = [pool.submit(run, a, b) for a, b in self._runs[1:]]
+            codes = [run(*self._runs[0])] + [f.result() for f in futures]
+        if any(codes):
+            raise InvalidRequestError(
+                "native decode kernel rejected its inputs: a block id, a length or a start out "
+                "of range"
+            )
 
 
 # Below this many context positions in a call the kernel runs on the calling thread only:

@@ -1,0 +1,187 @@
+/* A decoder layer's small float32 ops in one pass each, bit-identical to torch's CPU ops.
+ *
+ * RMSNorm (optionally after the residual add), and RoPE on q and k with the K/V write into
+ * the paged pool. The reference formulas (pagedkv.engine.models.llama, transformers'
+ * LlamaRMSNorm and apply_rotary_pos_emb) are chains of elementwise torch ops, each of which
+ * rounds once per element (IEEE add, mul, div, sqrt), plus one reduction: the sum of squares
+ * inside `mean`. The elementwise steps are reproduced exactly by doing the same operations in
+ * the same order in C (compiled WITHOUT -ffast-math and with -ffp-contract=off: no fused
+ * multiply-adds, no reassociation, 1/sqrtf not replaced by an approximate rsqrt).
+ *
+ * The reduction is reproduced by following the order of torch's CPU sum kernel for a
+ * contiguous inner dimension (aten/src/ATen/native/cpu/SumKernel.cpp, `vectorized_inner_sum`:
+ * `row_sum` with 4 interleaved vector accumulators, each a 4-level cascade, then the scalar
+ * tail, then the vector's lanes in order). `vw` is torch's float vector width (8 on AVX2, 16
+ * on AVX512): lanes are plain arrays here, so the arithmetic is lane-wise and identical. The
+ * Python side (pagedkv.engine.layer_ops) checks the result against torch bit for bit when it
+ * loads the library and does not use it when they differ (another torch or CPU).
+ *
+ * Every function returns 0, or -1 (writing nothing) on arguments it cannot take.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_VW 64
+#define NROWS 4  /* torch's ilp_factor */
+#define NLEVELS 4 /* torch's num_levels */
+
+static int64_t ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    int64_t bits = 0;
+    for (uint64_t v = (uint64_t)(x - 1); v; v >>= 1) ++bits;
+    return bits;
+}
+
+/* acc[k][lane] += squares of vector (base + k) for k < NROWS; a "vector" is vw floats. */
+static inline void add_vectors(float acc[NROWS][MAX_VW], const float *x, int64_t first_vec,
+                               int64_t vw) {
+    for (int64_t k = 0; k < NROWS; ++k) {
+        const float *v = x + (first_vec + k) * vw;
+        for (int64_t l = 0; l < vw; ++l) {
+            const float sq = v[l] * v[l];
+            acc[k][l] = acc[k][l] + sq;
+        }
+    }
+}
+
+/* The sum of x[i] * x[i] over n floats, in torch's order (see the header). n >= vw. */
+static float sum_squares(const float *x, int64_t n, int64_t vw) {
+    const int64_t num_vec = n / vw;       /* torch's vec_size */
+    const int64_t size = num_vec / NROWS; /* multi_row_sum's rows of NROWS vectors */
+    const int64_t power = ceil_log2(size) / NLEVELS > 4 ? ceil_log2(size) / NLEVELS : 4;
+    const int64_t step = (int64_t)1 << power;
+    const int64_t mask = step - 1;
+    float acc[NLEVELS][NROWS][MAX_VW];
+    memset(acc, 0, sizeof(acc));
+    int64_t i = 0;
+    while (i + step <= size) {
+        for (int64_t j = 0; j < step; ++j, ++i) add_vectors(acc[0], x, i * NROWS, vw);
+        for (int64_t j = 1; j < NLEVELS; ++j) {
+            for (int64_t k = 0; k < NROWS; ++k)
+                for (int64_t l = 0; l < vw; ++l) {
+                    acc[j][k][l] = acc[j][k][l] + acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if ((i & (mask << (j * power))) != 0) break;
+        }
+    }
+    for (; i < size; ++i) add_vectors(acc[0], x, i * NROWS, vw);
+    for (int64_t j = 1; j < NLEVELS; ++j)
+        for (int64_t k = 0; k < NROWS; ++k)
+            for (int64_t l = 0; l < vw; ++l) acc[0][k][l] = acc[0][k][l] + acc[j][k][l];
+    /* row_sum: the vectors left over after the NROWS-wide rows go to partial 0 */
+    for (int64_t v = size * NROWS; v < num_vec; ++v)
+        for (int64_t l = 0; l < vw; ++l) {
+            const float sq = x[v * vw + l] * x[v * vw + l];
+            acc[0][0][l] = acc[0][0][l] + sq;
+        }
+    for (int64_t k = 1; k < NROWS; ++k)
+        for (int64_t l = 0; l < vw; ++l) acc[0][0][l] = acc[0][0][l] + acc[0][k][l];
+    /* vectorized_inner_sum: scalar tail first, then the lanes in order */
+    float total = 0.0f;
+    for (int64_t e = num_vec * vw; e < n; ++e) {
+        const float sq = x[e] * x[e];
+        total = total + sq;
+    }
+    for (int64_t l = 0; l < vw; ++l) total = total + acc[0][0][l];
+    return total;
+}
+
+/* out = w * (x * (1 / sqrt(sum(x^2) / d + eps))), torch's _rms_norm in float32. */
+static void norm_row(const float *restrict x, const float *restrict w, float *restrict out,
+                     int64_t d, float eps, int64_t vw) {
+    const float mean = sum_squares(x, d, vw) / (float)d;
+    const float r = 1.0f / sqrtf(mean + eps);
+    for (int64_t e = 0; e < d; ++e) {
+        const float xr = x[e] * r;
+        out[e] = w[e] * xr;
+    }
+}
+
+static int bad_shape(int64_t rows, int64_t d, int64_t vw) {
+    return rows < 0 || d < vw || vw < 1 || vw > MAX_VW;
+}
+
+/* out[r] = rms_norm(x[r]) for `rows` rows of d floats (x rows `x_stride` floats apart). */
+int pagedkv_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
+                         int64_t rows, int64_t d, float eps, int64_t vw) {
+    if (bad_shape(rows, d, vw) || x_stride < d) return -1;
+    for (int64_t r = 0; r < rows; ++r) norm_row(x + r * x_stride, w, out + r * d, d, eps, vw);
+    return 0;
+}
+
+/* h[r] += delta[r] (delta rows `delta_stride` floats apart), then out[r] = rms_norm(h[r]). */
+int pagedkv_add_rms_norm_f32(float *h, const float *delta, int64_t delta_stride,
+                             const float *w, float *out, int64_t rows, int64_t d, float eps,
+                             int64_t vw) {
+    if (bad_shape(rows, d, vw) || delta_stride < d) return -1;
+    for (int64_t r = 0; r < rows; ++r) {
+        float *hr = h + r * d;
+        const float *dr = delta + r * delta_stride;
+        for (int64_t e = 0; e < d; ++e) hr[e] = hr[e] + dr[e];
+        norm_row(hr, w, out + r * d, d, eps, vw);
+    }
+    return 0;
+}
+
+/* x * cos + rotate_half(x) * sin for one head of hd floats (hd even). */
+static inline void rope_head(const float *restrict x, const float *restrict c,
+                             const float *restrict s, float *restrict out, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t j = 0; j < half; ++j) {
+        const float a = x[j] * c[j];
+        const float b = (-x[j + half]) * s[j];
+        out[j] = a + b;
+    }
+    for (int64_t j = half; j < hd; ++j) {
+        const float a = x[j] * c[j];
+        const float b = x[j - half] * s[j];
+        out[j] = a + b;
+    }
+}
+
+/* RoPE on the q and k heads of each token's fused projection row, then the K/V write.
+ *
+ *   qkv      [rows, nh + 2 * nkv, hd]: q heads, k heads, v heads
+ *   cos, sin [rows, hd]
+ *   slots    [rows] destination slots, 0 <= slot < num_slots (checked before any write)
+ *   q_out    [rows, nh, hd]
+ *   k_pool, v_pool: one layer's [nkv, num_slots, hd] (a [nkv, blocks, block_size, hd] pool)
+ *   q_norm, k_norm: NULL, or per-head RMSNorm weights [hd] applied before RoPE (Qwen3)
+ */
+int pagedkv_rope_write_f32(const float *qkv, const float *cos_, const float *sin_,
+                           const int64_t *slots, float *q_out, float *k_pool, float *v_pool,
+                           int64_t rows, int64_t nh, int64_t nkv, int64_t hd,
+                           int64_t num_slots, const float *q_norm, const float *k_norm,
+                           float eps, int64_t vw) {
+    if (rows < 0 || nh < 1 || nkv < 1 || hd < 2 || hd % 2 || hd > 4096) return -1;
+    if ((q_norm || k_norm) && bad_shape(rows, hd, vw)) return -1;
+    for (int64_t r = 0; r < rows; ++r)
+        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
+    float normed[4096];
+    const int64_t row_elems = (nh + 2 * nkv) * hd;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = qkv + r * row_elems;
+        const float *c = cos_ + r * hd, *s = sin_ + r * hd;
+        for (int64_t h = 0; h < nh; ++h) {
+            const float *x = row + h * hd;
+            if (q_norm) {
+                norm_row(x, q_norm, normed, hd, eps, vw);
+                x = normed;
+            }
+            rope_head(x, c, s, q_out + (r * nh + h) * hd, hd);
+        }
+        for (int64_t h = 0; h < nkv; ++h) {
+            const float *x = row + (nh + h) * hd;
+            if (k_norm) {
+                norm_row(x, k_norm, normed, hd, eps, vw);
+                x = normed;
+            }
+            rope_head(x, c, s, k_pool + (h * num_slots + slots[r]) * hd, hd);
+            memcpy(v_pool + (h * num_slots + slots[r]) * hd, row + (nh + nkv + h) * hd,
+                   sizeof(float) * hd);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,87 @@
+"""The model with the native layer ops (engine/layer_ops.py) against its torch ops, bit for bit,
+on transformers-written random checkpoints of every architecture switch the ops touch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from differential.hf_models import build_hf_model
+from pagedkv.engine import layer_ops
+from pagedkv.engine.attention import build_metadata
+from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache
+from pagedkv.engine.loader import load_model
+from pagedkv.engine.runner import ModelRunner
+from pagedkv.sched.output import ScheduledRequest
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(
+    not layer_ops.available(), reason=f"layer ops unavailable: {layer_ops.unavailable_reason()}"
+)
+
+
+def _entry(rid: str, table: np.ndarray, bs: int, start: int, tokens: list[int]) -> ScheduledRequest:
+    pos = np.arange(start, start + len(tokens))
+    slots = (table[pos // bs] * bs + pos % bs).astype(np.int32)
+    return ScheduledRequest(rid, start, tokens, len(tokens), table, slots, start == 0, True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "kernel"),
+    [
+        ("llama", "native"),
+        ("llama", "torch"),
+        ("qwen2", "native"),
+        ("qwen3", "native"),
+        ("llama_bias_mqa", "native"),
+        ("qwen2_swa", "native"),
+        ("qwen3_swa", "torch"),
+    ],
+)
+def test_fused_forward_is_bit_identical_to_the_torch_ops(
+    kind: str, kernel: str, tmp_path: Path
+) -> None:
+    """The whole model over a mixed step (a prefill chunk after a cached prefix, two decodes)
+    then pure decode steps: hidden states and the KV cache equal bit for bit with
+    ``fused_layer_ops`` on and off."""
+    build_hf_model(kind, tmp_path)
+    model = load_model(tmp_path, dtype="float32")
+    assert model.fused_layer_ops, "the fused path must be the default on a CPU float32 model"
+    cfg = model.config
+    bs = 4
+    spec = KVCacheSpec(cfg.num_hidden_layers, bs, cfg.num_key_value_heads, cfg.head_dim)
+    caches = {flag: PagedKVCache(spec, 48) for flag in (True, False)}
+    gen = torch.Generator().manual_seed(5)
+    tables = [np.array(t, dtype=np.int32) for t in ([9, 3, 17, 5], [30, 2, 11], [8, 40, 1, 7])]
+
+    def run(seqs: list[ScheduledRequest]) -> None:
+        outs = {}
+        for flag, cache in caches.items():
+            model.fused_layer_ops = flag
+            runner = ModelRunner(model, cache, decode_kernel=kernel)
+            seqs_sorted = sorted(seqs, key=lambda s: s.num_tokens != 1)  # decodes first
+            meta = build_metadata(
+                seqs_sorted, bs, model.device,
+                native_decode=runner.uses_native_decode(),
+                sliding_window=cfg.sliding_window,
+                full_attention=not cfg.all_layers_windowed,
+            )  # fmt: skip
+            ids = torch.tensor([t for s in seqs_sorted for t in s.token_ids])
+            outs[flag] = model.forward(ids, meta, cache)
+        assert torch.equal(outs[True], outs[False])
+        assert all(
+            torch.equal(a, b) for a, b in zip(caches[True].kv, caches[False].kv, strict=True)
+        )
+
+    def tokens(k: int) -> list[int]:
+        return torch.randint(0, cfg.vocab_size, (k,), generator=gen).tolist()
+
+    run([_entry("a", tables[0], bs, 0, tokens(9)), _entry("b", tables[1], bs, 0, tokens(5))])
+    run([_entry("a", tables[0], bs, 9, tokens(1)), _entry("b", tables[1], bs, 5, tokens(1)),
+         _entry("c", tables[2], bs, 0, tokens(7))])  # fmt: skip
+    for step in range(4):
+        run([_entry("a", tables[0], bs, 10 + step, tokens(1)),
+             _entry("c", tables[2], bs, 7 + step, tokens(1))])  # fmt: skip

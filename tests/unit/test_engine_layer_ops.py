@@ -1,0 +1,102 @@
+"""The native layer ops (engine/layer_ops.py) against torch's reference ops, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.engine import layer_ops
+from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache
+from pagedkv.engine.models.llama import _rms_norm, _rotate_half
+from pagedkv.errors import InvalidRequestError
+
+pytestmark = pytest.mark.skipif(
+    not layer_ops.available(), reason=f"layer ops unavailable: {layer_ops.unavailable_reason()}"
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    width=st.integers(8, 3000),
+    scale=st.floats(1e-3, 1e3),
+    eps=st.sampled_from([1e-5, 1e-6]),
+    seed=st.integers(0, 2**31),
+)
+def test_rms_norm_is_bit_identical_to_torch(
+    rows: int, width: int, scale: float, eps: float, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * scale
+    w = torch.randn(width, generator=gen)
+    out = torch.empty_like(x)
+    layer_ops.rms_norm(x, w, eps, out)
+    assert torch.equal(out, _rms_norm(x, w, eps))
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), width=st.integers(8, 1200), seed=st.integers(0, 2**31))
+def test_add_rms_norm_adds_in_place_then_normalises(rows: int, width: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    h, delta = torch.randn(2, rows, width, generator=gen)
+    w = torch.randn(width, generator=gen)
+    expected_h = h + delta
+    out = torch.empty_like(h)
+    layer_ops.add_rms_norm(h, delta, w, 1e-5, out)
+    assert torch.equal(h, expected_h)
+    assert torch.equal(out, _rms_norm(expected_h, w, 1e-5))
+
+
+def _reference_rope(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, nkv: int
+) -> torch.Tensor:
+    qk = qkv[:, : nh + nkv]
+    return qk * cos[:, None] + _rotate_half(qk) * sin[:, None]  # models.llama's formula
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_write_matches_rope_then_cache_write(qk_norm: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    rows, nh, nkv, hd, bs = 5, 6, 2, 32, 4
+    qkv = torch.randn(rows, nh + 2 * nkv, hd, generator=gen)
+    pos = torch.tensor([0, 7, 8, 30, 31], dtype=torch.float32)
+    freqs = pos[:, None] * (1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    slots = torch.tensor([3, 17, 40, 9, 62])
+    spec = KVCacheSpec(1, bs, nkv, hd)
+    ours, ref = PagedKVCache(spec, 16), PagedKVCache(spec, 16)
+    norms = None
+    src = qkv
+    if qk_norm:
+        norms = (torch.randn(hd, generator=gen), torch.randn(hd, generator=gen))
+        src = torch.cat(
+            (
+                _rms_norm(qkv[:, :nh], norms[0], 1e-6),
+                _rms_norm(qkv[:, nh : nh + nkv], norms[1], 1e-6),
+                qkv[:, nh + nkv :],
+            ),
+            dim=1,
+        )
+    expected = _reference_rope(src, cos, sin, nh, nkv)
+    ref.write(0, slots, expected[:, nh:], qkv[:, nh + nkv :])
+    q = torch.empty(rows, nh, hd)
+    layer_ops.rope_write(
+        qkv, cos, sin, slots, q, ours.k[0], ours.v[0], None if norms is None else (*norms, 1e-6)
+    )
+    assert torch.equal(q, expected[:, :nh])
+    assert torch.equal(ours.kv[0], ref.kv[0])
+
+
+def test_rope_write_refuses_a_slot_out_of_range_and_writes_nothing() -> None:
+    spec = KVCacheSpec(1, 4, 1, 16)
+    cache = PagedKVCache(spec, 2)  # 8 slots
+    qkv = torch.ones(2, 3, 16)
+    trig = torch.ones(2, 16)
+    q = torch.zeros(2, 1, 16)
+    with pytest.raises(InvalidRequestError, match="slot"):
+        layer_ops.rope_write(qkv, trig, trig, torch.tensor([1, 8]), q, cache.k[0], cache.v[0])
+    assert not cache.kv[0].any()
+    assert not q.any()
