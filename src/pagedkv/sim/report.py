@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pagedkv.sim.tiers import TierReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +167,7 @@ class SimReport:
     records: tuple[RequestRecord, ...]  # one per request, in the order they finished
     by_tag: tuple[TagSummary, ...]  # one per tag of the admitted requests, sorted by tag
     wall: WallTimings = field(compare=False)
+    tiers: tuple[TierReport, ...] = ()  # one per KV tier below the device pool, top first
 
     @property
     def draft_acceptance_rate(self) -> float:

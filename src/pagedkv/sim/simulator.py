@@ -44,7 +44,7 @@ from pagedkv.errors import (
     SimulationLimitError,
 )
 from pagedkv.sched.config import SchedulerConfig
-from pagedkv.sched.output import ScheduledRequest
+from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request
 from pagedkv.sched.scheduler import Scheduler
 from pagedkv.sim.allocators import Allocator, reserved_max_tokens
@@ -52,6 +52,7 @@ from pagedkv.sim.cost_model import CostModel, StepCost, step_totals
 from pagedkv.sim.recorder import Recorder
 from pagedkv.sim.report import RequestRecord, SimReport
 from pagedkv.sim.roofline import MemoryPool
+from pagedkv.sim.tiers import SimTierStack, TierSpec, kv_bytes_per_token_of, tier_reports
 from pagedkv.sim.tracks import Track, accepted_tokens, output_tokens, propose_drafts
 from pagedkv.sim.workload import (
     EOS_TOKEN_ID,
@@ -94,6 +95,8 @@ class SimConfig:
     cpu_timing_stride: int = 4  # CPU-time schedule()/update() every n-th step (a syscall each)
     num_replicas: int = 1  # engines behind a router (pagedkv.sim.replicas)
     router: str = "round_robin"  # or "least_load"
+    tiers: tuple[TierSpec, ...] = ()  # KV tiers below the device pool, top first (sim.tiers)
+    kv_bytes_per_token: int | None = None  # a tier block's bytes / block_size (None: derived)
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -114,11 +117,27 @@ class SimConfig:
             )
         if self.max_steps <= 0:
             raise InvalidRequestError(f"max_steps must be positive, got {self.max_steps}")
+        if self.tiers:
+            self._check_tiers()
         if self.num_draft_tokens < 0:
             raise InvalidRequestError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if not 0.0 <= self.draft_acceptance <= 1.0:
             raise InvalidRequestError(
                 f"draft_acceptance must be in [0, 1], got {self.draft_acceptance}"
+            )
+
+    def _check_tiers(self) -> None:
+        if self.num_draft_tokens:
+            raise InvalidRequestError(
+                "KV tiers are not simulated with speculative decoding (spec_k > 0)"
+            )
+        if self.allocator.is_contiguous:
+            raise InvalidRequestError(
+                f"KV tiers hold paged prefix blocks; the {self.allocator.value} allocator has none"
+            )
+        if not self.cache.enable_prefix_caching:
+            raise InvalidRequestError(
+                "KV tiers hold prefix blocks by hash: they need prefix caching (caching=on)"
             )
 
 
@@ -148,7 +167,11 @@ class _Run:
         self.cfg = cfg
         self.workload = workload
         self.progress = progress
-        self.sched = Scheduler(cfg.scheduler, cfg.cache)
+        self.tier_stack: SimTierStack | None = None
+        if cfg.tiers:
+            per_token = kv_bytes_per_token_of(cfg.cost, cfg.kv_bytes_per_token)
+            self.tier_stack = SimTierStack(cfg.tiers, cfg.cache.block_size, per_token, cfg.cost)
+        self.sched = Scheduler(cfg.scheduler, cfg.cache, tier_index=self.tier_stack)
         self.arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
         self.rec: Recorder
         self.followers: dict[str, list[SimRequest]]
@@ -256,7 +279,7 @@ class _Run:
         for rid in out.finished_ids:  # finished by the scheduler itself (pool too small)
             if rid in tracks:
                 self.finish(rid, self.clock)
-        if out.is_empty:
+        if out.is_empty and not out.block_loads:
             rec.on_wall(w1 - w0, None, sched.last_step.admission_s, c1 - c0, None)
             self.idle(out.preempted_ids or out.finished_ids, out.step)
             return
@@ -267,6 +290,8 @@ class _Run:
             allocated = usage + mgr.running_claim_blocks / mgr.pool.capacity_blocks
         totals = step_totals(out)
         dt = self.cfg.cost.step_time(*totals)
+        if self.tier_stack is not None:
+            dt += self.tier_step(out)
         start = self.clock
         self.clock = clock = start + dt
         sampled, empty_slots = self.sampled_tokens(out.scheduled, start)
@@ -319,6 +344,27 @@ class _Run:
                 else:
                     sampled[sr.request_id] = [tr.output[tr.req.num_output_tokens]]
         return sampled, empty
+
+    def tier_step(self, out: SchedulerOutput) -> float:
+        """The step's tier work: apply its loads (returning their seconds), write through the
+        blocks it computes, count held blocks that first-scheduled requests recompute."""
+        stack = self.tier_stack
+        assert stack is not None
+        mgr = self.sched.manager
+        load_s = 0.0
+        if out.block_loads:
+            owner = {b: rid for rid in out.loading_ids for b in mgr.block_ids_view(rid)}
+            load_s = stack.load_time_s(out, owner)
+        bs = self.block_size
+        tracks = self.tracks
+        for sr in out.scheduled:
+            hashes = mgr.block_hashes(sr.request_id)
+            first = sr.start_position // bs
+            if sr.is_prefill and tracks[sr.request_id].sched_s < 0.0:
+                last = (tracks[sr.request_id].req.num_tokens - 1) // bs
+                stack.note_skips(hashes[:last], first)
+            stack.store(hashes[first : (sr.start_position + sr.num_tokens) // bs])
+        return load_s
 
     def idle(self, changed: object, step: int) -> None:
         """An empty step: the state changed, or the clock jumps to the next arrival."""
@@ -410,6 +456,7 @@ def build_report(runs: list[_Run], wall_s: float) -> SimReport:
         num_preemptions=sum(r.sched.num_preemptions for r in runs),
         kv_capacity_tokens=sum(r.capacity_tokens for r in runs),
         allocator=cfg.allocator.value,
+        tiers=tier_reports([r.tier_stack for r in runs if r.tier_stack is not None], query_blocks),
         wall=head.rec.wall_timings(wall_s),
     )
 

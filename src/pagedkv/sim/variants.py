@@ -22,6 +22,7 @@ from pagedkv.sim.allocators import Allocator
 from pagedkv.sim.hardware import device_spec
 from pagedkv.sim.roofline import RooflineCost
 from pagedkv.sim.simulator import SimConfig
+from pagedkv.sim.tiers import parse_tiers
 
 MAX_VARIANTS = 16
 
@@ -188,6 +189,10 @@ KEYS: dict[str, tuple[str, Callable[[SimConfig, str], SimConfig]]] = {
     "allocator": (
         "paged, or a contiguous baseline reserving max/pow2/oracle length (PagedAttention paper)",
         _set_allocator,
+    ),
+    "tier": (
+        "KV tier stack below the device pool, top first: none, host, host:128+disk, ...",
+        lambda c, v: dataclasses.replace(c, tiers=parse_tiers(v)),
     ),
     "chunked_prefill": (
         "chunked prefill on/off",
