@@ -168,6 +168,8 @@ class SimReport:
     by_tag: tuple[TagSummary, ...]  # one per tag of the admitted requests, sorted by tag
     wall: WallTimings = field(compare=False)
     tiers: tuple[TierReport, ...] = ()  # one per KV tier below the device pool, top first
+    requests_per_replica: tuple[int, ...] = ()  # routed to each replica (replica runs only)
+    route_decisions: tuple[tuple[str, int], ...] = ()  # the policy's reasons, counted
 
     @property
     def draft_acceptance_rate(self) -> float:

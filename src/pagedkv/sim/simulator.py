@@ -34,6 +34,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.errors import (
@@ -62,7 +63,6 @@ from pagedkv.sim.workload import (
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = ("round_robin", "least_load")
 Sampled = dict[str, list[int]]
 Progress = Callable[[int, int, float], None]
 """``progress(num_done, num_requests, clock_s)``: called every few hundred steps and at the end."""
@@ -94,7 +94,7 @@ class SimConfig:
     memory_pool: MemoryPool | None = None  # set when cache.num_blocks was sized from memory
     cpu_timing_stride: int = 4  # CPU-time schedule()/update() every n-th step (a syscall each)
     num_replicas: int = 1  # engines behind a router (pagedkv.sim.replicas)
-    router: str = "round_robin"  # or "least_load"
+    router: str = "round-robin"  # a pagedkv.route policy: least-load, cache-aware (_ accepted)
     tiers: tuple[TierSpec, ...] = ()  # KV tiers below the device pool, top first (sim.tiers)
     kv_bytes_per_token: int | None = None  # a tier block's bytes / block_size (None: derived)
 
@@ -107,10 +107,9 @@ class SimConfig:
             )
         if self.num_replicas <= 0:
             raise InvalidRequestError(f"num_replicas must be positive, got {self.num_replicas}")
-        if self.router not in ROUTERS:
-            raise InvalidRequestError(
-                f"unknown router {self.router!r}; known: {', '.join(ROUTERS)}"
-            )
+        from pagedkv.sim.replicas import router_name  # (it imports this module)
+
+        object.__setattr__(self, "router", router_name(self.router))  # frozen: normalized once
         if self.cpu_timing_stride <= 0:
             raise InvalidRequestError(
                 f"cpu_timing_stride must be positive, got {self.cpu_timing_stride}"
@@ -173,6 +172,7 @@ class _Run:
             self.tier_stack = SimTierStack(cfg.tiers, cfg.cache.block_size, per_token, cfg.cost)
         self.sched = Scheduler(cfg.scheduler, cfg.cache, tier_index=self.tier_stack)
         self.arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
+        self.released = self.arrivals  # where followers go when released (replicas: the router)
         self.rec: Recorder
         self.followers: dict[str, list[SimRequest]]
         self.order_of: dict[str, int]
@@ -206,7 +206,7 @@ class _Run:
     def release(self, rid: str, at: float) -> None:
         for child in self.followers.pop(rid, ()):
             when = max(child.arrival_s, at + child.think_s)
-            heapq.heappush(self.arrivals, (when, self.order_of[child.request_id], child))
+            heapq.heappush(self.released, (when, self.order_of[child.request_id], child))
 
     def admit_arrivals(self) -> None:
         """Add every request whose arrival time has come (rejections are counted, not raised)."""
@@ -415,8 +415,9 @@ class _Run:
         return build_report([self], time.perf_counter() - wall0)
 
 
-def build_report(runs: list[_Run], wall_s: float) -> SimReport:
-    """The report of one run, or of replicas sharing one recorder (counters summed)."""
+def build_report(runs: list[_Run], wall_s: float, **routing: Any) -> SimReport:
+    """The report of one run, or of replicas sharing one recorder (counters summed);
+    ``routing``: the replicas' routing fields of the report."""
     head = runs[0]
     cfg = head.cfg
     snaps = [r.sched.manager.stats().prefix for r in runs]
@@ -458,6 +459,7 @@ def build_report(runs: list[_Run], wall_s: float) -> SimReport:
         allocator=cfg.allocator.value,
         tiers=tier_reports([r.tier_stack for r in runs if r.tier_stack is not None], query_blocks),
         wall=head.rec.wall_timings(wall_s),
+        **routing,
     )
 
 

@@ -183,7 +183,7 @@ KEYS: dict[str, tuple[str, Callable[[SimConfig, str], SimConfig]]] = {
         lambda c, v: dataclasses.replace(c, num_replicas=_positive_int(v)),
     ),
     "router": (
-        "round_robin or least_load, over the replicas",
+        "pagedkv router's policy over the replicas: round-robin, least-load, cache-aware",
         lambda c, v: dataclasses.replace(c, router=v.strip()),
     ),
     "allocator": (
