@@ -60,7 +60,6 @@ class Recorder:
     def __init__(self) -> None:
         self.ttft: array[float] = array("d")
         self.ttft_at: array[float] = array("d")
-        self.itl: array[float] = array("d")
         self.e2e: array[float] = array("d")
         self.tpot: array[float] = array("d")
         self.queue: array[float] = array("d")
@@ -132,8 +131,14 @@ class Recorder:
         self.tag(tag).ttft.append(clock - arrival_s)
 
     def on_token(self, tag: str, gap_s: float) -> None:
-        self.itl.append(gap_s)
+        """One inter-token gap (kept per tag only: the overall sample is their union)."""
         self.tag(tag).itl.append(gap_s)
+
+    @property
+    def itl(self) -> np.ndarray:
+        """Every inter-token gap, tag by tag (percentiles do not depend on the order)."""
+        parts = [np.frombuffer(v.itl, dtype=np.float64) for v in self.by_tag.values() if v.itl]
+        return np.concatenate(parts) if parts else np.zeros(0)
 
     def on_finish(self, record: RequestRecord, last_s: float, queue_s: float) -> None:
         """A finished request; ``last_s`` < 0 when it never produced a token."""

@@ -49,7 +49,7 @@ from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request
 from pagedkv.sched.scheduler import Scheduler
 from pagedkv.sim.allocators import Allocator, reserved_max_tokens
-from pagedkv.sim.cost_model import CostModel, StepCost, step_totals
+from pagedkv.sim.cost_model import CostModel, StepCost
 from pagedkv.sim.recorder import Recorder
 from pagedkv.sim.report import RequestRecord, SimReport
 from pagedkv.sim.roofline import MemoryPool
@@ -288,28 +288,23 @@ class _Run:
         allocated = usage
         if self.cfg.allocator.is_contiguous:
             allocated = usage + mgr.running_claim_blocks / mgr.pool.capacity_blocks
-        totals = step_totals(out)
-        dt = self.cfg.cost.step_time(*totals)
-        if self.tier_stack is not None:
-            dt += self.tier_step(out)
+        load_s = 0.0 if self.tier_stack is None else self.tier_step(out)
         start = self.clock
+        sampled, empty_slots, totals = self.scan_step(out.scheduled, start)
+        dt = self.cfg.cost.step_time(*totals) + load_s
         self.clock = clock = start + dt
-        sampled, empty_slots = self.sampled_tokens(out.scheduled, start)
         c2, w2 = cpu_ns(), wall_ns()
         results = sched.update(out, sampled)
         w3, c3 = wall_ns(), cpu_ns()
         rec.on_wall(w1 - w0, w3 - w2, sched.last_step.admission_s, c1 - c0, c3 - c2)
         spec_k = self.cfg.num_draft_tokens
-        itl = rec.itl
         for res in results:
             tr = tracks[res.request_id]
             if tr.first_s < 0.0:
                 tr.first_s = clock
                 rec.on_first_token(tr.sim.tag, clock, tr.arrival_s)
             else:  # Recorder.on_token, inlined: once per generated token
-                gap = clock - tr.last_s
-                itl.append(gap)
-                tr.tag_itl.append(gap)
+                tr.tag_itl.append(clock - tr.last_s)
             tr.last_s = clock
             if res.finished:
                 self.finish(res.request_id, clock)
@@ -319,31 +314,46 @@ class _Run:
         token_usage = max(0.0, usage - empty_slots / self.capacity_tokens)
         rec.on_step(clock, dt, usage, allocated, token_usage, counts)
 
-    def sampled_tokens(
+    def scan_step(
         self, scheduled: Iterable[ScheduledRequest], start: float
-    ) -> tuple[Sampled, int]:
-        """The token(s) each sampling request gets this step, and the empty slots in the step's
-        requests' last blocks (internal fragmentation); marks first-scheduled times."""
+    ) -> tuple[Sampled, int, tuple[int, int, int, int, int]]:
+        """One pass over the step's requests: the token(s) each sampling request gets, the
+        empty slots in their last blocks (internal fragmentation), and the step's cost totals
+        (exactly :func:`~pagedkv.sim.cost_model.step_totals`, computed in the same pass);
+        marks first-scheduled times."""
         tracks = self.tracks
         sampled: Sampled = {}
         bs = self.block_size
-        empty = 0
+        empty = prefill = decodes = context = pairs = rows = computed = 0
         for sr in scheduled:
-            empty += -(sr.start_position + sr.num_tokens) % bs
-            tr = tracks[sr.request_id]
+            n, pos = sr.num_tokens, sr.start_position
+            end = pos + n
+            empty += -end % bs
+            context += end
+            pairs += n * pos + n * (n + 1) // 2
+            rid = sr.request_id
+            tr = tracks[rid]
             if tr.sched_s < 0.0:
                 tr.sched_s = start
+            k = sr.num_draft_tokens
             if sr.is_prefill:
-                self.prefill_computed += sr.num_tokens
+                prefill += n
+                computed += n
+            else:
+                decodes += 1
+                prefill += k
+                rows += k
             if sr.samples:
-                if sr.num_draft_tokens:
+                rows += 1
+                if k:
                     toks = accepted_tokens(tr, sr.token_ids[1:])
-                    self.num_drafts += sr.num_draft_tokens
+                    self.num_drafts += k
                     self.num_accepted += len(toks) - 1
-                    sampled[sr.request_id] = toks
+                    sampled[rid] = toks
                 else:
-                    sampled[sr.request_id] = [tr.output[tr.req.num_output_tokens]]
-        return sampled, empty
+                    sampled[rid] = [tr.output[tr.req.num_output_tokens]]
+        self.prefill_computed += computed
+        return sampled, empty, (prefill, decodes, context, pairs, rows)
 
     def tier_step(self, out: SchedulerOutput) -> float:
         """The step's tier work: apply its loads (returning their seconds), write through the
