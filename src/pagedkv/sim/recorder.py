@@ -134,11 +134,19 @@ class Recorder:
         """One inter-token gap (kept per tag only: the overall sample is their union)."""
         self.tag(tag).itl.append(gap_s)
 
-    @property
-    def itl(self) -> np.ndarray:
-        """Every inter-token gap, tag by tag (percentiles do not depend on the order)."""
-        parts = [np.frombuffer(v.itl, dtype=np.float64) for v in self.by_tag.values() if v.itl]
-        return np.concatenate(parts) if parts else np.zeros(0)
+    def take_itl(self) -> np.ndarray:
+        """Every inter-token gap, tag by tag (percentiles do not depend on the order), moved
+        out of the per-tag samples, which are left empty: the report's last use of them, so
+        the gaps are held once, never three times (tags, their union, a sorting copy)."""
+        out = np.empty(sum(len(v.itl) for v in self.by_tag.values()))
+        i = 0
+        for v in self.by_tag.values():
+            n = len(v.itl)
+            if n:
+                out[i : i + n] = np.frombuffer(v.itl, dtype=np.float64)
+            i += n
+            v.itl = array("d")
+        return out
 
     def on_finish(self, record: RequestRecord, last_s: float, queue_s: float) -> None:
         """A finished request; ``last_s`` < 0 when it never produced a token."""
@@ -201,11 +209,13 @@ class Recorder:
         )
 
     def build(self, max_points: int, **fields: Any) -> SimReport:
-        """The report: these samples plus the run's counters in ``fields``."""
+        """The report: these samples plus the run's counters in ``fields``. Call once: it
+        consumes the per-token samples (:meth:`take_itl`)."""
         tags = {k: (v.ttft, v.itl, v.e2e) for k, v in self.by_tag.items()}
+        by_tag = summarize_tags(tags, self.records)
         return SimReport(
             ttft_s=Percentiles.of(self.ttft),
-            itl_s=Percentiles.of(self.itl),
+            itl_s=Percentiles.of(self.take_itl(), in_place=True),
             e2e_s=Percentiles.of(self.e2e),
             tpot_s=Percentiles.of(self.tpot),
             queue_s=Percentiles.of(self.queue),
@@ -215,7 +225,7 @@ class Recorder:
             peak_waiting=max(self.waiting, default=0),
             series=self._series(max_points),
             records=tuple(self.records),
-            by_tag=summarize_tags(tags, self.records),
+            by_tag=by_tag,
             **self.usage_summary(),
             **fields,
         )

@@ -30,12 +30,16 @@ class Percentiles:
     max: float = 0.0
 
     @classmethod
-    def of(cls, values: Sequence[float] | np.ndarray) -> Percentiles:
+    def of(cls, values: Sequence[float] | np.ndarray, *, in_place: bool = False) -> Percentiles:
+        """The summary of ``values``; ``in_place``: an array of float64 that may be reordered
+        (no sorting copy of a large sample)."""
         arr = np.asarray(values, dtype=np.float64)
         if arr.size == 0:
             return cls()
-        p50, p90, p99 = (float(x) for x in np.percentile(arr, [50, 90, 99]))
-        return cls(int(arr.size), float(arr.mean()), p50, p90, p99, float(arr.max()))
+        mean, top = float(arr.mean()), float(arr.max())  # before any reordering
+        q = np.percentile(arr, [50, 90, 99], overwrite_input=in_place)
+        p50, p90, p99 = (float(x) for x in q)
+        return cls(int(arr.size), mean, p50, p90, p99, top)
 
     def scaled(self, factor: float) -> Percentiles:
         """The same summary in another unit (e.g. seconds to milliseconds)."""
