@@ -117,11 +117,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "router's own policy code (the underscore spellings are aliases)",
     )
     c.add_argument(
-        "--route-policy",
-        metavar="POLICY[,POLICY]",
-        help="compare routing policies: the same as --compare router=POLICY,POLICY",
-    )
-    c.add_argument(
         "--tier",
         action="append",
         metavar="NAME[:GiB[:GBps[:LATENCY_us]]]",
@@ -167,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=V1,V2",
         help="vary a setting (repeatable: cross product; keys below); without it: "
         "caching=on,off. One variant: e.g. --compare caching=off",
+    )
+    o.add_argument(
+        "--route-policy",
+        metavar="POLICY[,POLICY]",
+        help="compare routing policies: the same as --compare router=POLICY,POLICY",
     )
     o.add_argument("--json", metavar="PATH", help="write every report as JSON")
     o.add_argument("--plot", metavar="FILE.png", help="draw usage, queues and latency over time")
