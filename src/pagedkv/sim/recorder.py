@@ -44,11 +44,34 @@ def _floats() -> array[float]:
     return array("d")
 
 
+def _counts() -> array[int]:
+    return array("q")
+
+
+def _np(col: array[Any], dtype: type) -> np.ndarray:
+    return np.frombuffer(col, dtype=dtype) if len(col) else np.zeros(0, dtype=dtype)
+
+
 @dataclass(slots=True)
-class _TagSamples:
+class TagSamples:
+    """One tag's latency samples. Inter-token gaps are kept as runs: most gaps of a step are
+    the step itself (a request that decoded in the step before waits exactly this step), so a
+    step adds one ``(run_gap, run_count)`` pair per tag instead of one value per token; the
+    other gaps (after a wait, a preemption, a prefill chunk) go to ``itl`` one by one."""
+
     ttft: array[float] = field(default_factory=_floats)
     itl: array[float] = field(default_factory=_floats)
     e2e: array[float] = field(default_factory=_floats)
+    run_gap: array[float] = field(default_factory=_floats)
+    run_count: array[int] = field(default_factory=_counts)
+    pending: int = 0  # gaps equal to the current step's, not yet flushed (Recorder.end_gaps)
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (
+            _np(self.run_gap, np.float64),
+            _np(self.run_count, np.int64),
+            _np(self.itl, np.float64),
+        )
 
 
 class Recorder:
@@ -70,7 +93,8 @@ class Recorder:
         self.tokens: array[float] = array("d")
         self.step_s: array[float] = array("d")
         self.admit_wall: array[float] = array("d")
-        self.by_tag: dict[str, _TagSamples] = {}
+        self.by_tag: dict[str, TagSamples] = {}
+        self.touched: list[TagSamples] = []  # tags with pending step gaps (end_gaps clears)
         self.running: array[int] = array("l")
         self.waiting: array[int] = array("l")
         self.batch: array[int] = array("l")
@@ -80,11 +104,19 @@ class Recorder:
         self.update_wall: array[int] = array("q")
         self.records: list[RequestRecord] = []
 
-    def tag(self, tag: str) -> _TagSamples:
+    def tag(self, tag: str) -> TagSamples:
         s = self.by_tag.get(tag)
         if s is None:
-            s = self.by_tag[tag] = _TagSamples()
+            s = self.by_tag[tag] = TagSamples()
         return s
+
+    def end_gaps(self, step_gap_s: float) -> None:
+        """Close a step: every pending gap of each touched tag was ``step_gap_s``."""
+        for s in self.touched:
+            s.run_gap.append(step_gap_s)
+            s.run_count.append(s.pending)
+            s.pending = 0
+        self.touched.clear()
 
     def on_step(
         self,
@@ -134,19 +166,13 @@ class Recorder:
         """One inter-token gap (kept per tag only: the overall sample is their union)."""
         self.tag(tag).itl.append(gap_s)
 
-    def take_itl(self) -> np.ndarray:
-        """Every inter-token gap, tag by tag (percentiles do not depend on the order), moved
-        out of the per-tag samples, which are left empty: the report's last use of them, so
-        the gaps are held once, never three times (tags, their union, a sorting copy)."""
-        out = np.empty(sum(len(v.itl) for v in self.by_tag.values()))
-        i = 0
-        for v in self.by_tag.values():
-            n = len(v.itl)
-            if n:
-                out[i : i + n] = np.frombuffer(v.itl, dtype=np.float64)
-            i += n
-            v.itl = array("d")
-        return out
+    def itl_summary(self) -> Percentiles:
+        """Every inter-token gap of every tag, summarized (runs and single gaps together)."""
+        parts = [s.runs() for s in self.by_tag.values()]
+        if not parts:
+            return Percentiles()
+        gaps, counts, singles = (np.concatenate(col) for col in zip(*parts, strict=True))
+        return Percentiles.of_runs(gaps, counts, singles)
 
     def on_finish(self, record: RequestRecord, last_s: float, queue_s: float) -> None:
         """A finished request; ``last_s`` < 0 when it never produced a token."""
@@ -209,13 +235,12 @@ class Recorder:
         )
 
     def build(self, max_points: int, **fields: Any) -> SimReport:
-        """The report: these samples plus the run's counters in ``fields``. Call once: it
-        consumes the per-token samples (:meth:`take_itl`)."""
-        tags = {k: (v.ttft, v.itl, v.e2e) for k, v in self.by_tag.items()}
+        """The report: these samples plus the run's counters in ``fields``."""
+        tags = {k: (v.ttft, Percentiles.of_runs(*v.runs()), v.e2e) for k, v in self.by_tag.items()}
         by_tag = summarize_tags(tags, self.records)
         return SimReport(
             ttft_s=Percentiles.of(self.ttft),
-            itl_s=Percentiles.of(self.take_itl(), in_place=True),
+            itl_s=self.itl_summary(),
             e2e_s=Percentiles.of(self.e2e),
             tpot_s=Percentiles.of(self.tpot),
             queue_s=Percentiles.of(self.queue),

@@ -235,7 +235,7 @@ class _Run:
                 self.reject(sim, at)
                 continue
             output = output_tokens(sim, cfg.seed, stops)
-            self.tracks[sim.request_id] = Track(sim, req, at, output, self.rec.tag(sim.tag).itl)
+            self.tracks[sim.request_id] = Track(sim, req, at, output, self.rec.tag(sim.tag))
             self.num_prompt += sim.num_prompt_tokens
 
     def reject(self, sim: SimRequest, at: float) -> None:
@@ -298,18 +298,26 @@ class _Run:
         w3, c3 = wall_ns(), cpu_ns()
         rec.on_wall(w1 - w0, w3 - w2, sched.last_step.admission_s, c1 - c0, c3 - c2)
         spec_k = self.cfg.num_draft_tokens
+        touched = rec.touched
         for res in results:
             tr = tracks[res.request_id]
             if tr.first_s < 0.0:
                 tr.first_s = clock
                 rec.on_first_token(tr.sim.tag, clock, tr.arrival_s)
-            else:  # Recorder.on_token, inlined: once per generated token
-                tr.tag_itl.append(clock - tr.last_s)
+            elif tr.last_s == start:  # it decoded in the step before: its gap is this step
+                ts = tr.tag_samples
+                if not ts.pending:
+                    touched.append(ts)
+                ts.pending += 1
+            else:  # Recorder.on_token, inlined
+                tr.tag_samples.itl.append(clock - tr.last_s)
             tr.last_s = clock
             if res.finished:
                 self.finish(res.request_id, clock)
             elif spec_k:
                 propose_drafts(tr, spec_k, self.cfg.draft_acceptance, self.cfg.seed)
+        if touched:
+            rec.end_gaps(clock - start)
         counts = (sched.num_running, sched.num_waiting, len(out.scheduled))
         token_usage = max(0.0, usage - empty_slots / self.capacity_tokens)
         rec.on_step(clock, dt, usage, allocated, token_usage, counts)
