@@ -185,7 +185,7 @@ def test_route_is_pure_no_torch_zmq_or_http_client() -> None:
     import sys
 
     code = (
-        "import sys, pagedkv.route, pagedkv.sim.cluster; "
+        "import sys, pagedkv.route, pagedkv.sim.replicas; "
         "bad = [m for m in ('torch', 'zmq', 'httpx', 'msgspec') if m in sys.modules]; "
         "assert not bad, bad"
     )

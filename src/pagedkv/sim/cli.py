@@ -20,11 +20,12 @@ from pagedkv.core.config import CacheConfig, ReservationPolicy
 from pagedkv.errors import InvalidRequestError, PagedKVError
 from pagedkv.route.policy import POLICY_NAMES
 from pagedkv.sched.config import SchedulerConfig
-from pagedkv.sim.cluster_cli import add_cluster_arguments, cluster_main, wants_cluster
 from pagedkv.sim.cost_args import DEFAULT_NUM_BLOCKS, add_cost_arguments, resolve_cost
 from pagedkv.sim.generators import DEFAULT_MAX_CONTEXT, MAX_TOKENS_MODES, WORKLOADS, make_workload
+from pagedkv.sim.replicas import ROUTER_ALIASES
 from pagedkv.sim.report import Percentiles, SimReport
 from pagedkv.sim.simulator import Progress, SimConfig, simulate
+from pagedkv.sim.tiers import TierReport, parse_tiers
 from pagedkv.sim.trace import load_trace, save_trace
 from pagedkv.sim.variants import KEYS
 from pagedkv.sim.workload import Workload
@@ -110,11 +111,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
     c.add_argument(
         "--router",
-        choices=("round_robin", "least_load", *POLICY_NAMES),
-        default="round_robin",
-        help="how arrivals are spread over --replicas: round_robin|least_load inside the "
-        "simulator (a chat's next turn stays on its replica), or pagedkv router's own policy "
-        f"code ({', '.join(POLICY_NAMES)}; see --route-policy)",
+        choices=(*POLICY_NAMES, *ROUTER_ALIASES),
+        default="round-robin",
+        help="how arrivals (a chat's next turn included) are spread over --replicas: pagedkv "
+        "router's own policy code (the underscore spellings are aliases)",
+    )
+    c.add_argument(
+        "--tier",
+        action="append",
+        metavar="NAME[:GiB[:GBps[:LATENCY_us]]]",
+        help="a KV tier below the device pool (repeat: top first): host (or cpu), disk, redis "
+        "presets, fields overriding them (docs/simulator.md); without --compare: no tiers vs these",
     )
     c.add_argument(
         "--spec-k", type=int, default=0, help="speculative drafts per decode step (0: off)"
@@ -147,7 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p)
     add_engine_arguments(p)
     add_cost_arguments(p)
-    add_cluster_arguments(p)
 
     o = p.add_argument_group("comparison and output")
     o.add_argument(
@@ -156,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=V1,V2",
         help="vary a setting (repeatable: cross product; keys below); without it: "
         "caching=on,off. One variant: e.g. --compare caching=off",
+    )
+    o.add_argument(
+        "--route-policy",
+        metavar="POLICY[,POLICY]",
+        help="compare routing policies: the same as --compare router=POLICY,POLICY",
     )
     o.add_argument("--json", metavar="PATH", help="write every report as JSON")
     o.add_argument("--plot", metavar="FILE.png", help="draw usage, queues and latency over time")
@@ -192,8 +203,9 @@ def base_config(a: argparse.Namespace) -> tuple[SimConfig, str]:
         cost=choice.cost,
         memory_pool=choice.memory_pool,
         num_replicas=a.replicas,
-        router="round_robin" if a.router in POLICY_NAMES else a.router,  # those: cluster_cli
+        router=a.router,
         seed=a.seed,
+        tiers=tuple(t for spec in a.tier or () for t in parse_tiers(spec)),
         num_draft_tokens=a.spec_k,
         draft_acceptance=a.draft_acceptance,
     )
@@ -246,6 +258,10 @@ def _us(p: Percentiles) -> str:
     return f"{p.p50:,.0f} / {p.p99:,.0f}"
 
 
+def _tiers(r: SimReport, cell: Callable[[TierReport], str]) -> str:
+    return ", ".join(f"{t.name} {cell(t)}" for t in r.tiers) or "-"
+
+
 _ROWS: list[tuple[str, Callable[[SimReport], str]]] = [
     ("requests finished", lambda r: f"{r.num_finished:,}"),
     ("  rejected / truncated", lambda r: f"{r.num_rejected:,} / {r.num_truncated:,}"),
@@ -279,6 +295,14 @@ _ROWS: list[tuple[str, Callable[[SimReport], str]]] = [
         lambda r: f"{r.queue_s.p50 * 1e3:,.1f} / {r.queue_s.p99 * 1e3:,.1f}",
     ),
     ("normalized latency mean (ms/token)", lambda r: f"{r.normalized_latency_s.mean * 1e3:,.1f}"),
+    ("tier hit rate (blocks)", lambda r: _tiers(r, lambda t: f"{t.hit_rate:.1%}")),
+    (
+        "tier blocks loaded / recomputed",
+        lambda r: _tiers(r, lambda t: f"{t.num_hit_blocks:,} / {t.num_skipped_blocks:,}"),
+    ),
+    ("tier load time (s, total)", lambda r: _tiers(r, lambda t: f"{t.load_s:,.2f}")),
+    ("requests per replica", lambda r: "/".join(str(n) for n in r.requests_per_replica)),
+    ("routing decisions", lambda r: " ".join(f"{k}={v}" for k, v in r.route_decisions)),
     ("steps", lambda r: f"{r.num_steps:,}"),
     ("schedule() CPU p50 / p99 (µs)", lambda r: _us(r.wall.schedule_cpu_us)),
     ("update() CPU p50 / p99 (µs)", lambda r: _us(r.wall.update_cpu_us)),
@@ -316,8 +340,14 @@ def print_table(
     for r in reports:
         table.add_column(r.label.replace(" ", "\n"), justify="right")  # one setting a line
     speculating = any(r.num_draft_tokens for r in reports)
+    tiered = any(r.tiers for r in reports)
+    routed = any(len(r.requests_per_replica) > 1 for r in reports)
     for name, cell in _ROWS:
         if name.startswith("drafts") and not speculating:
+            continue
+        if name.startswith("tier") and not tiered:
+            continue
+        if name.startswith(("requests per", "routing")) and not routed:
             continue
         table.add_row(name, *(cell(r) for r in reports))
     if slo is not None:
@@ -375,9 +405,10 @@ def main(argv: list[str]) -> int:
         from pagedkv.sim.variants import build_variants
 
         base, cost_note = base_config(a)
-        if wants_cluster(a):
-            return cluster_main(a, workload, base)
-        variants = build_variants(base, a.compare or ["caching=on,off"])
+        compare = list(a.compare or [])
+        if a.route_policy:
+            compare.append(f"router={a.route_policy}")
+        variants = build_variants(base, compare or [default_compare(a)])
         if a.save_trace:
             save_trace(workload, a.save_trace)
         if base.scheduler.check_invariants:
@@ -413,6 +444,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def default_compare(a: argparse.Namespace) -> str:
+    """What a run without ``--compare`` compares: the tiers given against none, else prefix
+    caching on against off."""
+    if a.tier:
+        return "tier=none," + "+".join(a.tier)
+    return "caching=on,off"
+
+
 def slo_of(a: argparse.Namespace) -> tuple[float, float] | None:
     """``(ttft_s, tpot_s)`` from ``--slo-ttft-ms``/``--slo-tpot-ms`` (an absent one: no limit)."""
     if a.slo_ttft_ms is None and a.slo_tpot_ms is None:
@@ -440,4 +479,5 @@ def _describe(cfg: SimConfig) -> dict[str, Any]:
         "draft_acceptance": cfg.draft_acceptance,
         "num_replicas": cfg.num_replicas,
         "router": cfg.router,
+        "tiers": [t.describe() for t in cfg.tiers],
     }

@@ -44,11 +44,34 @@ def _floats() -> array[float]:
     return array("d")
 
 
+def _counts() -> array[int]:
+    return array("q")
+
+
+def _np(col: array[Any], dtype: type) -> np.ndarray:
+    return np.frombuffer(col, dtype=dtype) if len(col) else np.zeros(0, dtype=dtype)
+
+
 @dataclass(slots=True)
-class _TagSamples:
+class TagSamples:
+    """One tag's latency samples. Inter-token gaps are kept as runs: most gaps of a step are
+    the step itself (a request that decoded in the step before waits exactly this step), so a
+    step adds one ``(run_gap, run_count)`` pair per tag instead of one value per token; the
+    other gaps (after a wait, a preemption, a prefill chunk) go to ``itl`` one by one."""
+
     ttft: array[float] = field(default_factory=_floats)
     itl: array[float] = field(default_factory=_floats)
     e2e: array[float] = field(default_factory=_floats)
+    run_gap: array[float] = field(default_factory=_floats)
+    run_count: array[int] = field(default_factory=_counts)
+    pending: int = 0  # gaps equal to the current step's, not yet flushed (Recorder.end_gaps)
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (
+            _np(self.run_gap, np.float64),
+            _np(self.run_count, np.int64),
+            _np(self.itl, np.float64),
+        )
 
 
 class Recorder:
@@ -60,7 +83,6 @@ class Recorder:
     def __init__(self) -> None:
         self.ttft: array[float] = array("d")
         self.ttft_at: array[float] = array("d")
-        self.itl: array[float] = array("d")
         self.e2e: array[float] = array("d")
         self.tpot: array[float] = array("d")
         self.queue: array[float] = array("d")
@@ -71,7 +93,8 @@ class Recorder:
         self.tokens: array[float] = array("d")
         self.step_s: array[float] = array("d")
         self.admit_wall: array[float] = array("d")
-        self.by_tag: dict[str, _TagSamples] = {}
+        self.by_tag: dict[str, TagSamples] = {}
+        self.touched: list[TagSamples] = []  # tags with pending step gaps (end_gaps clears)
         self.running: array[int] = array("l")
         self.waiting: array[int] = array("l")
         self.batch: array[int] = array("l")
@@ -81,11 +104,19 @@ class Recorder:
         self.update_wall: array[int] = array("q")
         self.records: list[RequestRecord] = []
 
-    def tag(self, tag: str) -> _TagSamples:
+    def tag(self, tag: str) -> TagSamples:
         s = self.by_tag.get(tag)
         if s is None:
-            s = self.by_tag[tag] = _TagSamples()
+            s = self.by_tag[tag] = TagSamples()
         return s
+
+    def end_gaps(self, step_gap_s: float) -> None:
+        """Close a step: every pending gap of each touched tag was ``step_gap_s``."""
+        for s in self.touched:
+            s.run_gap.append(step_gap_s)
+            s.run_count.append(s.pending)
+            s.pending = 0
+        self.touched.clear()
 
     def on_step(
         self,
@@ -132,8 +163,16 @@ class Recorder:
         self.tag(tag).ttft.append(clock - arrival_s)
 
     def on_token(self, tag: str, gap_s: float) -> None:
-        self.itl.append(gap_s)
+        """One inter-token gap (kept per tag only: the overall sample is their union)."""
         self.tag(tag).itl.append(gap_s)
+
+    def itl_summary(self) -> Percentiles:
+        """Every inter-token gap of every tag, summarized (runs and single gaps together)."""
+        parts = [s.runs() for s in self.by_tag.values()]
+        if not parts:
+            return Percentiles()
+        gaps, counts, singles = (np.concatenate(col) for col in zip(*parts, strict=True))
+        return Percentiles.of_runs(gaps, counts, singles)
 
     def on_finish(self, record: RequestRecord, last_s: float, queue_s: float) -> None:
         """A finished request; ``last_s`` < 0 when it never produced a token."""
@@ -197,10 +236,11 @@ class Recorder:
 
     def build(self, max_points: int, **fields: Any) -> SimReport:
         """The report: these samples plus the run's counters in ``fields``."""
-        tags = {k: (v.ttft, v.itl, v.e2e) for k, v in self.by_tag.items()}
+        tags = {k: (v.ttft, Percentiles.of_runs(*v.runs()), v.e2e) for k, v in self.by_tag.items()}
+        by_tag = summarize_tags(tags, self.records)
         return SimReport(
             ttft_s=Percentiles.of(self.ttft),
-            itl_s=Percentiles.of(self.itl),
+            itl_s=self.itl_summary(),
             e2e_s=Percentiles.of(self.e2e),
             tpot_s=Percentiles.of(self.tpot),
             queue_s=Percentiles.of(self.queue),
@@ -210,7 +250,7 @@ class Recorder:
             peak_waiting=max(self.waiting, default=0),
             series=self._series(max_points),
             records=tuple(self.records),
-            by_tag=summarize_tags(tags, self.records),
+            by_tag=by_tag,
             **self.usage_summary(),
             **fields,
         )

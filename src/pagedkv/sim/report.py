@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pagedkv.sim.tiers import TierReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +37,49 @@ class Percentiles:
         p50, p90, p99 = (float(x) for x in np.percentile(arr, [50, 90, 99]))
         return cls(int(arr.size), float(arr.mean()), p50, p90, p99, float(arr.max()))
 
+    @classmethod
+    def of_runs(
+        cls, values: np.ndarray, counts: np.ndarray, singles: np.ndarray | None = None
+    ) -> Percentiles:
+        """The summary of a sample given as ``counts[i]`` copies of ``values[i]`` plus the
+        ``singles``: the same p50/p90/p99/max as :meth:`of` on the expanded sample, bit for bit
+        (numpy's linear method, :func:`_lerp`), without expanding it; the mean is the exact
+        weighted sum over the count (it may differ from numpy's pairwise mean in the last bit).
+        """
+        if singles is not None and singles.size:
+            values = np.concatenate((values, singles))
+            counts = np.concatenate((counts, np.ones(singles.size, dtype=counts.dtype)))
+        n = int(counts.sum())
+        if n == 0:
+            return cls()
+        order = np.argsort(values, kind="stable")
+        v, cum = values[order], np.cumsum(counts[order])
+        vi = (n - 1) * (np.asarray([50, 90, 99], dtype=np.float64) / 100)
+        lo = np.floor(vi)
+        gamma = vi - lo
+        lo_i = lo.astype(np.intp)
+        hi_i = np.minimum(lo_i + 1, n - 1)
+        a = v[np.searchsorted(cum, lo_i, side="right")]
+        b = v[np.searchsorted(cum, hi_i, side="right")]
+        p50, p90, p99 = (float(x) for x in _lerp(a, b, gamma))
+        mean = float(np.dot(values, counts.astype(np.float64)) / n)
+        return cls(n, mean, p50, p90, p99, float(v[-1]))
+
     def scaled(self, factor: float) -> Percentiles:
         """The same summary in another unit (e.g. seconds to milliseconds)."""
         f = factor
         return Percentiles(
             self.count, self.mean * f, self.p50 * f, self.p90 * f, self.p99 * f, self.max * f
         )
+
+
+def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """numpy's own interpolation between neighbours (``a + (b - a) t``, from ``b`` when
+    ``t >= 0.5``), so :meth:`Percentiles.of_runs` matches :func:`numpy.percentile` exactly."""
+    diff = b - a
+    out = a + diff * t
+    result: np.ndarray = np.where(t >= 0.5, b - diff * (1 - t), out)
+    return result
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +204,9 @@ class SimReport:
     records: tuple[RequestRecord, ...]  # one per request, in the order they finished
     by_tag: tuple[TagSummary, ...]  # one per tag of the admitted requests, sorted by tag
     wall: WallTimings = field(compare=False)
+    tiers: tuple[TierReport, ...] = ()  # one per KV tier below the device pool, top first
+    requests_per_replica: tuple[int, ...] = ()  # routed to each replica (replica runs only)
+    route_decisions: tuple[tuple[str, int], ...] = ()  # the policy's reasons, counted
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -213,7 +256,7 @@ class SimReport:
 
 
 def summarize_tags(
-    by_tag: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float]]],
+    by_tag: Mapping[str, tuple[Sequence[float], Percentiles, Sequence[float]]],
     records: list[RequestRecord],
 ) -> tuple[TagSummary, ...]:
     """One TagSummary per tag of the admitted requests, from per-tag latency lists."""
@@ -227,13 +270,13 @@ def summarize_tags(
     out = []
     for tag in sorted(counts):
         n, prompt, cached = counts[tag]
-        ttft, itl, e2e = by_tag.get(tag, ([], [], []))
+        ttft, itl, e2e = by_tag.get(tag, ([], Percentiles(), []))
         out.append(
             TagSummary(
                 tag,
                 n,
                 Percentiles.of(ttft),
-                Percentiles.of(itl),
+                itl,
                 Percentiles.of(e2e),
                 cached / prompt if prompt else 0.0,
             )

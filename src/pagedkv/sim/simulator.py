@@ -34,6 +34,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.core.config import CacheConfig
 from pagedkv.errors import (
@@ -44,14 +45,15 @@ from pagedkv.errors import (
     SimulationLimitError,
 )
 from pagedkv.sched.config import SchedulerConfig
-from pagedkv.sched.output import ScheduledRequest
+from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request
 from pagedkv.sched.scheduler import Scheduler
 from pagedkv.sim.allocators import Allocator, reserved_max_tokens
-from pagedkv.sim.cost_model import CostModel, StepCost, step_totals
+from pagedkv.sim.cost_model import CostModel, StepCost
 from pagedkv.sim.recorder import Recorder
 from pagedkv.sim.report import RequestRecord, SimReport
 from pagedkv.sim.roofline import MemoryPool
+from pagedkv.sim.tiers import SimTierStack, TierSpec, kv_bytes_per_token_of, tier_reports
 from pagedkv.sim.tracks import Track, accepted_tokens, output_tokens, propose_drafts
 from pagedkv.sim.workload import (
     EOS_TOKEN_ID,
@@ -61,7 +63,6 @@ from pagedkv.sim.workload import (
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = ("round_robin", "least_load")
 Sampled = dict[str, list[int]]
 Progress = Callable[[int, int, float], None]
 """``progress(num_done, num_requests, clock_s)``: called every few hundred steps and at the end."""
@@ -93,7 +94,9 @@ class SimConfig:
     memory_pool: MemoryPool | None = None  # set when cache.num_blocks was sized from memory
     cpu_timing_stride: int = 4  # CPU-time schedule()/update() every n-th step (a syscall each)
     num_replicas: int = 1  # engines behind a router (pagedkv.sim.replicas)
-    router: str = "round_robin"  # or "least_load"
+    router: str = "round-robin"  # a pagedkv.route policy: least-load, cache-aware (_ accepted)
+    tiers: tuple[TierSpec, ...] = ()  # KV tiers below the device pool, top first (sim.tiers)
+    kv_bytes_per_token: int | None = None  # a tier block's bytes / block_size (None: derived)
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -104,21 +107,36 @@ class SimConfig:
             )
         if self.num_replicas <= 0:
             raise InvalidRequestError(f"num_replicas must be positive, got {self.num_replicas}")
-        if self.router not in ROUTERS:
-            raise InvalidRequestError(
-                f"unknown router {self.router!r}; known: {', '.join(ROUTERS)}"
-            )
+        from pagedkv.sim.replicas import router_name  # (it imports this module)
+
+        object.__setattr__(self, "router", router_name(self.router))  # frozen: normalized once
         if self.cpu_timing_stride <= 0:
             raise InvalidRequestError(
                 f"cpu_timing_stride must be positive, got {self.cpu_timing_stride}"
             )
         if self.max_steps <= 0:
             raise InvalidRequestError(f"max_steps must be positive, got {self.max_steps}")
+        if self.tiers:
+            self._check_tiers()
         if self.num_draft_tokens < 0:
             raise InvalidRequestError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if not 0.0 <= self.draft_acceptance <= 1.0:
             raise InvalidRequestError(
                 f"draft_acceptance must be in [0, 1], got {self.draft_acceptance}"
+            )
+
+    def _check_tiers(self) -> None:
+        if self.num_draft_tokens:
+            raise InvalidRequestError(
+                "KV tiers are not simulated with speculative decoding (spec_k > 0)"
+            )
+        if self.allocator.is_contiguous:
+            raise InvalidRequestError(
+                f"KV tiers hold paged prefix blocks; the {self.allocator.value} allocator has none"
+            )
+        if not self.cache.enable_prefix_caching:
+            raise InvalidRequestError(
+                "KV tiers hold prefix blocks by hash: they need prefix caching (caching=on)"
             )
 
 
@@ -148,8 +166,13 @@ class _Run:
         self.cfg = cfg
         self.workload = workload
         self.progress = progress
-        self.sched = Scheduler(cfg.scheduler, cfg.cache)
+        self.tier_stack: SimTierStack | None = None
+        if cfg.tiers:
+            per_token = kv_bytes_per_token_of(cfg.cost, cfg.kv_bytes_per_token)
+            self.tier_stack = SimTierStack(cfg.tiers, cfg.cache.block_size, per_token, cfg.cost)
+        self.sched = Scheduler(cfg.scheduler, cfg.cache, tier_index=self.tier_stack)
         self.arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
+        self.released = self.arrivals  # where followers go when released (replicas: the router)
         self.rec: Recorder
         self.followers: dict[str, list[SimRequest]]
         self.order_of: dict[str, int]
@@ -183,7 +206,7 @@ class _Run:
     def release(self, rid: str, at: float) -> None:
         for child in self.followers.pop(rid, ()):
             when = max(child.arrival_s, at + child.think_s)
-            heapq.heappush(self.arrivals, (when, self.order_of[child.request_id], child))
+            heapq.heappush(self.released, (when, self.order_of[child.request_id], child))
 
     def admit_arrivals(self) -> None:
         """Add every request whose arrival time has come (rejections are counted, not raised)."""
@@ -212,7 +235,7 @@ class _Run:
                 self.reject(sim, at)
                 continue
             output = output_tokens(sim, cfg.seed, stops)
-            self.tracks[sim.request_id] = Track(sim, req, at, output, self.rec.tag(sim.tag).itl)
+            self.tracks[sim.request_id] = Track(sim, req, at, output, self.rec.tag(sim.tag))
             self.num_prompt += sim.num_prompt_tokens
 
     def reject(self, sim: SimRequest, at: float) -> None:
@@ -256,7 +279,7 @@ class _Run:
         for rid in out.finished_ids:  # finished by the scheduler itself (pool too small)
             if rid in tracks:
                 self.finish(rid, self.clock)
-        if out.is_empty:
+        if out.is_empty and not out.block_loads:
             rec.on_wall(w1 - w0, None, sched.last_step.admission_s, c1 - c0, None)
             self.idle(out.preempted_ids or out.finished_ids, out.step)
             return
@@ -265,60 +288,101 @@ class _Run:
         allocated = usage
         if self.cfg.allocator.is_contiguous:
             allocated = usage + mgr.running_claim_blocks / mgr.pool.capacity_blocks
-        totals = step_totals(out)
-        dt = self.cfg.cost.step_time(*totals)
+        load_s = 0.0 if self.tier_stack is None else self.tier_step(out)
         start = self.clock
+        sampled, empty_slots, totals = self.scan_step(out.scheduled, start)
+        dt = self.cfg.cost.step_time(*totals) + load_s
         self.clock = clock = start + dt
-        sampled, empty_slots = self.sampled_tokens(out.scheduled, start)
         c2, w2 = cpu_ns(), wall_ns()
         results = sched.update(out, sampled)
         w3, c3 = wall_ns(), cpu_ns()
         rec.on_wall(w1 - w0, w3 - w2, sched.last_step.admission_s, c1 - c0, c3 - c2)
         spec_k = self.cfg.num_draft_tokens
-        itl = rec.itl
+        touched = rec.touched
         for res in results:
             tr = tracks[res.request_id]
             if tr.first_s < 0.0:
                 tr.first_s = clock
                 rec.on_first_token(tr.sim.tag, clock, tr.arrival_s)
-            else:  # Recorder.on_token, inlined: once per generated token
-                gap = clock - tr.last_s
-                itl.append(gap)
-                tr.tag_itl.append(gap)
+            elif tr.last_s == start:  # it decoded in the step before: its gap is this step
+                ts = tr.tag_samples
+                if not ts.pending:
+                    touched.append(ts)
+                ts.pending += 1
+            else:  # Recorder.on_token, inlined
+                tr.tag_samples.itl.append(clock - tr.last_s)
             tr.last_s = clock
             if res.finished:
                 self.finish(res.request_id, clock)
             elif spec_k:
                 propose_drafts(tr, spec_k, self.cfg.draft_acceptance, self.cfg.seed)
+        if touched:
+            rec.end_gaps(clock - start)
         counts = (sched.num_running, sched.num_waiting, len(out.scheduled))
         token_usage = max(0.0, usage - empty_slots / self.capacity_tokens)
         rec.on_step(clock, dt, usage, allocated, token_usage, counts)
 
-    def sampled_tokens(
+    def scan_step(
         self, scheduled: Iterable[ScheduledRequest], start: float
-    ) -> tuple[Sampled, int]:
-        """The token(s) each sampling request gets this step, and the empty slots in the step's
-        requests' last blocks (internal fragmentation); marks first-scheduled times."""
+    ) -> tuple[Sampled, int, tuple[int, int, int, int, int]]:
+        """One pass over the step's requests: the token(s) each sampling request gets, the
+        empty slots in their last blocks (internal fragmentation), and the step's cost totals
+        (exactly :func:`~pagedkv.sim.cost_model.step_totals`, computed in the same pass);
+        marks first-scheduled times."""
         tracks = self.tracks
         sampled: Sampled = {}
         bs = self.block_size
-        empty = 0
+        empty = prefill = decodes = context = pairs = rows = computed = 0
         for sr in scheduled:
-            empty += -(sr.start_position + sr.num_tokens) % bs
-            tr = tracks[sr.request_id]
+            n, pos = sr.num_tokens, sr.start_position
+            end = pos + n
+            empty += -end % bs
+            context += end
+            pairs += n * pos + n * (n + 1) // 2
+            rid = sr.request_id
+            tr = tracks[rid]
             if tr.sched_s < 0.0:
                 tr.sched_s = start
+            k = sr.num_draft_tokens
             if sr.is_prefill:
-                self.prefill_computed += sr.num_tokens
+                prefill += n
+                computed += n
+            else:
+                decodes += 1
+                prefill += k
+                rows += k
             if sr.samples:
-                if sr.num_draft_tokens:
+                rows += 1
+                if k:
                     toks = accepted_tokens(tr, sr.token_ids[1:])
-                    self.num_drafts += sr.num_draft_tokens
+                    self.num_drafts += k
                     self.num_accepted += len(toks) - 1
-                    sampled[sr.request_id] = toks
+                    sampled[rid] = toks
                 else:
-                    sampled[sr.request_id] = [tr.output[tr.req.num_output_tokens]]
-        return sampled, empty
+                    sampled[rid] = [tr.output[tr.req.num_output_tokens]]
+        self.prefill_computed += computed
+        return sampled, empty, (prefill, decodes, context, pairs, rows)
+
+    def tier_step(self, out: SchedulerOutput) -> float:
+        """The step's tier work: apply its loads (returning their seconds), write through the
+        blocks it computes, count held blocks that first-scheduled requests recompute."""
+        stack = self.tier_stack
+        assert stack is not None
+        mgr = self.sched.manager
+        load_s = 0.0
+        if out.block_loads:
+            owner = {b: rid for rid in out.loading_ids for b in mgr.block_ids_view(rid)}
+            load_s = stack.load_time_s(out, owner)
+        bs = self.block_size
+        tracks = self.tracks
+        for sr in out.scheduled:
+            hashes = mgr.block_hashes(sr.request_id)
+            first = sr.start_position // bs
+            if sr.is_prefill and tracks[sr.request_id].sched_s < 0.0:
+                last = (tracks[sr.request_id].req.num_tokens - 1) // bs
+                stack.note_skips(hashes[:last], first)
+            stack.store(hashes[first : (sr.start_position + sr.num_tokens) // bs])
+        return load_s
 
     def idle(self, changed: object, step: int) -> None:
         """An empty step: the state changed, or the clock jumps to the next arrival."""
@@ -369,8 +433,9 @@ class _Run:
         return build_report([self], time.perf_counter() - wall0)
 
 
-def build_report(runs: list[_Run], wall_s: float) -> SimReport:
-    """The report of one run, or of replicas sharing one recorder (counters summed)."""
+def build_report(runs: list[_Run], wall_s: float, **routing: Any) -> SimReport:
+    """The report of one run, or of replicas sharing one recorder (counters summed);
+    ``routing``: the replicas' routing fields of the report."""
     head = runs[0]
     cfg = head.cfg
     snaps = [r.sched.manager.stats().prefix for r in runs]
@@ -410,7 +475,9 @@ def build_report(runs: list[_Run], wall_s: float) -> SimReport:
         num_preemptions=sum(r.sched.num_preemptions for r in runs),
         kv_capacity_tokens=sum(r.capacity_tokens for r in runs),
         allocator=cfg.allocator.value,
+        tiers=tier_reports([r.tier_stack for r in runs if r.tier_stack is not None], query_blocks),
         wall=head.rec.wall_timings(wall_s),
+        **routing,
     )
 
 

@@ -8,12 +8,15 @@ fixed probability, drawn from a generator of their own.
 
 from __future__ import annotations
 
-from array import array
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagedkv.sched.request import Request
 from pagedkv.sim.workload import EOS_TOKEN_ID, VOCAB_HIGH, VOCAB_LOW, SimRequest, stable_seed
+
+if TYPE_CHECKING:
+    from pagedkv.sim.recorder import TagSamples
 
 
 class Track:
@@ -28,7 +31,7 @@ class Track:
         "req",
         "sched_s",
         "sim",
-        "tag_itl",
+        "tag_samples",
     )
 
     def __init__(
@@ -37,10 +40,10 @@ class Track:
         req: Request,
         arrival_s: float,
         output: list[int],
-        tag_itl: array[float],
+        tag_samples: TagSamples,
     ) -> None:
         self.sim = sim
-        self.tag_itl = tag_itl  # the recorder's inter-token gaps of this request's tag
+        self.tag_samples = tag_samples  # the recorder's samples of this request's tag
         self.req = req
         self.arrival_s = arrival_s
         self.first_s = -1.0  # no token yet

@@ -22,6 +22,7 @@ from pagedkv.sim.allocators import Allocator
 from pagedkv.sim.hardware import device_spec
 from pagedkv.sim.roofline import RooflineCost
 from pagedkv.sim.simulator import SimConfig
+from pagedkv.sim.tiers import parse_tiers
 
 MAX_VARIANTS = 16
 
@@ -182,12 +183,16 @@ KEYS: dict[str, tuple[str, Callable[[SimConfig, str], SimConfig]]] = {
         lambda c, v: dataclasses.replace(c, num_replicas=_positive_int(v)),
     ),
     "router": (
-        "round_robin or least_load, over the replicas",
+        "pagedkv router's policy over the replicas: round-robin, least-load, cache-aware",
         lambda c, v: dataclasses.replace(c, router=v.strip()),
     ),
     "allocator": (
         "paged, or a contiguous baseline reserving max/pow2/oracle length (PagedAttention paper)",
         _set_allocator,
+    ),
+    "tier": (
+        "KV tier stack below the device pool, top first: none, host, host:128+disk, ...",
+        lambda c, v: dataclasses.replace(c, tiers=parse_tiers(v)),
     ),
     "chunked_prefill": (
         "chunked prefill on/off",
