@@ -21,7 +21,7 @@ noisy: compare policies within one run.
 The same workload (the same prompt shapes, pool size and closed-loop clients: request ``k``
 follows request ``k - concurrency``) then runs in the simulator over ``--sim-replicas``
 replicas (default 4 and 16) behind the router's own policy code
-(:func:`pagedkv.sim.cluster.simulate_cluster`): simulated time, deterministic.
+(:func:`pagedkv.sim.replicas.simulate_replicas`): simulated time, deterministic.
 ``--sim-only`` skips the real engines.
 """
 
@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,7 +48,7 @@ import httpx
 from _harness import machine_info, stop_process
 from bench_server import Workload, _free_port, run_round, serve, write_model
 from pagedkv.core.config import CacheConfig
-from pagedkv.sim.cluster import simulate_cluster
+from pagedkv.sim.replicas import simulate_replicas
 from pagedkv.sim.simulator import SimConfig
 from pagedkv.sim.workload import SimRequest
 from pagedkv.sim.workload import Workload as SimWorkload
@@ -125,7 +125,7 @@ def sim_runs(
     runs = []
     for n in replicas:
         for policy in policies:
-            rep = simulate_cluster(workload, cfg, num_replicas=n, policy=policy)
+            rep = simulate_replicas(workload, replace(cfg, num_replicas=n, router=policy))
             if rep.num_finished != len(workload):
                 raise SystemExit(f"simulator: {rep.num_finished} of {len(workload)} finished")
             runs.append(SimRun(n, policy, rep.prefix_hit_rate, rep.ttft_s.p50 * 1e3,
