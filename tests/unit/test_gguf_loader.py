@@ -97,6 +97,8 @@ def test_tokenizer_from_gguf_metadata_matches_the_folders_tokenizer(tmp_path: Pa
     assert ours.decode(ids, skip_special_tokens=False) == text
     msgs = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(msgs) == ref.apply_chat_template(msgs)
+    assert ours.chat_template is not None  # the start-up line names the file's metadata
+    assert ours.chat_template.source == "GGUF tokenizer.chat_template"
     assert (ours.bos_token, ours.eos_token) == ("<s>", "</s>")
 
 

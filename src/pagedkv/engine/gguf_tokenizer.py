@@ -27,6 +27,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedkv.engine.chat_template import ChatTemplate
 from pagedkv.engine.tokenizer import Tokenizer
 from pagedkv.errors import ModelLoadError
 
@@ -197,6 +198,9 @@ def _post_processor(
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=pieces)
 
 
+GGUF_TEMPLATE_SOURCE = "GGUF tokenizer.chat_template"  # where the start-up line says it came from
+
+
 def _wrap(backend: HFTokenizer, config: Mapping[str, Any]) -> Tokenizer:
     """The engine's Tokenizer over ``backend``: materialised as the two files of a Hugging Face
     folder (tokenizer.json, tokenizer_config.json) in a temporary folder, so a GGUF tokenizer
@@ -205,4 +209,6 @@ def _wrap(backend: HFTokenizer, config: Mapping[str, Any]) -> Tokenizer:
         folder = Path(tmp)
         backend.save(str(folder / "tokenizer.json"))
         (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-        return Tokenizer(folder)
+        text = config.get("chat_template")
+        template = ChatTemplate(text, GGUF_TEMPLATE_SOURCE) if isinstance(text, str) else None
+        return Tokenizer(folder, chat_template=template)
