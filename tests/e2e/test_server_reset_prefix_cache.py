@@ -25,6 +25,7 @@ pytestmark = pytest.mark.engine
 KEY = "sk-reset-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = list(range(1, 40))  # two full blocks of 16 and a tail
+LONG_TOKENS = 400  # prompt + output within max_model_len 512
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,8 @@ def test_reset_when_idle_drops_every_cached_block(srv: ServerHandle) -> None:
 
 def test_reset_refuses_while_running_then_preempts_with_reset_running(srv: ServerHandle) -> None:
     out: dict[str, Any] = {}
-    worker = threading.Thread(target=_complete, args=(srv, 150, out))
+    # >= 4 s of steps (min_step_s 0.01): the two resets land while it runs, even on a loaded CI
+    worker = threading.Thread(target=_complete, args=(srv, LONG_TOKENS, out))
     worker.start()
     try:
         wait_until(lambda: srv.num_used_blocks() > 0, 10, lambda: "the request never started")
@@ -82,6 +84,7 @@ def test_reset_refuses_while_running_then_preempts_with_reset_running(srv: Serve
     finally:
         worker.join(timeout=60)
     assert out["status"] == 200
-    assert out["usage"]["completion_tokens"] == 150  # preempted, resumed, every token delivered
+    # preempted, resumed, every token delivered
+    assert out["usage"]["completion_tokens"] == LONG_TOKENS
     srv.wait_idle()
     srv.check_invariants()
