@@ -142,19 +142,19 @@ class Recorder:
         sched_ns: int,
         update_ns: int | None,
         admit_s: float,
-        sched_cpu_ns: int,
+        sched_cpu_ns: int | None,
         update_cpu_ns: int | None,
     ) -> None:
         """Wall nanoseconds of one schedule() and update() (``None``: not called), the
-        admission seconds, and CPU nanoseconds; a CPU time of 0 means the step was not
-        CPU-timed (sampled steps only) and is left out."""
+        admission seconds, and CPU nanoseconds (``None``: the step was not CPU-timed, as
+        only every ``cpu_timing_stride``-th is; a timed 0 is kept: the clock's granularity)."""
         self.sched_wall.append(sched_ns)
         self.admit_wall.append(admit_s)
-        if sched_cpu_ns:
+        if sched_cpu_ns is not None:
             self.sched_cpu.append(sched_cpu_ns)
         if update_ns is not None:
             self.update_wall.append(update_ns)
-            if update_cpu_ns:
+            if update_cpu_ns is not None:
                 self.update_cpu.append(update_cpu_ns)
 
     def on_first_token(self, tag: str, clock: float, arrival_s: float) -> None:

@@ -141,7 +141,7 @@ class SimConfig:
 
 
 def _no_cpu() -> int:
-    """Stands in for the CPU clock on steps that are not CPU-timed (every difference is 0)."""
+    """Stands in for the CPU clock on steps that are not CPU-timed (their times are None)."""
     return -1
 
 
@@ -272,7 +272,8 @@ class _Run:
         sched, tracks, rec = self.sched, self.tracks, self.rec
         wall_ns = time.perf_counter_ns
         # the thread CPU clock is a ~3 µs system call: sampled every cpu_timing_stride steps
-        cpu_ns = time.thread_time_ns if self.step % self.cfg.cpu_timing_stride == 0 else _no_cpu
+        timed = self.step % self.cfg.cpu_timing_stride == 0
+        cpu_ns = time.thread_time_ns if timed else _no_cpu
         c0, w0 = cpu_ns(), wall_ns()
         out = sched.schedule()
         w1, c1 = wall_ns(), cpu_ns()
@@ -280,7 +281,9 @@ class _Run:
             if rid in tracks:
                 self.finish(rid, self.clock)
         if out.is_empty and not out.block_loads:
-            rec.on_wall(w1 - w0, None, sched.last_step.admission_s, c1 - c0, None)
+            rec.on_wall(
+                w1 - w0, None, sched.last_step.admission_s, c1 - c0 if timed else None, None
+            )
             self.idle(out.preempted_ids or out.finished_ids, out.step)
             return
         mgr = sched.manager
@@ -296,7 +299,8 @@ class _Run:
         c2, w2 = cpu_ns(), wall_ns()
         results = sched.update(out, sampled)
         w3, c3 = wall_ns(), cpu_ns()
-        rec.on_wall(w1 - w0, w3 - w2, sched.last_step.admission_s, c1 - c0, c3 - c2)
+        cpu = (c1 - c0, c3 - c2) if timed else (None, None)
+        rec.on_wall(w1 - w0, w3 - w2, sched.last_step.admission_s, *cpu)
         spec_k = self.cfg.num_draft_tokens
         touched = rec.touched
         for res in results:
