@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,39 +45,34 @@ _TILE_OUT = 1024  # output rows dequantized per torch.mm on the > MAX_KERNEL_ROW
 _MIN_MACS_PER_THREAD = 1 << 20
 _SOURCE = Path(__file__).with_name("csrc") / "ggml_qlinear.c"
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+
+def _bind(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.pagedkv_ggml_qlinear.argtypes = [i32, p, i64, p, p, p, i64, i64, i64]
+    lib.pagedkv_ggml_qlinear.argtypes += [i64, i64, i64, i32]
+    lib.pagedkv_ggml_qlinear.restype = i32
+    lib.pagedkv_ggml_dequant.argtypes = [i32, p, i64, i64, i64, i64, p]
+    lib.pagedkv_ggml_dequant.restype = i32
+    lib.pagedkv_ggml_has_avx2.restype = i32
+
+
+_native = native.LazyLibrary(
+    _SOURCE,
+    _bind,
+    "native GGUF kernel",
+    "GGUF-quantized layers dequantize with numpy on every call (slow)",
+)
 
 
 def available() -> bool:
     """Whether the native kernel is built (building it on the first call) and loaded."""
-    global _lib, _error
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                lib = native.compile_library(_SOURCE)
-                p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-                lib.pagedkv_ggml_qlinear.argtypes = [i32, p, i64, p, p, p, i64, i64, i64]
-                lib.pagedkv_ggml_qlinear.argtypes += [i64, i64, i64, i32]
-                lib.pagedkv_ggml_qlinear.restype = i32
-                lib.pagedkv_ggml_dequant.argtypes = [i32, p, i64, i64, i64, i64, p]
-                lib.pagedkv_ggml_dequant.restype = i32
-                lib.pagedkv_ggml_has_avx2.restype = i32
-                _lib = lib
-            except OSError as exc:
-                _error = str(exc) or type(exc).__name__
-                logger.warning(
-                    "native GGUF kernel unavailable (%s); GGUF-quantized layers dequantize "
-                    "with numpy on every call (slow)",
-                    _error,
-                )
-        return _lib is not None
+    return _native.load() is not None
 
 
 def has_avx2() -> bool:
     """Whether the built kernel has the AVX2/FMA/F16C path (else only the portable one)."""
-    return available() and _lib is not None and bool(_lib.pagedkv_ggml_has_avx2())
+    lib = _native.load()
+    return lib is not None and bool(lib.pagedkv_ggml_has_avx2())
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +124,7 @@ class GGUFProjection:
         return self.blocks.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_KERNEL_ROWS and (_lib is not None or available()):
+        if x.shape[0] <= MAX_KERNEL_ROWS and _native.load() is not None:
             return self.native(x)
         return self.tiled_mm(x)
 
@@ -152,13 +146,13 @@ class GGUFProjection:
     ) -> torch.Tensor:
         """The native kernel: ``[rows, out]`` float32. ``threads`` defaults to torch's
         intra-op count; ``portable`` forces the plain-C path (bit-identical)."""
-        if _lib is None and not available():
-            raise InvalidRequestError(f"the native GGUF kernel is unavailable: {_error}")
-        assert _lib is not None
+        lib = _native.load()
+        if lib is None:
+            raise InvalidRequestError(f"the native GGUF kernel is unavailable: {_native.error}")
         x = self._check(x)
         rows, out = x.shape[0], self.out_dim
         y = torch.empty(rows, out, dtype=torch.float32)
-        fn = _lib.pagedkv_ggml_qlinear
+        fn = lib.pagedkv_ggml_qlinear
         code = KEPT_TYPES.index(self.type_name)
         bias = None if self.bias is None else self.bias.data_ptr()
         head = (code, x.data_ptr(), self.in_dim, self.blocks.data_ptr(), bias, y.data_ptr())
@@ -183,15 +177,15 @@ class GGUFProjection:
         """Rows ``j_begin..j_end`` of ``W`` as float32 ``[rows, in]`` (C, else numpy): the
         same values as :func:`pagedkv.engine.gguf_quants.dequantize`."""
         stop = self.out_dim if j_end is None else j_end
-        if _lib is None and not available():
+        lib = _native.load()
+        if lib is None:
             raw = self.blocks[j_begin:stop].numpy()
             flat = dequantize(raw, self.type_name, (stop - j_begin) * self.in_dim)
             return torch.from_numpy(flat.reshape(stop - j_begin, self.in_dim))
-        assert _lib is not None
         dst = torch.empty(stop - j_begin, self.in_dim, dtype=torch.float32)
         code = KEPT_TYPES.index(self.type_name)
         args = (self.blocks.data_ptr(), self.in_dim, self.out_dim, j_begin, stop, dst.data_ptr())
-        if _lib.pagedkv_ggml_dequant(code, *args):
+        if lib.pagedkv_ggml_dequant(code, *args):
             raise InvalidRequestError(f"GGUF dequantize: bad row range {j_begin}..{stop}")
         return dst
 

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -121,6 +122,40 @@ def compile_library(source_path: Path, flag_sets: FlagSets = _FLAG_SETS) -> ctyp
                 continue
         return ctypes.CDLL(str(target))
     raise OSError("; ".join(errors))
+
+
+class LazyLibrary:
+    """One C file of ``csrc``, built and loaded on the first :meth:`load` (thread-safe), at most
+    once per process. A failed build is remembered with its reason (``error``) and never
+    retried: the caller falls back to its torch/numpy path, and one warning says so.
+    Invariant: at most one of ``lib`` and ``error`` is set, and neither changes once set."""
+
+    def __init__(
+        self, source: Path, bind: Callable[[ctypes.CDLL], None], what: str, fallback: str
+    ) -> None:
+        self._source, self._bind = source, bind
+        self._what, self._fallback = what, fallback  # for the warning
+        self._lock = threading.Lock()
+        self.lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+
+    def load(self) -> ctypes.CDLL | None:
+        """The loaded library, building it on the first call; ``None`` if it cannot be built."""
+        lib = self.lib
+        if lib is not None:
+            return lib
+        with self._lock:
+            if self.lib is None and self.error is None:
+                try:
+                    built = compile_library(self._source)
+                    self._bind(built)  # ctypes signatures
+                    self.lib = built
+                except OSError as exc:
+                    self.error = str(exc) or type(exc).__name__
+                    logger.warning(
+                        "%s unavailable (%s); %s", self._what, self.error, self._fallback
+                    )
+        return self.lib
 
 
 def add_decode_kernel_argument(parser: argparse.ArgumentParser) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +45,6 @@ MAX_KERNEL_ROWS = 64  # above: dequantize + torch.mm (at 64 rows the kernel stil
 _MIN_MACS_PER_THREAD = 1 << 20
 _TILE_J = 16  # the kernel's column tile (TILE_J in csrc/qlinear.c)
 _SOURCE = Path(__file__).with_name("csrc") / "qlinear.c"
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
 
 
 class UnsupportedQuantizationError(InvalidRequestError):
@@ -86,26 +81,21 @@ def require_in_place(quantization: str) -> None:
         )
 
 
+def _bind(lib: ctypes.CDLL) -> None:
+    fn = lib.pagedkv_qlinear_i8
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+    fn.restype = ctypes.c_int
+
+
+_native = native.LazyLibrary(
+    _SOURCE, _bind, "native int8 kernel", "int8 layers dequantize in torch on every call (slow)"
+)
+
+
 def available() -> bool:
     """Whether the native int8 kernel is built (building it on the first call) and loaded."""
-    global _lib, _error
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                lib = native.compile_library(_SOURCE)
-                fn = lib.pagedkv_qlinear_i8
-                ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-                fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-                fn.restype = ctypes.c_int
-                _lib = lib
-            except OSError as exc:
-                _error = str(exc) or type(exc).__name__
-                logger.warning(
-                    "native int8 kernel unavailable (%s); int8 layers dequantize in torch on "
-                    "every call (slow)",
-                    _error,
-                )
-        return _lib is not None
+    return _native.load() is not None
 
 
 def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +166,7 @@ class QuantizedProjection:
         return self.packed.numel() + 4 * self.scale.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_KERNEL_ROWS and (_lib is not None or available()):
+        if x.shape[0] <= MAX_KERNEL_ROWS and _native.load() is not None:
             return self.native(x)
         q = unpack(self.packed, self.scale.shape[0])
         return reference_int8_linear(x, q, self.scale, self.bias)
@@ -184,9 +174,9 @@ class QuantizedProjection:
     def native(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """The native kernel: ``[rows, out]`` float32. ``threads`` defaults to torch's
         intra-op count; the tiles are split among them (:func:`_split`)."""
-        if _lib is None and not available():
-            raise InvalidRequestError(f"the native int8 kernel is unavailable: {_error}")
-        assert _lib is not None
+        lib = _native.load()
+        if lib is None:
+            raise InvalidRequestError(f"the native int8 kernel is unavailable: {_native.error}")
         tiles, in_dim, _ = self.packed.shape
         out_dim = self.scale.shape[0]
         if (
@@ -202,7 +192,7 @@ class QuantizedProjection:
         x = x.contiguous()
         rows = x.shape[0]
         y = torch.empty(rows, out_dim, dtype=torch.float32)
-        fn = _lib.pagedkv_qlinear_i8
+        fn = lib.pagedkv_qlinear_i8
         bias = None if self.bias is None else self.bias.data_ptr()
         args = (self.packed.data_ptr(), self.scale.data_ptr(), bias, y.data_ptr(), out_dim, rows)
         head = (x.data_ptr(), in_dim)
