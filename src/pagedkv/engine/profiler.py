@@ -12,7 +12,7 @@ one simulated step stands for. Greedy sampling with ``ignore_eos`` so every requ
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,12 +49,56 @@ def profile_engine(
     every intra-op thread's time, spinning included, so use it with torch on one thread
     (``pagedkv profile --clock cpu`` sets that).
     """
-    if clock not in ("wall", "cpu"):
-        raise InvalidRequestError(f"clock must be wall or cpu, got {clock!r}")
     if repeats <= 0:
         raise InvalidRequestError(f"repeats must be positive, got {repeats}")
-    now = time.perf_counter if clock == "wall" else time.process_time
     rng = np.random.default_rng(seed)
+    warm_up_engine(engine, max(prompt_lens), max_tokens, rng)
+    passes = []
+    for rep in range(repeats):
+        steps = profile_steps(
+            engine,
+            prompt_lens=prompt_lens,
+            batch_sizes=batch_sizes,
+            max_tokens=max_tokens,
+            rng=rng,
+            clock=clock,
+            tag=str(rep),
+        )
+        passes.append([row for row in steps if row is not None])
+    return _median_rows(passes)
+
+
+def warm_up_engine(
+    engine: LLMEngine, prompt_len: int, max_tokens: int, rng: np.random.Generator
+) -> None:
+    """Run one untimed request of ``prompt_len`` random tokens to ``max_tokens`` (first-call
+    allocations stay out of what is timed after it)."""
+    warm = rng.integers(2, engine.model.config.vocab_size, size=prompt_len).tolist()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request("profile-warmup", warm, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def profile_steps(
+    engine: LLMEngine,
+    *,
+    prompt_lens: Sequence[int],
+    batch_sizes: Sequence[int],
+    max_tokens: int,
+    rng: np.random.Generator,
+    clock: str = "wall",
+    tag: str = "0",
+) -> Generator[StepRow | None, None, None]:
+    """One pass over the grid, one item per ``engine.step()``: the step's row, or None for a
+    step that ran no model. A caller may do other work between items (untimed: each row times
+    its own step only), which is how a profile is interleaved with a measured run so both see
+    the same machine. The engine must start empty; it is empty again when the pass is
+    exhausted (an abandoned pass leaves its requests in it). Request ids carry ``tag``.
+    """
+    if clock not in ("wall", "cpu"):
+        raise InvalidRequestError(f"clock must be wall or cpu, got {clock!r}")
+    now = time.perf_counter if clock == "wall" else time.process_time
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     runner = engine.runner
@@ -65,31 +109,22 @@ def profile_engine(
         seen.append(step_totals(out))
         return execute(out)
 
-    warm = rng.integers(2, vocab, size=max(prompt_lens)).tolist()
-    engine.add_request("profile-warmup", warm, params)  # first-call allocations, untimed
-    while engine.has_unfinished_requests():
-        engine.step()
-    passes: list[list[StepRow]] = []
     runner.execute = timed_execute  # type: ignore[method-assign,assignment]  # this instance only
     try:
-        for rep in range(repeats):
-            rows: list[StepRow] = []
-            for plen in prompt_lens:
-                for b in batch_sizes:
-                    for i in range(b):
-                        prompt = rng.integers(2, vocab, size=plen).tolist()
-                        engine.add_request(f"profile-{rep}-{plen}-{b}-{i}", prompt, params)
-                    while engine.has_unfinished_requests():
-                        seen.clear()
-                        t0 = now()
-                        engine.step()
-                        dt = now() - t0
-                        if seen and (seen[0][0] or seen[0][1]):
-                            rows.append((*seen[0], dt))
-            passes.append(rows)
+        for plen in prompt_lens:
+            for b in batch_sizes:
+                for i in range(b):
+                    prompt = rng.integers(2, vocab, size=plen).tolist()
+                    engine.add_request(f"profile-{tag}-{plen}-{b}-{i}", prompt, params)
+                while engine.has_unfinished_requests():
+                    seen.clear()
+                    t0 = now()
+                    engine.step()
+                    dt = now() - t0
+                    modelled = bool(seen) and bool(seen[0][0] or seen[0][1])
+                    yield (*seen[0], dt) if modelled else None
     finally:
         del runner.execute  # the class's method again
-    return _median_rows(passes)
 
 
 def _median_rows(passes: list[list[StepRow]]) -> list[StepRow]:
