@@ -55,26 +55,66 @@ class StepUpdateMixin(KVSharingMixin):
         """
         work = self._validate_update(output, sampled, failed_loads)
         self._outstanding = None
-        mgr = self.manager
-        windowed = self.cache_config.sliding_window is not None
-        results: list[RequestOutput] = []
-        for req, sr, toks in work:
-            if toks is None:
-                mgr.commit(req.request_id, sr.num_tokens)
-                req.num_computed_tokens += sr.num_tokens
-                if windowed:
-                    self._release_outside_window(req)
-                continue
-            if sr.num_tokens == 1 and not windowed:  # a plain decode (validated: one token)
-                results.append(self._apply_decode(req, toks[0]))
-            else:
-                results.append(self._apply_sampled(req, sr, toks, windowed))
+        results = self._apply_work(work)
         for rid in output.loading_ids:
             req_l = self.loading.pop(rid, None)
             if req_l is not None:
                 self._finish_load(req_l, success=rid not in failed_loads)
         if self.config.check_invariants:
             self.check_invariants()
+        return results
+
+    def _apply_work(
+        self, work: list[tuple[Request, ScheduledRequest, Sequence[int] | None]]
+    ) -> list[RequestOutput]:
+        """Apply validated work in step order; return the sampling requests' outputs.
+
+        A plain decode (one position, no window) that does not finish its request changes only
+        that request, so a run of them is committed by one ``commit_decodes`` call, made
+        before the next other item is applied: every call that reaches the pool (a finish, a
+        prefill commit, a block registered) happens in the order it always did."""
+        mgr = self.manager
+        windowed = self.cache_config.sliding_window is not None
+        max_len = self.max_len
+        results: list[RequestOutput] = []
+        result = results.append
+        run_ids: list[str] = []  # the run of plain decodes not committed yet, and their tokens
+        run_tokens: list[int] = []
+        for req, sr, toks in work:
+            if toks is not None and sr.num_tokens == 1 and not windowed:
+                tok = toks[0] if type(toks[0]) is int else int(toks[0])
+                num_after = len(req.all_token_ids) + 1  # stop_reason_one, inlined
+                if (
+                    tok not in req.stop_token_ids
+                    and num_after - req.num_prompt_tokens < req.max_tokens
+                    and num_after < max_len
+                ):
+                    rid = req.request_id
+                    run_ids.append(rid)
+                    run_tokens.append(tok)
+                    req.num_computed_tokens += 1  # == the manager's count once committed (S3)
+                    if req.draft_token_ids:
+                        req.draft_token_ids = []
+                    result(
+                        RequestOutput(
+                            rid, (tok,), False, None, req.num_prompt_tokens, req.num_cached_tokens
+                        )
+                    )
+                    continue
+            if run_ids:
+                mgr.commit_decodes(run_ids, run_tokens)  # validated: cannot fail
+                run_ids, run_tokens = [], []
+            if toks is None:
+                mgr.commit(req.request_id, sr.num_tokens)
+                req.num_computed_tokens += sr.num_tokens
+                if windowed:
+                    self._release_outside_window(req)
+            elif sr.num_tokens == 1 and not windowed:  # a plain decode that finishes
+                result(self._apply_decode(req, toks[0]))
+            else:
+                result(self._apply_sampled(req, sr, toks, windowed))
+        if run_ids:
+            mgr.commit_decodes(run_ids, run_tokens)
         return results
 
     def _validate_update(
