@@ -111,7 +111,9 @@ def test_commit_decodes_equals_append_and_commit_per_request(caching: bool) -> N
             for rid in ids:
                 m.allocate_slots(rid, 1)
         n_batch = batch.commit_decodes(ids, toks)
-        n_single = sum(single.append_and_commit(rid, (t,), 1) for rid, t in zip(ids, toks))
+        n_single = sum(
+            single.append_and_commit(rid, (t,), 1) for rid, t in zip(ids, toks, strict=True)
+        )
         assert n_batch == n_single
         assert manager_state(batch) == manager_state(single)
         batch.check_invariants()

@@ -10,6 +10,7 @@ takes a fast path (``BlockHashChain.try_append``) with the same effect as the ge
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import NoReturn, cast
 
 from pagedkv.core.hashing import pack_tokens
@@ -18,6 +19,8 @@ from pagedkv.core.seq_state import SeqState
 from pagedkv.errors import InvalidRequestError, RequestStateError, UnknownRequestError
 
 _MAX_TOKEN_ID = 2**32  # token ids are hashed as uint32
+_HELD = attrgetter("held")
+_PENDING = attrgetter("num_pending")
 
 
 class CommitMixin(PrefixAdmissionMixin):
@@ -84,24 +87,27 @@ class CommitMixin(PrefixAdmissionMixin):
         request with a scheduled position, a token id in ``[0, 2**32)``) before any is applied;
         a request named twice is refused. Returns the number of blocks newly registered."""
         seqs = list(map(self._seqs.get, request_ids))
-        if len(seqs) != len(token_ids) or len(set(request_ids)) != len(seqs):
-            raise InvalidRequestError(
-                f"commit_decodes needs one token for each of distinct requests; got "
-                f"{len(token_ids)} tokens for {len(seqs)} ids ({len(set(request_ids))} distinct)"
-            )
-        for rid, seq, tok in zip(request_ids, seqs, token_ids, strict=True):
-            if seq is None or seq.held or not seq.num_pending:
-                self._refuse_decode(rid, seq)
-            if type(tok) is not int or not 0 <= tok < _MAX_TOKEN_ID:
-                pack_tokens([tok])  # raises the typed error for a bad token id
-                raise InvalidRequestError(f"token id {tok!r} of {rid!r} is not an int")
+        num = len(seqs)
+        if not num and not token_ids:
+            return 0
+        if (  # every check at C speed; the slow pass below finds and names what failed
+            num != len(token_ids)
+            or None in seqs
+            or len(set(request_ids)) != num
+            or any(map(_HELD, seqs))
+            or not all(map(_PENDING, seqs))
+            or set(map(type, token_ids)) != {int}
+            or min(token_ids) < 0
+            or max(token_ids) >= _MAX_TOKEN_ID
+        ):
+            self._refuse_decodes(request_ids, seqs, token_ids)
         # Checked: nothing below can fail.
         caching = self.config.enable_prefix_caching
         bs = self.block_size
         num_new = 0
         for seq, tok in zip(cast("list[SeqState]", seqs), token_ids, strict=True):
             if caching and not seq.chain.try_append(tok):  # it completes a block: hash it
-                completed = seq.chain.extend((tok,))
+                completed = seq.chain.extend([tok])  # a list: packed in C
                 if completed and seq.started:  # they are this request's to compute: in flight
                     self._inflight.extend(seq, completed)
             seq.token_ids.append(tok)
@@ -113,14 +119,26 @@ class CommitMixin(PrefixAdmissionMixin):
                 num_new += self._register_computed(seq)
         return num_new
 
-    def _refuse_decode(self, request_id: str, seq: SeqState | None) -> NoReturn:
-        """Raise the error ``append_and_commit(request_id, (tok,), 1)`` would raise."""
-        if seq is None:
-            raise UnknownRequestError(f"unknown request {request_id!r} (never added, or freed)")
-        if seq.held:
-            raise RequestStateError(f"request {request_id!r} is held for transfer; it is finished")
-        self._check_commit(seq, 1, len(seq.token_ids) + 1)  # raises: nothing is scheduled
-        raise InvalidRequestError(f"request {request_id!r} has no scheduled position")
+    def _refuse_decodes(
+        self, request_ids: Sequence[str], seqs: list[SeqState | None], token_ids: Sequence[int]
+    ) -> NoReturn:
+        """Raise the error ``commit_decodes`` refuses these pairs with, naming the first bad
+        one (the error ``append_and_commit(rid, (tok,), 1)`` would raise for it)."""
+        if len(seqs) != len(token_ids) or len(set(request_ids)) != len(seqs):
+            raise InvalidRequestError(
+                f"commit_decodes needs one token for each of distinct requests; got "
+                f"{len(token_ids)} tokens for {len(seqs)} ids ({len(set(request_ids))} distinct)"
+            )
+        for rid, seq, tok in zip(request_ids, seqs, token_ids, strict=True):
+            if seq is None:
+                raise UnknownRequestError(f"unknown request {rid!r} (never added, or freed)")
+            if seq.held:
+                raise RequestStateError(f"request {rid!r} is held for transfer; it is finished")
+            self._check_commit(seq, 1, len(seq.token_ids) + 1)  # raises if nothing is scheduled
+            if type(tok) is not int or not 0 <= tok < _MAX_TOKEN_ID:
+                pack_tokens([tok])  # raises the typed error for an id out of range
+                raise InvalidRequestError(f"token id {tok!r} of request {rid!r} is not an int")
+        raise InvalidRequestError("commit_decodes: no bad pair found")  # pragma: no cover
 
     def _append(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         new = list(token_ids)

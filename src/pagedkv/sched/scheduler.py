@@ -193,8 +193,8 @@ class Scheduler(PreemptionMixin):
         self._check_no_outstanding_step()
         self._step += 1
         plan = StepPlan(self.config.max_num_batched_tokens)
-        self._schedule_decodes(plan)
-        self._schedule_prefill_chunks(plan)
+        if not self._schedule_decodes(plan):  # some running request may still prefill
+            self._schedule_prefill_chunks(plan)
         t0 = time.perf_counter()
         self._admit_waiting(plan)
         out = self._build_output(plan, time.perf_counter() - t0)
@@ -203,11 +203,11 @@ class Scheduler(PreemptionMixin):
             self.check_invariants()
         return out
 
-    def _schedule_decodes(self, plan: StepPlan) -> None:
+    def _schedule_decodes(self, plan: StepPlan) -> bool:
         """Phase 1: one token (+ drafts) per decoding request, in serving order; victims come
-        from the back of the running list. The common case (the positions fit the blocks the
-        request holds: ``try_extend_slots``) is one manager call and one record: this loop runs
-        once per running request per step."""
+        from the back of the running list. The common case (``try_extend_slots``: the positions
+        fit the blocks held) is one manager call and one record. True when every running
+        request was scheduled here (none prefills): phase 2 has nothing to look at."""
         mgr = self.manager
         extend, views = mgr.try_extend_slots, mgr.block_table_view
         lookahead, max_len = self.config.num_lookahead_tokens, self.max_len
@@ -215,12 +215,13 @@ class Scheduler(PreemptionMixin):
         step_slots = plan.step_slots
         slots = step_slots.slots
         budget = plan.budget  # written back below (_allocate_or_preempt does not read it)
-        i = 0
+        i = num_prefilling = 0
         while i < len(running) and budget > 0:
             req = running[i]
             all_ids = req.all_token_ids
             pos = req.num_computed_tokens
             if pos != len(all_ids) - 1:
+                num_prefilling += 1
                 i += 1
                 continue
             rid = req.request_id
@@ -244,6 +245,7 @@ class Scheduler(PreemptionMixin):
             budget -= n
             i += 1
         plan.budget = budget
+        return not num_prefilling and i == len(running)
 
     def _schedule_prefill_chunks(self, plan: StepPlan) -> None:
         """Phase 2: the next chunk of every running request still prefilling, budget allowing."""
