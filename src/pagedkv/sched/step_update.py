@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from pagedkv.errors import InvalidRequestError, SchedulerStateError
 from pagedkv.sched.kv_sharing import KVSharingMixin
@@ -24,6 +24,26 @@ if TYPE_CHECKING:
     from pagedkv.core.config import CacheConfig
 
 _MAX_TOKEN_ID = 2**32
+
+# A run of plain decodes that do not finish: their ids, sampled tokens and requests.
+_Run = tuple[list[str], list[int], list[Request]]
+# Any other scheduled request still running: the run before it, the request, its entry, its
+# sampled tokens (None: it only commits) and where its output goes in the results.
+_Item = tuple[_Run, Request, ScheduledRequest, Sequence[int] | None, int]
+
+
+def _check_sampled(sr: ScheduledRequest, toks: Sequence[int] | None) -> None:
+    """Raise InvalidRequestError unless ``toks`` are 1 to ``1 + drafts`` valid token ids."""
+    if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
+        raise InvalidRequestError(
+            f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
+            f"tokens, got {None if toks is None else len(toks)}"
+        )
+    if not all(map(is_token_id, toks)):
+        raise InvalidRequestError(
+            f"request {sr.request_id!r} sampled {list(toks)}: token ids must be "
+            "integers in [0, 2**32)"
+        )
 
 
 class StepUpdateMixin(KVSharingMixin):
@@ -53,114 +73,109 @@ class StepUpdateMixin(KVSharingMixin):
         All or nothing: everything is validated first; SchedulerStateError (not the outstanding
         step) or InvalidRequestError (bad sampled tokens, unknown failed loads) change nothing.
         """
-        work = self._validate_update(output, sampled, failed_loads)
+        items, last_run, results = self._validate_update(output, sampled, failed_loads)
         self._outstanding = None
-        results = self._apply_work(work)
+        outputs = self._apply_work(items, last_run, results)
         for rid in output.loading_ids:
             req_l = self.loading.pop(rid, None)
             if req_l is not None:
                 self._finish_load(req_l, success=rid not in failed_loads)
         if self.config.check_invariants:
             self.check_invariants()
-        return results
-
-    def _apply_work(
-        self, work: list[tuple[Request, ScheduledRequest, Sequence[int] | None]]
-    ) -> list[RequestOutput]:
-        """Apply validated work in step order; return the sampling requests' outputs.
-
-        A plain decode (one position, no window) that does not finish its request changes only
-        that request, so a run of them is committed by one ``commit_decodes`` call, made
-        before the next other item is applied: every call that reaches the pool (a finish, a
-        prefill commit, a block registered) happens in the order it always did."""
-        mgr = self.manager
-        windowed = self.cache_config.sliding_window is not None
-        max_len = self.max_len
-        results: list[RequestOutput] = []
-        result = results.append
-        run_ids: list[str] = []  # the run of plain decodes not committed yet, and their tokens
-        run_tokens: list[int] = []
-        for req, sr, toks in work:
-            if toks is not None and sr.num_tokens == 1 and not windowed:
-                tok = toks[0] if type(toks[0]) is int else int(toks[0])
-                num_after = len(req.all_token_ids) + 1  # stop_reason_one, inlined
-                if (
-                    tok not in req.stop_token_ids
-                    and num_after - req.num_prompt_tokens < req.max_tokens
-                    and num_after < max_len
-                ):
-                    rid = req.request_id
-                    run_ids.append(rid)
-                    run_tokens.append(tok)
-                    req.num_computed_tokens += 1  # == the manager's count once committed (S3)
-                    if req.draft_token_ids:
-                        req.draft_token_ids = []
-                    result(
-                        RequestOutput(
-                            rid, (tok,), False, None, req.num_prompt_tokens, req.num_cached_tokens
-                        )
-                    )
-                    continue
-            if run_ids:
-                mgr.commit_decodes(run_ids, run_tokens)  # validated: cannot fail
-                run_ids, run_tokens = [], []
-            if toks is None:
-                mgr.commit(req.request_id, sr.num_tokens)
-                req.num_computed_tokens += sr.num_tokens
-                if windowed:
-                    self._release_outside_window(req)
-            elif sr.num_tokens == 1 and not windowed:  # a plain decode that finishes
-                result(self._apply_decode(req, toks[0]))
-            else:
-                result(self._apply_sampled(req, sr, toks, windowed))
-        if run_ids:
-            mgr.commit_decodes(run_ids, run_tokens)
-        return results
+        return outputs
 
     def _validate_update(
         self,
         output: SchedulerOutput,
         sampled: Mapping[str, Sequence[int]],
         failed_loads: Collection[str],
-    ) -> list[tuple[Request, ScheduledRequest, Sequence[int] | None]]:
-        """Check everything ``update`` will apply; return, in step order, each scheduled request
-        still running with its sampled tokens (None: it only commits)."""
+    ) -> tuple[list[_Item], _Run, list[RequestOutput | None]]:
+        """Check everything ``update`` will apply, changing nothing. Returns, in step order, the
+        other items (each after the run of plain decodes before it), the last run, and the
+        outputs: built here for the runs (values only), ``None`` where another item's goes.
+        A run holds plain decodes (one position, no window) that do not finish: each changes
+        only its own request, so a run is committed by one ``commit_decodes`` call just before
+        the item after it, and every call that reaches the pool keeps its order."""
         if output is not self._outstanding:
             raise SchedulerStateError(
                 f"update() got step {output.step}, but the outstanding step is "
                 f"{None if self._outstanding is None else self._outstanding.step}"
             )
-        requests = self.requests
-        running = RequestStatus.RUNNING
-        work: list[tuple[Request, ScheduledRequest, Sequence[int] | None]] = []
-        append = work.append
+        requests, running, max_len = self.requests, RequestStatus.RUNNING, self.max_len
+        plain = self.cache_config.sliding_window is None
+        items: list[_Item] = []
+        results: list[RequestOutput | None] = []
+        result = results.append
+        ids: list[str] = []
+        tokens: list[int] = []
+        reqs: list[Request] = []
         for sr in output.scheduled:
-            req = requests.get(sr.request_id)
+            rid = sr.request_id
+            req = requests.get(rid)
             if req is None or req.status is not running:
                 continue  # aborted or finished since schedule(): nothing to apply
-            if not sr.samples:
-                append((req, sr, None))
-                continue
-            toks = sampled.get(sr.request_id)
-            if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
-                raise InvalidRequestError(
-                    f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
-                    f"tokens, got {None if toks is None else len(toks)}"
-                )
-            t0 = toks[0]
-            fast_ok = len(toks) == 1 and type(t0) is int and 0 <= t0 < _MAX_TOKEN_ID
-            if not fast_ok and not all(map(is_token_id, toks)):
-                raise InvalidRequestError(
-                    f"request {sr.request_id!r} sampled {list(toks)}: token ids must be "
-                    "integers in [0, 2**32)"
-                )
-            append((req, sr, toks))
+            toks = sampled.get(rid) if sr.samples else None
+            if toks is not None and len(toks) == 1 and sr.num_tokens == 1 and plain:
+                tok = toks[0]
+                num_after = len(req.all_token_ids) + 1  # stop_reason_one, inlined
+                if (
+                    type(tok) is int
+                    and 0 <= tok < _MAX_TOKEN_ID
+                    and tok not in req.stop_token_ids
+                    and num_after - req.num_prompt_tokens < req.max_tokens
+                    and num_after < max_len
+                ):
+                    ids.append(rid)
+                    tokens.append(tok)
+                    reqs.append(req)
+                    result(
+                        RequestOutput(
+                            rid, (tok,), False, None, req.num_prompt_tokens, req.num_cached_tokens
+                        )
+                    )
+                    continue
+            if sr.samples:
+                _check_sampled(sr, toks)
+            items.append(((ids, tokens, reqs), req, sr, toks, len(results)))
+            ids, tokens, reqs = [], [], []
+            if sr.samples:
+                result(None)
         unknown = set(failed_loads).difference(output.loading_ids)
         if unknown:
             raise InvalidRequestError(
                 f"failed_loads names {sorted(unknown)}, which step {output.step} did not load"
             )
-        return work
+        return items, (ids, tokens, reqs), results
+
+    def _apply_work(
+        self, items: list[_Item], last_run: _Run, results: list[RequestOutput | None]
+    ) -> list[RequestOutput]:
+        """Apply validated work in step order: each run of plain decodes (one manager call),
+        then the item after it; fill in the items' outputs. Cannot fail."""
+        windowed = self.cache_config.sliding_window is not None
+        for run, req, sr, toks, index in items:
+            if run[0]:
+                self._commit_run(run)
+            if toks is None:
+                self.manager.commit(req.request_id, sr.num_tokens)
+                req.num_computed_tokens += sr.num_tokens
+                if windowed:
+                    self._release_outside_window(req)
+            elif sr.num_tokens == 1 and not windowed:  # a plain decode that finishes
+                results[index] = self._apply_decode(req, toks[0])
+            else:
+                results[index] = self._apply_sampled(req, sr, toks, windowed)
+        if last_run[0]:
+            self._commit_run(last_run)
+        return cast("list[RequestOutput]", results)  # every None was filled in above
+
+    def _commit_run(self, run: _Run) -> None:
+        ids, tokens, reqs = run
+        self.manager.commit_decodes(ids, tokens)  # validated: cannot fail
+        for req in reqs:
+            req.num_computed_tokens += 1  # == the manager's count (S3)
+            if req.draft_token_ids:
+                req.draft_token_ids = []
 
     def _apply_sampled(
         self, req: Request, sr: ScheduledRequest, toks: Sequence[int], windowed: bool
