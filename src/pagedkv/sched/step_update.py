@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from pagedkv.errors import InvalidRequestError, SchedulerStateError
 from pagedkv.sched.kv_sharing import KVSharingMixin
@@ -27,9 +27,9 @@ _MAX_TOKEN_ID = 2**32
 
 # A run of plain decodes that do not finish: their ids, sampled tokens and requests.
 _Run = tuple[list[str], list[int], list[Request]]
-# Any other scheduled request still running: the run before it, the request, its entry, its
-# sampled tokens (None: it only commits) and where its output goes in the results.
-_Item = tuple[_Run, Request, ScheduledRequest, Sequence[int] | None, int]
+# Any other scheduled request still running: the run before it, the request, its entry and its
+# sampled tokens (None: it only commits).
+_Item = tuple[_Run, Request, ScheduledRequest, Sequence[int] | None]
 
 
 def _check_sampled(sr: ScheduledRequest, toks: Sequence[int] | None) -> None:
@@ -73,9 +73,9 @@ class StepUpdateMixin(KVSharingMixin):
         All or nothing: everything is validated first; SchedulerStateError (not the outstanding
         step) or InvalidRequestError (bad sampled tokens, unknown failed loads) change nothing.
         """
-        items, last_run, results = self._validate_update(output, sampled, failed_loads)
+        items, last_run = self._validate_update(output, sampled, failed_loads)
         self._outstanding = None
-        outputs = self._apply_work(items, last_run, results)
+        outputs = self._apply_work(items, last_run)
         for rid in output.loading_ids:
             req_l = self.loading.pop(rid, None)
             if req_l is not None:
@@ -89,10 +89,9 @@ class StepUpdateMixin(KVSharingMixin):
         output: SchedulerOutput,
         sampled: Mapping[str, Sequence[int]],
         failed_loads: Collection[str],
-    ) -> tuple[list[_Item], _Run, list[RequestOutput | None]]:
+    ) -> tuple[list[_Item], _Run]:
         """Check everything ``update`` will apply, changing nothing. Returns, in step order, the
-        other items (each after the run of plain decodes before it), the last run, and the
-        outputs: built here for the runs (values only), ``None`` where another item's goes.
+        other items (each after the run of plain decodes before it) and the last run.
         A run holds plain decodes (one position, no window) that do not finish: each changes
         only its own request, so a run is committed by one ``commit_decodes`` call just before
         the item after it, and every call that reaches the pool keeps its order."""
@@ -104,8 +103,6 @@ class StepUpdateMixin(KVSharingMixin):
         requests, running, max_len = self.requests, RequestStatus.RUNNING, self.max_len
         plain = self.cache_config.sliding_window is None
         items: list[_Item] = []
-        results: list[RequestOutput | None] = []
-        result = results.append
         ids: list[str] = []
         tokens: list[int] = []
         reqs: list[Request] = []
@@ -128,54 +125,54 @@ class StepUpdateMixin(KVSharingMixin):
                     ids.append(rid)
                     tokens.append(tok)
                     reqs.append(req)
-                    result(
-                        RequestOutput(
-                            rid, (tok,), False, None, req.num_prompt_tokens, req.num_cached_tokens
-                        )
-                    )
                     continue
             if sr.samples:
                 _check_sampled(sr, toks)
-            items.append(((ids, tokens, reqs), req, sr, toks, len(results)))
+            items.append(((ids, tokens, reqs), req, sr, toks))
             ids, tokens, reqs = [], [], []
-            if sr.samples:
-                result(None)
         unknown = set(failed_loads).difference(output.loading_ids)
         if unknown:
             raise InvalidRequestError(
                 f"failed_loads names {sorted(unknown)}, which step {output.step} did not load"
             )
-        return items, (ids, tokens, reqs), results
+        return items, (ids, tokens, reqs)
 
-    def _apply_work(
-        self, items: list[_Item], last_run: _Run, results: list[RequestOutput | None]
-    ) -> list[RequestOutput]:
-        """Apply validated work in step order: each run of plain decodes (one manager call),
-        then the item after it; fill in the items' outputs. Cannot fail."""
+    def _apply_work(self, items: list[_Item], last_run: _Run) -> list[RequestOutput]:
+        """Apply validated work in step order (each run of plain decodes, one manager call,
+        then the item after it); return the sampling requests' outputs. Cannot fail."""
         windowed = self.cache_config.sliding_window is not None
-        for run, req, sr, toks, index in items:
+        results: list[RequestOutput] = []
+        for run, req, sr, toks in items:
             if run[0]:
-                self._commit_run(run)
+                self._commit_run(run, results)
             if toks is None:
                 self.manager.commit(req.request_id, sr.num_tokens)
                 req.num_computed_tokens += sr.num_tokens
                 if windowed:
                     self._release_outside_window(req)
             elif sr.num_tokens == 1 and not windowed:  # a plain decode that finishes
-                results[index] = self._apply_decode(req, toks[0])
+                results.append(self._apply_decode(req, toks[0]))
             else:
-                results[index] = self._apply_sampled(req, sr, toks, windowed)
+                results.append(self._apply_sampled(req, sr, toks, windowed))
         if last_run[0]:
-            self._commit_run(last_run)
-        return cast("list[RequestOutput]", results)  # every None was filled in above
+            self._commit_run(last_run, results)
+        return results
 
-    def _commit_run(self, run: _Run) -> None:
+    def _commit_run(self, run: _Run, results: list[RequestOutput]) -> None:
+        """Commit a run of plain decodes that do not finish (one manager call) and append their
+        outputs."""
         ids, tokens, reqs = run
         self.manager.commit_decodes(ids, tokens)  # validated: cannot fail
-        for req in reqs:
+        append = results.append
+        for rid, req, tok in zip(ids, reqs, tokens, strict=True):
             req.num_computed_tokens += 1  # == the manager's count (S3)
             if req.draft_token_ids:
                 req.draft_token_ids = []
+            append(
+                RequestOutput(
+                    rid, (tok,), False, None, req.num_prompt_tokens, req.num_cached_tokens
+                )
+            )
 
     def _apply_sampled(
         self, req: Request, sr: ScheduledRequest, toks: Sequence[int], windowed: bool
