@@ -10,7 +10,6 @@ takes a fast path (``BlockHashChain.try_append``) with the same effect as the ge
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
 from typing import NoReturn, cast
 
 from pagedkv.core.hashing import pack_tokens
@@ -19,8 +18,6 @@ from pagedkv.core.seq_state import SeqState
 from pagedkv.errors import InvalidRequestError, RequestStateError, UnknownRequestError
 
 _MAX_TOKEN_ID = 2**32  # token ids are hashed as uint32
-_HELD = attrgetter("held")
-_PENDING = attrgetter("num_pending")
 
 
 class CommitMixin(PrefixAdmissionMixin):
@@ -87,20 +84,17 @@ class CommitMixin(PrefixAdmissionMixin):
         request with a scheduled position, a token id in ``[0, 2**32)``) before any is applied;
         a request named twice is refused. Returns the number of blocks newly registered."""
         seqs = list(map(self._seqs.get, request_ids))
-        num = len(seqs)
-        if not num and not token_ids:
-            return 0
-        if (  # every check at C speed; the slow pass below finds and names what failed
-            num != len(token_ids)
-            or None in seqs
-            or len(set(request_ids)) != num
-            or any(map(_HELD, seqs))
-            or not all(map(_PENDING, seqs))
-            or set(map(type, token_ids)) != {int}
-            or min(token_ids) < 0
-            or max(token_ids) >= _MAX_TOKEN_ID
-        ):
+        if len(seqs) != len(token_ids) or len(set(request_ids)) != len(seqs):
             self._refuse_decodes(request_ids, seqs, token_ids)
+        for seq, tok in zip(seqs, token_ids, strict=True):  # one plain loop: cheaper than maps
+            if (
+                seq is None
+                or seq.held
+                or not seq.num_pending
+                or type(tok) is not int
+                or not 0 <= tok < _MAX_TOKEN_ID
+            ):
+                self._refuse_decodes(request_ids, seqs, token_ids)
         # Checked: nothing below can fail.
         caching = self.config.enable_prefix_caching
         bs = self.block_size
