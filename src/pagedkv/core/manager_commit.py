@@ -79,8 +79,8 @@ class CommitMixin(PrefixAdmissionMixin):
 
     def commit_decodes(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> int:
         """``append_and_commit(rid, (tok,), 1)`` for each ``(rid, tok)`` pair, in order: the
-        decode step of many requests in one call (the scheduler's hot path: no call, list or
-        return value per request). All or nothing: every pair is checked (a known, unheld
+        decode step of many requests in one call (the scheduler's hot path: no manager call,
+        list or return value per request). All or nothing: every pair is checked (a known, unheld
         request with a scheduled position, a token id in ``[0, 2**32)``) before any is applied;
         a request named twice is refused. Returns the number of blocks newly registered."""
         seqs = list(map(self._seqs.get, request_ids))

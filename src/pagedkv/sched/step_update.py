@@ -1,9 +1,14 @@
 """The second half of a scheduler step: ``update`` applies what the runner computed.
 
 For each scheduled request still running, in step order: commit the computed positions, append
-the accepted tokens (a plain decode takes ``_apply_decode``), roll back rejected drafts, and
-finish it on a stop (``check_stop``, the one stop check), freeing or holding its blocks. All or
-nothing: ``_validate_update`` checks everything before anything changes.
+the accepted tokens, roll back rejected drafts, and finish it on a stop (``check_stop``, the one
+stop check; ``stop_reason_one`` and its inlined copy for one token), freeing or holding its
+blocks. All or nothing: ``_validate_update`` checks everything before anything changes.
+
+The common case takes a shorter path: a run of plain decodes (one position, no window) that do
+not finish changes only those requests, so it is committed by one ``commit_decodes`` call, made
+just before the next other item (a finish, a prefill commit, drafts), so every call that
+reaches the pool keeps its order.
 
 A part of :class:`~pagedkv.sched.scheduler.Scheduler` (a mixin over its state).
 """
