@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pagedkv.core import KVCacheManager
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import InvalidRequestError, RequestStateError
 from reference.core_state import make_manager, manager_state, run_prompt
 
 
@@ -89,3 +89,67 @@ def test_one_token_append_and_commit_refuses_bad_ids_changing_nothing() -> None:
             m.append_and_commit("r", (bad,), 1)
         assert manager_state(m) == before
     assert m.append_and_commit("r", (2**32 - 1,), 1) == 0  # the largest id is fine
+
+
+def _decoding_many(n: int, **kwargs: object) -> KVCacheManager:
+    """A manager with ``n`` requests, each prefilled with 6 distinct tokens (block size 4)."""
+    m = make_manager(num_blocks=8 * n, **kwargs)  # type: ignore[arg-type]
+    for i in range(n):
+        run_prompt(m, f"r{i}", [100 * i + t for t in range(6)])
+    return m
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_commit_decodes_equals_append_and_commit_per_request(caching: bool) -> None:
+    ids = ["r0", "r1", "r2"]
+    batch = _decoding_many(3, enable_prefix_caching=caching, enable_events=True)
+    single = _decoding_many(3, enable_prefix_caching=caching, enable_events=True)
+    num_registered = 0
+    for step in range(6):  # positions 6..11: fill blocks 1 and 2 of each request
+        toks = [1000 + 10 * step + i for i in range(3)]
+        for m in (batch, single):
+            for rid in ids:
+                m.allocate_slots(rid, 1)
+        n_batch = batch.commit_decodes(ids, toks)
+        n_single = sum(
+            single.append_and_commit(rid, (t,), 1) for rid, t in zip(ids, toks, strict=True)
+        )
+        assert n_batch == n_single
+        assert manager_state(batch) == manager_state(single)
+        batch.check_invariants()
+        num_registered += n_batch
+    assert num_registered == (6 if caching else 0)
+
+
+@pytest.mark.parametrize(
+    ("ids", "toks", "error"),
+    [
+        (["r0", "nobody"], [1, 2], "unknown request"),
+        (["r0", "r1"], [1, -1], "token"),
+        (["r0", "r1"], [1, 2**32], "token"),
+        (["r0", "r1"], [1, True], "token"),
+        (["r0", "r0"], [1, 2], "distinct"),
+        (["r0", "r1"], [1], "one token"),
+        (["r0", "r2"], [1, 2], "scheduled"),  # r2 has no scheduled position
+    ],
+)
+def test_commit_decodes_refuses_any_bad_pair_changing_nothing(
+    ids: list[str], toks: list[int], error: str
+) -> None:
+    m = _decoding_many(3)
+    m.allocate_slots("r0", 1)
+    m.allocate_slots("r1", 1)
+    before = manager_state(m)
+    with pytest.raises((InvalidRequestError, KeyError), match=error):
+        m.commit_decodes(ids, toks)
+    assert manager_state(m) == before
+
+
+def test_commit_decodes_refuses_a_held_request_changing_nothing() -> None:
+    m = _decoding_many(2)
+    m.hold("r1")
+    m.allocate_slots("r0", 1)
+    before = manager_state(m)
+    with pytest.raises(RequestStateError, match="held"):
+        m.commit_decodes(["r0", "r1"], [1, 2])
+    assert manager_state(m) == before

@@ -93,6 +93,50 @@ def test_update_validates_every_request_before_mutating(bad: dict[str, list[Any]
     d.sched.update(out, run_model(d.sched, out, d.kv))  # and the good update still works
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"a": [7], "b": [7], "c": [2**32]},  # a and b form a run of plain decodes: none applies
+        {"a": [7], "b": [7], "c": [True, 7]},  # c has no drafts: two tokens is one too many
+        {"a": [7], "b": [7]},  # c is missing
+    ],
+)
+def test_a_decode_step_validates_every_request_before_mutating(bad: dict[str, list[Any]]) -> None:
+    d = make_driver()
+    for i, rid in enumerate(("a", "b", "c")):
+        d.add(rid, [100 * i + t for t in PROMPT], max_tokens=8)  # no prefix shared
+    d.step()  # prefill: each has its first token, now all three decode
+    out = d.sched.schedule()
+    assert [sr.num_tokens for sr in out.scheduled] == [1, 1, 1]
+    before = sched_state(d.sched)
+    with pytest.raises(InvalidRequestError):
+        d.sched.update(out, bad)
+    assert sched_state(d.sched) == before
+    outputs = d.sched.update(out, {"a": [7], "b": [2], "c": [7]})  # the good update applies
+    assert [o.request_id for o in outputs] == ["a", "b", "c"]  # in step order
+    assert [o.new_token_ids for o in outputs] == [(7,), (2,), (7,)]
+
+
+def test_a_decode_that_finishes_mid_step_keeps_the_outputs_in_step_order() -> None:
+    d = make_driver()
+    for i, (rid, max_tokens) in enumerate((("a", 8), ("b", 2), ("c", 8))):
+        d.add(rid, [100 * i + t for t in PROMPT], max_tokens=max_tokens)
+    d.step()  # prefill: one token each
+    out = d.sched.schedule()
+    outputs = d.sched.update(out, {"a": [7], "b": [8], "c": [9]})  # b's 2nd token: LENGTH
+    assert [(o.request_id, o.new_token_ids, o.finished) for o in outputs] == [
+        ("a", (7,), False),
+        ("b", (8,), True),
+        ("c", (9,), False),
+    ]
+    assert [r.request_id for r in d.sched.running] == ["a", "c"]
+    for rid in ("a", "c"):
+        req = d.sched.get_request(rid)
+        assert req.num_computed_tokens == len(PROMPT) + 1  # committed: the token before 7/9
+        assert req.all_token_ids[-1] == {"a": 7, "c": 9}[rid]
+    d.sched.check_invariants()
+
+
 def test_update_rejects_failed_loads_the_step_did_not_load() -> None:
     d = make_driver()
     d.add("a", PROMPT, max_tokens=4)

@@ -3,6 +3,7 @@ grows once per accepted token, and a fork gets its own."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagedkv.core import CacheConfig
@@ -44,3 +45,12 @@ def test_check_invariants_names_a_request_whose_list_was_replaced() -> None:
     req.all_token_ids = list(req.all_token_ids)  # a copy: appends would no longer reach it
     with pytest.raises(InvariantViolation, match="S6"):
         s.check_invariants()
+
+
+def test_a_prompt_of_numpy_ints_or_bools_becomes_python_ints() -> None:
+    req = Request("n", np.array([5, 6, 7], dtype=np.int64))
+    assert req.all_token_ids == [5, 6, 7]
+    assert {type(t) for t in req.all_token_ids} == {int}
+    assert Request("b", [True, 2]).all_token_ids == [1, 2]
+    ints = [3, 4]
+    assert Request("l", ints).all_token_ids is not ints  # a copy, never the caller's list

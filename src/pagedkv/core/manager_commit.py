@@ -10,6 +10,7 @@ takes a fast path (``BlockHashChain.try_append``) with the same effect as the ge
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn, cast
 
 from pagedkv.core.hashing import pack_tokens
 from pagedkv.core.prefix_admission import PrefixAdmissionMixin
@@ -75,6 +76,63 @@ class CommitMixin(PrefixAdmissionMixin):
         if new_computed // self.block_size <= seq.num_cached_blocks:
             return 0  # no block filled (or prefix caching off: nothing is ever registered)
         return self._register_computed(seq)
+
+    def commit_decodes(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> int:
+        """``append_and_commit(rid, (tok,), 1)`` for each ``(rid, tok)`` pair, in order: the
+        decode step of many requests in one call (the scheduler's hot path: no manager call,
+        list or return value per request). All or nothing: every pair is checked (a known, unheld
+        request with a scheduled position, a token id in ``[0, 2**32)``) before any is applied;
+        a request named twice is refused. Returns the number of blocks newly registered."""
+        seqs = list(map(self._seqs.get, request_ids))
+        if len(seqs) != len(token_ids) or len(set(request_ids)) != len(seqs):
+            self._refuse_decodes(request_ids, seqs, token_ids)
+        for seq, tok in zip(seqs, token_ids, strict=True):  # one plain loop: cheaper than maps
+            if (
+                seq is None
+                or seq.held
+                or not seq.num_pending
+                or type(tok) is not int
+                or not 0 <= tok < _MAX_TOKEN_ID
+            ):
+                self._refuse_decodes(request_ids, seqs, token_ids)
+        # Checked: nothing below can fail.
+        caching = self.config.enable_prefix_caching
+        bs = self.block_size
+        num_new = 0
+        for seq, tok in zip(cast("list[SeqState]", seqs), token_ids, strict=True):
+            if caching and not seq.chain.try_append(tok):  # it completes a block: hash it
+                completed = seq.chain.extend([tok])  # a list: packed in C
+                if completed and seq.started:  # they are this request's to compute: in flight
+                    self._inflight.extend(seq, completed)
+            seq.token_ids.append(tok)
+            if seq.match is not None:
+                self._drop_memo(seq)
+            computed = seq.num_computed = seq.num_computed + 1
+            seq.num_pending -= 1
+            if computed // bs > seq.num_cached_blocks:
+                num_new += self._register_computed(seq)
+        return num_new
+
+    def _refuse_decodes(
+        self, request_ids: Sequence[str], seqs: list[SeqState | None], token_ids: Sequence[int]
+    ) -> NoReturn:
+        """Raise the error ``commit_decodes`` refuses these pairs with, naming the first bad
+        one (the error ``append_and_commit(rid, (tok,), 1)`` would raise for it)."""
+        if len(seqs) != len(token_ids) or len(set(request_ids)) != len(seqs):
+            raise InvalidRequestError(
+                f"commit_decodes needs one token for each of distinct requests; got "
+                f"{len(token_ids)} tokens for {len(seqs)} ids ({len(set(request_ids))} distinct)"
+            )
+        for rid, seq, tok in zip(request_ids, seqs, token_ids, strict=True):
+            if seq is None:
+                raise UnknownRequestError(f"unknown request {rid!r} (never added, or freed)")
+            if seq.held:
+                raise RequestStateError(f"request {rid!r} is held for transfer; it is finished")
+            self._check_commit(seq, 1, len(seq.token_ids) + 1)  # raises if nothing is scheduled
+            if type(tok) is not int or not 0 <= tok < _MAX_TOKEN_ID:
+                pack_tokens([tok])  # raises the typed error for an id out of range
+                raise InvalidRequestError(f"token id {tok!r} of request {rid!r} is not an int")
+        raise InvalidRequestError("commit_decodes: no bad pair found")  # pragma: no cover
 
     def _append(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         new = list(token_ids)

@@ -102,6 +102,38 @@ class ScheduledRequest:
         )
 
 
+def decode_entries(
+    request_ids: list[str],
+    positions: list[int],
+    token_ids: list[int],
+    tables: list[np.ndarray],
+    step_slots: StepSlots,
+    offset: int,
+) -> list[ScheduledRequest]:
+    """``ScheduledRequest(rid, pos, [tok], 1, table, step_slots, False, True, 0, offset + k)``
+    for the k-th ``(rid, pos, tok, table)``: a run of plain decodes whose slots are consecutive
+    in ``step_slots`` from ``offset``. The scheduler's hot path: the records are made without
+    a call per record (about a third of the cost of making each with the constructor)."""
+    new = object.__new__
+    out: list[ScheduledRequest] = []
+    append = out.append
+    for rid, pos, tok, table in zip(request_ids, positions, token_ids, tables, strict=True):
+        sr = new(ScheduledRequest)
+        sr.request_id = rid
+        sr.start_position = pos
+        sr.token_ids = [tok]
+        sr.num_tokens = 1
+        sr.block_table = table
+        sr._slot_mapping = step_slots
+        sr._slot_offset = offset
+        sr.is_prefill = False
+        sr.samples = True
+        sr.num_draft_tokens = 0
+        append(sr)
+        offset += 1
+    return out
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """A step's batch: decodes first, then prefill chunks.

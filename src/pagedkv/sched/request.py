@@ -90,7 +90,9 @@ class Request:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         if max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be positive, got {max_tokens}")
-        tokens = [int(t) for t in prompt_token_ids]
+        tokens = list(prompt_token_ids)
+        if set(map(type, tokens)) != {int}:  # numpy ints, bools: convert (a list of ints: no)
+            tokens = [int(t) for t in tokens]
         if not tokens:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id

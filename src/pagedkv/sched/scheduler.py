@@ -18,10 +18,10 @@ The running list is kept in serving order (``Request.sort_key``: priority, arriv
 so the preemption victim, the lowest priority and then the latest arrival, is always at its
 back. Decodes are scheduled before any prefill chunk, so prefills never starve decodes.
 
-The class is assembled from parts that each own one noun: ``step_update.py`` (``update`` and
-finishing), ``preemption.py`` (allocation with victims), ``kv_sharing.py`` (remote prefill or
-decode, KV tiers, forks) and ``checks.py`` (S1..S6); this module keeps the queue, admission and
-the phases of ``schedule``.
+The class is assembled from parts that each own one noun: ``decode_phase.py`` (phase 1, the
+running decodes), ``step_update.py`` (``update`` and finishing), ``preemption.py`` (allocation
+with victims), ``kv_sharing.py`` (remote prefill or decode, KV tiers, forks) and ``checks.py``
+(S1..S6); this module keeps the queue, admission and the other phases of ``schedule``.
 The scheduler owns the manager and is single-threaded: one loop calls ``schedule``/``update``.
 """
 
@@ -45,9 +45,9 @@ from pagedkv.errors import (
 )
 from pagedkv.sched.checks import check_scheduler
 from pagedkv.sched.config import SchedulerConfig
+from pagedkv.sched.decode_phase import DecodePhaseMixin
 from pagedkv.sched.kv_sharing import TierIndex
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
-from pagedkv.sched.preemption import PreemptionMixin
 from pagedkv.sched.queue import make_queue
 from pagedkv.sched.request import FinishReason, KVTransfer, Request, RequestStatus
 from pagedkv.sched.stats import SchedulerStats, StepStats
@@ -56,7 +56,7 @@ from pagedkv.sched.step_plan import StepPlan
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(PreemptionMixin):
+class Scheduler(DecodePhaseMixin):
     """Decides, each step, which requests compute which tokens, within the budget and the pool.
 
     Invariants (``check_invariants()`` verifies each):
@@ -193,8 +193,8 @@ class Scheduler(PreemptionMixin):
         self._check_no_outstanding_step()
         self._step += 1
         plan = StepPlan(self.config.max_num_batched_tokens)
-        self._schedule_decodes(plan)
-        self._schedule_prefill_chunks(plan)
+        if not self._schedule_decodes(plan):  # some running request may still prefill
+            self._schedule_prefill_chunks(plan)
         t0 = time.perf_counter()
         self._admit_waiting(plan)
         out = self._build_output(plan, time.perf_counter() - t0)
@@ -202,48 +202,6 @@ class Scheduler(PreemptionMixin):
         if self.config.check_invariants:
             self.check_invariants()
         return out
-
-    def _schedule_decodes(self, plan: StepPlan) -> None:
-        """Phase 1: one token (+ drafts) per decoding request, in serving order; victims come
-        from the back of the running list. The common case (the positions fit the blocks the
-        request holds: ``try_extend_slots``) is one manager call and one record: this loop runs
-        once per running request per step."""
-        mgr = self.manager
-        extend, views = mgr.try_extend_slots, mgr.block_table_view
-        lookahead, max_len = self.config.num_lookahead_tokens, self.max_len
-        running, scheduled = self.running, plan.scheduled
-        step_slots = plan.step_slots
-        slots = step_slots.slots
-        budget = plan.budget  # written back below (_allocate_or_preempt does not read it)
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            all_ids = req.all_token_ids
-            pos = req.num_computed_tokens
-            if pos != len(all_ids) - 1:
-                i += 1
-                continue
-            rid = req.request_id
-            drafts = req.draft_token_ids
-            if drafts:
-                num_out = len(all_ids) - req.num_prompt_tokens
-                room = min(budget, req.max_tokens - num_out, max_len - len(all_ids)) - 1
-                drafts = drafts[: max(0, room)]
-            n = 1 + len(drafts)
-            offset = len(slots)
-            table = None if lookahead else extend(rid, n, slots)
-            if table is None:
-                if not self._allocate_or_preempt(req, n, lookahead, plan):
-                    break  # req itself was preempted; everything after it is gone too
-                mgr.append_slot_mapping(rid, pos, n, slots)
-                table = views(rid)
-            tokens = [all_ids[-1], *drafts] if drafts else [all_ids[-1]]
-            scheduled.append(
-                ScheduledRequest(rid, pos, tokens, n, table, step_slots, False, True, n - 1, offset)
-            )
-            budget -= n
-            i += 1
-        plan.budget = budget
 
     def _schedule_prefill_chunks(self, plan: StepPlan) -> None:
         """Phase 2: the next chunk of every running request still prefilling, budget allowing."""

@@ -1,9 +1,14 @@
 """The second half of a scheduler step: ``update`` applies what the runner computed.
 
 For each scheduled request still running, in step order: commit the computed positions, append
-the accepted tokens (a plain decode takes ``_apply_decode``), roll back rejected drafts, and
-finish it on a stop (``check_stop``, the one stop check), freeing or holding its blocks. All or
-nothing: ``_validate_update`` checks everything before anything changes.
+the accepted tokens, roll back rejected drafts, and finish it on a stop (``check_stop``, the one
+stop check; ``stop_reason_one`` and its inlined copy for one token), freeing or holding its
+blocks. All or nothing: ``_validate_update`` checks everything before anything changes.
+
+The common case takes a shorter path: a run of plain decodes (one position, no window) that do
+not finish changes only those requests, so it is committed by one ``commit_decodes`` call, made
+just before the next other item (a finish, a prefill commit, drafts), so every call that
+reaches the pool keeps its order.
 
 A part of :class:`~pagedkv.sched.scheduler.Scheduler` (a mixin over its state).
 """
@@ -24,6 +29,26 @@ if TYPE_CHECKING:
     from pagedkv.core.config import CacheConfig
 
 _MAX_TOKEN_ID = 2**32
+
+# A run of plain decodes that do not finish: their ids, sampled tokens and requests.
+_Run = tuple[list[str], list[int], list[Request]]
+# Any other scheduled request still running: the run before it, the request, its entry and its
+# sampled tokens (None: it only commits).
+_Item = tuple[_Run, Request, ScheduledRequest, Sequence[int] | None]
+
+
+def _check_sampled(sr: ScheduledRequest, toks: Sequence[int] | None) -> None:
+    """Raise InvalidRequestError unless ``toks`` are 1 to ``1 + drafts`` valid token ids."""
+    if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
+        raise InvalidRequestError(
+            f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
+            f"tokens, got {None if toks is None else len(toks)}"
+        )
+    if not all(map(is_token_id, toks)):
+        raise InvalidRequestError(
+            f"request {sr.request_id!r} sampled {list(toks)}: token ids must be "
+            "integers in [0, 2**32)"
+        )
 
 
 class StepUpdateMixin(KVSharingMixin):
@@ -53,74 +78,106 @@ class StepUpdateMixin(KVSharingMixin):
         All or nothing: everything is validated first; SchedulerStateError (not the outstanding
         step) or InvalidRequestError (bad sampled tokens, unknown failed loads) change nothing.
         """
-        work = self._validate_update(output, sampled, failed_loads)
+        items, last_run = self._validate_update(output, sampled, failed_loads)
         self._outstanding = None
-        mgr = self.manager
-        windowed = self.cache_config.sliding_window is not None
-        results: list[RequestOutput] = []
-        for req, sr, toks in work:
-            if toks is None:
-                mgr.commit(req.request_id, sr.num_tokens)
-                req.num_computed_tokens += sr.num_tokens
-                if windowed:
-                    self._release_outside_window(req)
-                continue
-            if sr.num_tokens == 1 and not windowed:  # a plain decode (validated: one token)
-                results.append(self._apply_decode(req, toks[0]))
-            else:
-                results.append(self._apply_sampled(req, sr, toks, windowed))
+        outputs = self._apply_work(items, last_run)
         for rid in output.loading_ids:
             req_l = self.loading.pop(rid, None)
             if req_l is not None:
                 self._finish_load(req_l, success=rid not in failed_loads)
         if self.config.check_invariants:
             self.check_invariants()
-        return results
+        return outputs
 
     def _validate_update(
         self,
         output: SchedulerOutput,
         sampled: Mapping[str, Sequence[int]],
         failed_loads: Collection[str],
-    ) -> list[tuple[Request, ScheduledRequest, Sequence[int] | None]]:
-        """Check everything ``update`` will apply; return, in step order, each scheduled request
-        still running with its sampled tokens (None: it only commits)."""
+    ) -> tuple[list[_Item], _Run]:
+        """Check everything ``update`` will apply, changing nothing. Returns, in step order, the
+        other items (each after the run of plain decodes before it) and the last run.
+        A run holds plain decodes (one position, no window) that do not finish: each changes
+        only its own request, so a run is committed by one ``commit_decodes`` call just before
+        the item after it, and every call that reaches the pool keeps its order."""
         if output is not self._outstanding:
             raise SchedulerStateError(
                 f"update() got step {output.step}, but the outstanding step is "
                 f"{None if self._outstanding is None else self._outstanding.step}"
             )
-        requests = self.requests
-        running = RequestStatus.RUNNING
-        work: list[tuple[Request, ScheduledRequest, Sequence[int] | None]] = []
-        append = work.append
+        requests, running, max_len = self.requests, RequestStatus.RUNNING, self.max_len
+        plain = self.cache_config.sliding_window is None
+        items: list[_Item] = []
+        ids: list[str] = []
+        tokens: list[int] = []
+        reqs: list[Request] = []
         for sr in output.scheduled:
-            req = requests.get(sr.request_id)
+            rid = sr.request_id
+            req = requests.get(rid)
             if req is None or req.status is not running:
                 continue  # aborted or finished since schedule(): nothing to apply
-            if not sr.samples:
-                append((req, sr, None))
-                continue
-            toks = sampled.get(sr.request_id)
-            if toks is None or not 1 <= len(toks) <= 1 + sr.num_draft_tokens:
-                raise InvalidRequestError(
-                    f"request {sr.request_id!r} needs 1 to {1 + sr.num_draft_tokens} sampled "
-                    f"tokens, got {None if toks is None else len(toks)}"
-                )
-            t0 = toks[0]
-            fast_ok = len(toks) == 1 and type(t0) is int and 0 <= t0 < _MAX_TOKEN_ID
-            if not fast_ok and not all(map(is_token_id, toks)):
-                raise InvalidRequestError(
-                    f"request {sr.request_id!r} sampled {list(toks)}: token ids must be "
-                    "integers in [0, 2**32)"
-                )
-            append((req, sr, toks))
+            toks = sampled.get(rid) if sr.samples else None
+            if toks is not None and len(toks) == 1 and sr.num_tokens == 1 and plain:
+                tok = toks[0]
+                num_after = len(req.all_token_ids) + 1  # stop_reason_one, inlined
+                if (
+                    type(tok) is int
+                    and 0 <= tok < _MAX_TOKEN_ID
+                    and tok not in req.stop_token_ids
+                    and num_after - req.num_prompt_tokens < req.max_tokens
+                    and num_after < max_len
+                ):
+                    ids.append(rid)
+                    tokens.append(tok)
+                    reqs.append(req)
+                    continue
+            if sr.samples:
+                _check_sampled(sr, toks)
+            items.append(((ids, tokens, reqs), req, sr, toks))
+            ids, tokens, reqs = [], [], []
         unknown = set(failed_loads).difference(output.loading_ids)
         if unknown:
             raise InvalidRequestError(
                 f"failed_loads names {sorted(unknown)}, which step {output.step} did not load"
             )
-        return work
+        return items, (ids, tokens, reqs)
+
+    def _apply_work(self, items: list[_Item], last_run: _Run) -> list[RequestOutput]:
+        """Apply validated work in step order (each run of plain decodes, one manager call,
+        then the item after it); return the sampling requests' outputs. Cannot fail."""
+        windowed = self.cache_config.sliding_window is not None
+        results: list[RequestOutput] = []
+        for run, req, sr, toks in items:
+            if run[0]:
+                self._commit_run(run, results)
+            if toks is None:
+                self.manager.commit(req.request_id, sr.num_tokens)
+                req.num_computed_tokens += sr.num_tokens
+                if windowed:
+                    self._release_outside_window(req)
+            elif sr.num_tokens == 1 and not windowed:  # a plain decode that finishes
+                results.append(self._apply_decode(req, toks[0]))
+            else:
+                results.append(self._apply_sampled(req, sr, toks, windowed))
+        if last_run[0]:
+            self._commit_run(last_run, results)
+        return results
+
+    def _commit_run(self, run: _Run, results: list[RequestOutput]) -> None:
+        """Commit a run of plain decodes that do not finish (one manager call) and append their
+        outputs."""
+        ids, tokens, reqs = run
+        self.manager.commit_decodes(ids, tokens)  # validated: cannot fail
+        append = results.append
+        for rid, req, tok in zip(ids, reqs, tokens, strict=True):
+            req.num_computed_tokens += 1  # == the manager's count (S3)
+            if req.draft_token_ids:
+                req.draft_token_ids = []
+            append(
+                RequestOutput(
+                    rid, (tok,), False, None, req.num_prompt_tokens, req.num_cached_tokens
+                )
+            )
 
     def _apply_sampled(
         self, req: Request, sr: ScheduledRequest, toks: Sequence[int], windowed: bool

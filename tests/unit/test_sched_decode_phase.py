@@ -1,0 +1,69 @@
+"""Phase 1 of a step (the running decodes): records made for a run of plain decodes at once
+are the records the constructor makes, and a step mixing plain decodes with requests that take
+a new block keeps serving order and each request's own slots."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedkv.core import CacheConfig
+from pagedkv.sched import Request, Scheduler, SchedulerConfig
+from pagedkv.sched.output import ScheduledRequest, StepSlots, decode_entries
+
+_FIELDS = (
+    "request_id",
+    "start_position",
+    "token_ids",
+    "num_tokens",
+    "block_table",
+    "is_prefill",
+    "samples",
+    "num_draft_tokens",
+)
+
+
+def test_decode_entries_equal_the_constructor() -> None:
+    slots = StepSlots()
+    slots.slots.extend([40, 41, 7, 8, 9])
+    tables = [np.array([1, 2], dtype=np.int32), np.array([3], dtype=np.int32)]
+    made = decode_entries(["a", "b"], [5, 9], [11, 12], tables, slots, 3)
+    built = [
+        ScheduledRequest("a", 5, [11], 1, tables[0], slots, False, True, 0, 3),
+        ScheduledRequest("b", 9, [12], 1, tables[1], slots, False, True, 0, 4),
+    ]
+    for m, b in zip(made, built, strict=True):
+        for name in _FIELDS:
+            assert getattr(m, name) is getattr(b, name) or getattr(m, name) == getattr(b, name)
+        assert m.slot_mapping.tolist() == b.slot_mapping.tolist()
+    assert [m.slot_mapping.tolist() for m in made] == [[8], [9]]
+
+
+def test_a_decode_step_crossing_block_boundaries_keeps_order_and_slots() -> None:
+    """Block size 4; prompts of 3, 4 and 5 tokens: after prefill, request 1 needs a new block
+    for its next position while 0 and 2 fit theirs, so one step mixes both paths."""
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, check_invariants=True
+        ),
+        CacheConfig(block_size=4, num_blocks=32, watermark=0.0),
+    )
+    for i, n in enumerate((3, 4, 5)):
+        sched.add_request(Request(f"r{i}", [100 * i + t for t in range(n)], max_tokens=8))
+    num_new_blocks = 0
+    for _ in range(6):
+        before = sum(len(sched.manager.block_ids(f"r{i}")) for i in range(3))
+        out = sched.schedule()
+        num_new_blocks += sum(len(sched.manager.block_ids(f"r{i}")) for i in range(3)) - before
+        assert [sr.request_id for sr in out.scheduled] == ["r0", "r1", "r2"]
+        offset = 0
+        for sr in out.scheduled:
+            mgr = sched.manager
+            start = sr.start_position
+            expect = mgr.slot_mapping(sr.request_id, start, start + sr.num_tokens).tolist()
+            assert sr.slot_mapping.tolist() == expect
+            assert sr.block_table.tolist() == mgr.block_ids(sr.request_id)
+            offset += sr.num_tokens
+        assert offset == out.num_scheduled_tokens
+        sched.update(out, {sr.request_id: [7] for sr in out.scheduled if sr.samples})
+    # prefill: 1 + 1 + 2 blocks; decode positions 3..7, 4..8 and 5..9 start 1 + 2 + 1 blocks
+    assert num_new_blocks == 8
