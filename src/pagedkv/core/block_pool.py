@@ -31,8 +31,8 @@ The pool is single-threaded by design: one owner (the scheduler loop) calls it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import compress
-from operator import itemgetter
+from itertools import compress, repeat
+from operator import eq, itemgetter
 
 from pagedkv.core.events import (
     AllBlocksCleared,
@@ -63,6 +63,19 @@ def _gather(values: Sequence[int], ids: Sequence[int]) -> tuple[int, ...]:
     if len(ids) == 1:
         return (values[ids[0]],)
     return itemgetter(*ids)(values)  # type: ignore[no-any-return]
+
+
+def _where_one(ids: Sequence[int], counts: tuple[int, ...], num_ones: int) -> list[int]:
+    """``ids[i]`` for each ``counts[i] == 1``, in order (``num_ones`` of them): a few found by
+    ``tuple.index``, many by one C pass (``compress``)."""
+    if num_ones > 16:
+        return list(compress(ids, map(eq, counts, repeat(1))))
+    out: list[int] = []
+    i = -1
+    for _ in range(num_ones):
+        i = counts.index(1, i + 1)
+        out.append(ids[i])
+    return out
 
 
 def _first_repeat(items: Sequence[int]) -> int:
@@ -304,35 +317,49 @@ class BlockPool(PrefixIndexMixin):
             return
         if min(block_ids) < self._reserved or max(block_ids) >= len(self._ref):  # C-level
             self._raise_not_in_use(block_ids, len(block_ids))
-        self.free_owned(block_ids)
+        self._free(block_ids, distinct=False)
 
     def free_owned(self, block_ids: Sequence[int]) -> None:
-        """``free`` of ids this pool handed out (a manager's own block table, never user input).
+        """``free`` of a block table this pool handed out (a manager's own, never user input).
 
-        The same checks and all-or-nothing rule, less the range check of the ids (two C passes,
-        a quarter of a 2,048-block free): such ids are in range by construction. Ref counts are
-        still checked, so a double free still raises and changes nothing.
+        The same checks and all-or-nothing rule, less what such a table makes impossible: ids
+        out of range, and a block listed twice (a table holds distinct blocks: the manager's
+        M1). Ref counts are still checked, so a block not in use still raises and changes
+        nothing. Blocks shared with other requests (ref > 1) are decremented in one plain loop
+        over the counts read in C, not by the sequential validating pass of ``free``.
         """
-        if not block_ids:
-            return
+        if block_ids:
+            self._free(block_ids, distinct=True)
+
+    def _free(self, block_ids: Sequence[int], *, distinct: bool) -> None:
         ref = self._ref
-        if _gather(ref, block_ids).count(1) == len(block_ids):
+        counts = _gather(ref, block_ids)
+        num_ones = counts.count(1)
+        if num_ones == len(block_ids):  # every block exclusive: all reach 0
             for b in block_ids:
                 ref[b] = 0
             zeros = block_ids if isinstance(block_ids, list) else list(block_ids)
-            if not self._place_freed(zeros, exclusive=True):
+            if not self._place_freed(zeros, check_repeats=not distinct):
                 for b in block_ids:  # undo: a block was listed twice
                     ref[b] = 1
                 self._raise_not_in_use(block_ids, _first_repeat(block_ids))
+        elif distinct and min(counts) > 0:  # some shared (ref > 1): each loses one reference
+            for b in block_ids:
+                ref[b] -= 1
+            self._num_shared -= counts.count(2)
+            zeros = _where_one(block_ids, counts, num_ones)  # the counts read before
+            if zeros:
+                self._place_freed(zeros, check_repeats=False)
         else:
             zeros = self._decrement(block_ids)
             if zeros:
-                self._place_freed(zeros, exclusive=False)
+                self._place_freed(zeros, check_repeats=False)
         if zeros:
             self._set_free(self.num_free_blocks + len(zeros))
 
     def _decrement(self, block_ids: Sequence[int]) -> list[int]:
-        """Drop one reference per block (some shared); return those reaching 0. All or nothing."""
+        """Drop one reference per block (some shared, maybe listed twice); return those reaching
+        0. All or nothing: a block not in use undoes the pass and raises."""
         ref = self._ref
         zeros: list[int] = []
         append = zeros.append
@@ -353,33 +380,36 @@ class BlockPool(PrefixIndexMixin):
         self._num_shared -= num_unshared
         return zeros
 
-    def _place_freed(self, zeros: list[int], *, exclusive: bool) -> bool:
+    def _place_freed(self, zeros: list[int], *, check_repeats: bool) -> bool:
         """Put blocks that reached ref 0 in the policy (hashed) or the uncached stack, keeping
         their order within each; one C call reads whether each is hashed.
 
-        With ``exclusive`` (counts set to 0 without a per-block check) a repeated block is
-        detected here: nothing is placed and False is returned for the caller to undo.
+        With ``check_repeats`` (counts set to 0 without a per-block check, ids not known to be
+        distinct) a repeated block is detected here: nothing is placed and False is returned
+        for the caller to undo.
         """
         policy = self._policy
         hs = _gather(self._hashed, zeros)
         num_unhashed = hs.count(0)
-        if num_unhashed:  # usually only the tail: the partial last block, or a copy
-            uncached: list[int] = []
+        if not num_unhashed:
+            cached, uncached = zeros, []
+        elif num_unhashed == len(zeros):  # every block unhashed (copies, or never committed)
+            cached, uncached = [], zeros
+        else:  # usually only the tail: the partial last block, or a copy
+            uncached = []
             i = -1
             for _ in range(num_unhashed):
                 i = hs.index(0, i + 1)
                 uncached.append(zeros[i])
-            if exclusive and len(set(uncached)) != num_unhashed:
-                return False
             # All before the hashed ones (a request freed tail first): a slice will do.
             tail_first = i == num_unhashed - 1
             cached = zeros[num_unhashed:] if tail_first else list(compress(zeros, hs))
-        else:
-            cached, uncached = zeros, []
+        if check_repeats and uncached and len(set(uncached)) != num_unhashed:
+            return False
         if cached:
             before = len(policy)
             policy.push_many(cached)
-            if exclusive and len(policy) - before != len(cached):
+            if check_repeats and len(policy) - before != len(cached):
                 for b in dict.fromkeys(cached):  # undo the pushes of a repeated block
                     policy.remove(b)
                 return False

@@ -10,7 +10,8 @@ change that can alter a watched match bumps ``watch_epoch``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from itertools import repeat
+from typing import TypeVar, cast
 
 from pagedkv.core.events import EventQueue, stored_events
 from pagedkv.core.hashing import BlockHash
@@ -99,15 +100,30 @@ class PrefixIndexMixin:
         self._hashed[d] = 1
 
     def _drop_copies(self, uncached: list[int]) -> None:
-        """Freed copies whose hash is served elsewhere become plain garbage (I7)."""
-        copy_of = self._copy_of
-        for b in uncached:
-            h = copy_of.pop(b, None)
-            if h is not None:
-                copies = self._copies[h]
-                copies.remove(b)
-                if not copies:
-                    del self._copies[h]
+        """Freed copies whose hash is served elsewhere become plain garbage (I7).
+
+        Two C passes: each freed block's copy entry is popped (its hash, or None for a block
+        that is no copy), then each hash's list of copies. A hash with exactly this one copy
+        (the usual case) is done; a hash with several copies, or named twice, gets back the
+        copies not freed, oldest first.
+        """
+        copies_of = self._copies
+        raw: list[BlockHash | None] = list(map(self._copy_of.pop, uncached, repeat(None)))
+        if None in raw:  # some freed blocks were no copies (never committed, or partial)
+            freed = [b for b, h in zip(uncached, raw, strict=True) if h is not None]
+            hs = [h for h in raw if h is not None]
+        else:
+            freed, hs = uncached, cast(list[BlockHash], raw)
+        none: list[int] | None = None
+        lists = list(map(copies_of.pop, hs, repeat(none)))  # None: a hash named again
+        if None not in lists and sum(map(len, cast(list[list[int]], lists))) == len(lists):
+            return
+        gone = set(freed)
+        for h, copies in zip(hs, lists, strict=True):
+            if copies is not None:
+                rest = [d for d in copies if d not in gone]
+                if rest:
+                    copies_of[h] = rest
 
     def cache_blocks(
         self,
