@@ -309,8 +309,8 @@ class BlockPool(PrefixIndexMixin):
         Callers pass a request's blocks last first, so its tail is evicted before its head.
         Fast path (a request's exclusive blocks, the usual case): the ref counts are read in one
         C call (``itemgetter``) and, all being 1, each is set to 0 in one plain store loop; a
-        block listed twice is caught by the placement (the policy grows by fewer blocks than
-        were pushed, or an uncached block repeats), undone and raised. Otherwise one validating
+        block listed twice is caught before placement (one set over the freed ids), undone and
+        raised. Otherwise one validating
         pass decrements; a bad id undoes the pass and raises.
         """
         if not block_ids:
@@ -404,15 +404,10 @@ class BlockPool(PrefixIndexMixin):
             # All before the hashed ones (a request freed tail first): a slice will do.
             tail_first = i == num_unhashed - 1
             cached = zeros[num_unhashed:] if tail_first else list(compress(zeros, hs))
-        if check_repeats and uncached and len(set(uncached)) != num_unhashed:
-            return False
+        if check_repeats and len(set(zeros)) != len(zeros):
+            return False  # before anything is placed: a repeated push would corrupt the LRU
         if cached:
-            before = len(policy)
             policy.push_many(cached)
-            if check_repeats and len(policy) - before != len(cached):
-                for b in dict.fromkeys(cached):  # undo the pushes of a repeated block
-                    policy.remove(b)
-                return False
         if uncached:
             if self._copy_of:
                 self._drop_copies(uncached)
@@ -474,6 +469,7 @@ class BlockPool(PrefixIndexMixin):
         self._ref.extend([0] * (total - start))
         self._hash.extend([None] * (total - start))
         self._hashed.extend(bytes(total - start))
+        self._policy.reserve(total)
         first = max(start, self._reserved)
         # New blocks go under the stack, lowest id nearest the top, so existing free blocks are
         # reused first and new ids are handed out in ascending order (predictable block ids).
