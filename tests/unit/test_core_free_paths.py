@@ -127,3 +127,27 @@ def test_free_owned_of_a_long_own_tail_after_a_shared_head_keeps_the_order() -> 
     assert pool.allocate(2) == [table[22], table[23]]  # the unhashed pair, from the stack
     assert pool.num_shared_blocks == 0
     pool.check_invariants()
+
+
+def test_free_of_one_block_places_it_as_a_batch_would() -> None:
+    pool = BlockPool(PoolConfig(num_blocks=8))
+    x, y, z, w = pool.allocate(4)
+    pool.cache_blocks([x, y, w], [b"hx", b"hy", b"hx"], parent_hash=None)  # w copies x
+    pool.touch([y])
+    pool.watch([x], [])
+    epoch = pool.watch_epoch
+    pool.free([y])  # shared: one reference less, nothing placed
+    assert (pool.ref_count(y), pool.num_shared_blocks, pool.watch_epoch) == (1, 0, epoch)
+    pool.free([x])  # hashed and watched: the LRU tail, the watch fires
+    assert (pool.eviction_order(), pool.watch_epoch) == ([x], epoch + 1)
+    pool.free([w])  # a copy: garbage, its entry gone
+    assert (pool.copies_of(b"hx"), pool.num_copy_blocks) == ([], 0)
+    pool.free([z])  # unhashed: the top of the stack
+    assert pool.allocate(2) == [z, w]
+    pool.check_invariants()
+    before = _snapshot(pool, [x, y, z, w])
+    for bad in (x, 0, 99, -1):  # free already, the null block, out of range
+        with pytest.raises(RequestStateError, match=f"block {bad} is not in use"):
+            pool.free([bad])
+        assert _snapshot(pool, [x, y, z, w]) == before
+    pool.check_invariants()

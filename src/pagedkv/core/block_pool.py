@@ -313,11 +313,35 @@ class BlockPool(PrefixIndexMixin):
         raised. Otherwise one validating
         pass decrements; a bad id undoes the pass and raises.
         """
+        if len(block_ids) == 1:  # one block (a copy-on-write source, a rolled-back draft)
+            self._free_one(block_ids[0])
+            return
         if not block_ids:
             return
         if min(block_ids) < self._reserved or max(block_ids) >= len(self._ref):  # C-level
             self._raise_not_in_use(block_ids, len(block_ids))
         self._free(block_ids, distinct=False)
+
+    def _free_one(self, b: int) -> None:
+        """``free([b])`` without the batch machinery (same checks, same placement)."""
+        ref = self._ref
+        if not self._reserved <= b < len(ref) or ref[b] <= 0:
+            self._raise_not_in_use((b,), 0)
+        r = ref[b]
+        ref[b] = r - 1
+        if r > 1:
+            if r == 2:
+                self._num_shared -= 1
+            return
+        if self._hashed[b]:
+            self._policy.push(b)
+        else:
+            if self._copy_of:
+                self._drop_copies([b])
+            self._free_uncached.append(b)
+        if self._watched_blocks and b in self._watched_blocks:
+            self.watch_epoch += 1
+        self._set_free(self.num_free_blocks + 1)
 
     def free_owned(self, block_ids: Sequence[int]) -> None:
         """``free`` of a block table this pool handed out (a manager's own, never user input).

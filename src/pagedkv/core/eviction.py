@@ -91,7 +91,11 @@ class LRUPolicy:
         self._s = num_blocks
 
     def push(self, block_id: int) -> None:
-        self.push_many((block_id,))
+        nxt, prev, s = self._next, self._prev, self._s
+        last = prev[s]
+        prev[block_id], nxt[block_id] = last, s
+        nxt[last] = prev[s] = block_id
+        self._len += 1
 
     def push_many(self, block_ids: Sequence[int]) -> None:
         nxt, prev, s = self._next, self._prev, self._s
