@@ -151,3 +151,24 @@ def test_free_of_one_block_places_it_as_a_batch_would() -> None:
             pool.free([bad])
         assert _snapshot(pool, [x, y, z, w]) == before
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("with_second_copies", [False, True])
+def test_a_long_batch_of_copies_keeps_each_hash_its_unfreed_copies(
+    with_second_copies: bool,
+) -> None:
+    n = 12  # more than the plain loop takes: the C passes run (and, with z, fall back)
+    pool = BlockPool(PoolConfig(num_blocks=64))
+    hashes = [bytes([i]) for i in range(n)]
+    x, y = pool.allocate(n), pool.allocate(n)
+    z = pool.allocate(n) if with_second_copies else []
+    for blocks in (x, y, z):
+        if blocks:
+            pool.cache_blocks(blocks, hashes, parent_hash=b"root")
+    batch = y[::-1] + z[:1]  # every y copy; with z, also hash 0's second copy (named twice)
+    pool.free(batch)
+    for i, h in enumerate(hashes):
+        assert pool.copies_of(h) == ([z[i]] if z and i else [])
+    assert pool.num_copy_blocks == (n - 1 if z else 0)
+    assert pool.eviction_order() == []
+    pool.check_invariants()

@@ -102,13 +102,32 @@ class PrefixIndexMixin:
     def _drop_copies(self, uncached: list[int]) -> None:
         """Freed copies whose hash is served elsewhere become plain garbage (I7).
 
-        Two C passes: each freed block's copy entry is popped (its hash, or None for a block
-        that is no copy), then each hash's list of copies. A hash with exactly this one copy
-        (the usual case) is done; a hash with several copies, or named twice, gets back the
-        copies not freed, oldest first.
+        A few blocks (the usual partial tail) take a plain loop. Many (a request whose every
+        block is a copy) take two C passes: each block's copy entry is popped (its hash, or
+        None for a block that is no copy), then each hash's list of copies; if some hash had
+        more copies than this one, or is named twice, the lists go back and the plain loop
+        finishes the job.
         """
-        copies_of = self._copies
-        raw: list[BlockHash | None] = list(map(self._copy_of.pop, uncached, repeat(None)))
+        if len(uncached) > 8:
+            lists = self._pop_single_copies(uncached)
+            if lists is None:
+                return
+            uncached = lists
+        copy_of, copies_of = self._copy_of, self._copies
+        for b in uncached:
+            h = copy_of.pop(b, None)
+            if h is not None:
+                copies = copies_of[h]
+                if len(copies) == 1:
+                    del copies_of[h]
+                else:
+                    copies.remove(b)
+
+    def _pop_single_copies(self, uncached: list[int]) -> list[int] | None:
+        """The C passes of ``_drop_copies``: None when done, else the freed copies left for the
+        plain loop (their entries restored)."""
+        copy_of, copies_of = self._copy_of, self._copies
+        raw: list[BlockHash | None] = list(map(copy_of.pop, uncached, repeat(None)))
         if None in raw:  # some freed blocks were no copies (never committed, or partial)
             freed = [b for b, h in zip(uncached, raw, strict=True) if h is not None]
             hs = [h for h in raw if h is not None]
@@ -117,13 +136,12 @@ class PrefixIndexMixin:
         none: list[int] | None = None
         lists = list(map(copies_of.pop, hs, repeat(none)))  # None: a hash named again
         if None not in lists and sum(map(len, cast(list[list[int]], lists))) == len(lists):
-            return
-        gone = set(freed)
-        for h, copies in zip(hs, lists, strict=True):
+            return None  # each hash had exactly this one copy
+        for b, h, copies in zip(freed, hs, lists, strict=True):
+            copy_of[b] = h
             if copies is not None:
-                rest = [d for d in copies if d not in gone]
-                if rest:
-                    copies_of[h] = rest
+                copies_of[h] = copies
+        return freed
 
     def cache_blocks(
         self,
