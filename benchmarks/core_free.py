@@ -3,7 +3,9 @@
 cached   the request hit every full block of a cached prompt (its last block recomputed, a copy);
          each block reaches ref 0 and goes back to the LRU (the usual free, the fast path)
 shared   as ``cached`` while another live request holds the same blocks: every hit block goes
-         from ref 2 to 1 and stays in use (the decrementing path)
+         from ref 2 to 1 and stays in use (the decrementing path, one shared count)
+nested   as ``shared``, and a third live request holds the first half of the prompt: the hit
+         blocks go from 3 to 2 or from 2 to 1 (the decrementing path with several counts)
 copies   the request computed the whole prompt while another live request computed the same
          content (both allocated before either committed): every block is a copy of a hash
          indexed at the other request's block and becomes plain garbage (the copy path)
@@ -24,7 +26,7 @@ from typing import Any
 from _harness import Case
 from pagedkv.core import CacheConfig, KVCacheManager
 
-FREE_KINDS = ("cached", "shared", "copies")
+FREE_KINDS = ("cached", "shared", "nested", "copies")
 
 
 def _admit(m: KVCacheManager, rid: str, tokens: list[int]) -> None:
@@ -56,8 +58,10 @@ def free_case(kind: str, prompt: list[int], block_size: int, quick: bool) -> Cas
     if kind != "copies":
         _admit(m, "warm", list(prompt))
         m.free("warm")  # every full block is cached-free
-    if kind == "shared":
+    if kind in ("shared", "nested"):
         _admit(m, "holder", list(prompt))  # holds every block while the rounds run
+    if kind == "nested":
+        _admit(m, "half", prompt[: n // 2])  # and the first half of them
 
     def setup() -> None:
         st["n"] += 1
@@ -78,7 +82,7 @@ def free_case(kind: str, prompt: list[int], block_size: int, quick: bool) -> Cas
     def check() -> None:
         m.check_invariants()
         num_full = n // block_size
-        want = {"cached": num_full, "shared": 1, "copies": 0}[kind]  # shared: warm's last
+        want = {"cached": num_full, "shared": 1, "nested": 1, "copies": 0}[kind]  # warm's last
         if m.pool.num_cached_free_blocks != want:
             raise RuntimeError(f"free fixture ({kind}): {want} cached-free blocks expected")
 

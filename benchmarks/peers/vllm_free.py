@@ -3,6 +3,7 @@ a finished request, three ways, through vLLM's public manager API.
 
 cached   the request hit every full block of a cached prompt; every block reaches ref 0
 shared   another live request holds the same blocks: every hit block goes from ref 2 to 1
+nested   as ``shared``, and a third request holds the first half: from 3 to 2 or 2 to 1
 copies   two requests allocated the prompt with ``delay_cache_blocks`` and then cached it, so the
          freed request's blocks duplicate the other's (vLLM keeps both under the hash, and puts
          the freed ones in the LRU like any cached block)
@@ -33,19 +34,21 @@ def free_case(
     mgr = manager(3 * n // block_size + 64, 2 * n)
     st: dict[str, Any] = {"n": 0}
 
-    def admit(rid: str) -> Any:
-        req = new_request(rid, prompt)
+    def admit(rid: str, tokens: list[int] = prompt) -> Any:
+        req = new_request(rid, tokens)
         blocks, hit, _ = mgr.get_computed_blocks(req)
-        if mgr.allocate_slots(req, n - hit, hit, blocks) is None:
+        if mgr.allocate_slots(req, len(tokens) - hit, hit, blocks) is None:
             raise RuntimeError("vLLM could not allocate the free fixture's request")
-        req.num_computed_tokens = n
+        req.num_computed_tokens = len(tokens)
         st["hit"] = hit
         return req
 
     if kind != "copies":
         mgr.free(admit("warm"))
-    if kind == "shared":
+    if kind in ("shared", "nested"):
         st["holder"] = admit("holder")
+    if kind == "nested":
+        st["half"] = admit("half", prompt[: n // 2])
 
     def setup() -> None:
         st["n"] += 1

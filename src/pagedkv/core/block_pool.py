@@ -368,10 +368,20 @@ class BlockPool(PrefixIndexMixin):
                     ref[b] = 1
                 self._raise_not_in_use(block_ids, _first_repeat(block_ids))
         elif distinct and min(counts) > 0:  # some shared (ref > 1): each loses one reference
-            for b in block_ids:
-                ref[b] -= 1
-            self._num_shared -= counts.count(2)
+            top = max(counts)
             zeros = _where_one(block_ids, counts, num_ones)  # the counts read before
+            if counts.count(top) + num_ones == len(block_ids):
+                # One shared count (a prefix held by the same other requests) and exclusive
+                # blocks: a constant store, then the exclusive ones to 0 (half the cost of a
+                # read-modify-write per block).
+                for b in block_ids:
+                    ref[b] = top - 1
+                for b in zeros:
+                    ref[b] = 0
+            else:  # nested sharing (several counts)
+                for b in block_ids:
+                    ref[b] -= 1
+            self._num_shared -= counts.count(2)
             if zeros:
                 self._place_freed(zeros, check_repeats=False)
         else:
