@@ -367,21 +367,10 @@ class BlockPool(PrefixIndexMixin):
                 for b in block_ids:  # undo: a block was listed twice
                     ref[b] = 1
                 self._raise_not_in_use(block_ids, _first_repeat(block_ids))
-        elif distinct and min(counts) > 0:  # some shared (ref > 1): each loses one reference
-            top = max(counts)
-            zeros = _where_one(block_ids, counts, num_ones)  # the counts read before
-            if counts.count(top) + num_ones == len(block_ids):
-                # One shared count (a prefix held by the same other requests) and exclusive
-                # blocks: a constant store, then the exclusive ones to 0 (half the cost of a
-                # read-modify-write per block).
-                for b in block_ids:
-                    ref[b] = top - 1
-                for b in zeros:
-                    ref[b] = 0
-            else:  # nested sharing (several counts)
-                for b in block_ids:
-                    ref[b] -= 1
-            self._num_shared -= counts.count(2)
+        elif distinct and (
+            (shared := self._decrement_distinct(block_ids, counts, num_ones)) is not None
+        ):
+            zeros = shared
             if zeros:
                 self._place_freed(zeros, check_repeats=False)
         else:
@@ -390,6 +379,39 @@ class BlockPool(PrefixIndexMixin):
                 self._place_freed(zeros, check_repeats=False)
         if zeros:
             self._set_free(self.num_free_blocks + len(zeros))
+
+    def _decrement_distinct(
+        self, block_ids: Sequence[int], counts: tuple[int, ...], num_ones: int
+    ) -> list[int] | None:
+        """Drop one reference from each of distinct blocks, some shared, whose ref counts are
+        ``counts``; return those reaching 0, or None (changing nothing) if one is free.
+
+        Two C passes read the counts (``count(1)`` by the caller, one ``set``): a generic
+        comparison per element each, so no more (``min``, ``max`` and further ``count`` calls
+        cost as much again). One shared count (a prefix held by the same other requests, the
+        usual case) is a constant store per block, then the exclusive ones go to 0: about half
+        the cost of the read-modify-write that several counts (nested sharing) take.
+        """
+        values = set(counts)
+        if 0 in values:
+            return None
+        ref = self._ref
+        zeros = _where_one(block_ids, counts, num_ones)
+        values.discard(1)
+        if len(values) == 1:
+            (top,) = values
+            shared_after = top - 1
+            for b in block_ids:
+                ref[b] = shared_after
+            for b in zeros:
+                ref[b] = 0
+            num_twos = len(block_ids) - num_ones if top == 2 else 0
+        else:
+            for b in block_ids:
+                ref[b] -= 1
+            num_twos = counts.count(2)
+        self._num_shared -= num_twos  # a block at 2 is no longer shared
+        return zeros
 
     def _decrement(self, block_ids: Sequence[int]) -> list[int]:
         """Drop one reference per block (some shared, maybe listed twice); return those reaching
