@@ -127,15 +127,21 @@ class PrefixIndexMixin:
         """The C passes of ``_drop_copies``: None when done, else the freed copies left for the
         plain loop (their entries restored)."""
         copy_of, copies_of = self._copy_of, self._copies
+        # Whether every pop found its key is read from the dicts' sizes (O(1)), not by ``in``
+        # (a generic comparison of each hash with None, as slow as the pop itself).
+        num_entries = len(copy_of)
         raw: list[BlockHash | None] = list(map(copy_of.pop, uncached, repeat(None)))
-        if None in raw:  # some freed blocks were no copies (never committed, or partial)
+        if num_entries - len(copy_of) != len(uncached):  # some freed blocks were no copies
             freed = [b for b, h in zip(uncached, raw, strict=True) if h is not None]
             hs = [h for h in raw if h is not None]
         else:
             freed, hs = uncached, cast(list[BlockHash], raw)
         none: list[int] | None = None
+        num_entries = len(copies_of)
         lists = list(map(copies_of.pop, hs, repeat(none)))  # None: a hash named again
-        if None not in lists and sum(map(len, cast(list[list[int]], lists))) == len(lists):
+        if num_entries - len(copies_of) == len(hs) and sum(
+            map(len, cast(list[list[int]], lists))
+        ) == len(lists):
             return None  # each hash had exactly this one copy
         for b, h, copies in zip(freed, hs, lists, strict=True):
             copy_of[b] = h
