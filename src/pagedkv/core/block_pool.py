@@ -446,7 +446,9 @@ class BlockPool(PrefixIndexMixin):
         """
         policy = self._policy
         hs = _gather(self._hashed, zeros)
-        num_unhashed = hs.count(0)
+        # ``count`` matches by identity first and compares the rest generically: count the
+        # value the head (last, usually hashed) holds, the majority in a request's free.
+        num_unhashed = len(hs) - hs.count(1) if hs[-1] else hs.count(0)
         if not num_unhashed:
             cached, uncached = zeros, []
         elif num_unhashed == len(zeros):  # every block unhashed (copies, or never committed)
