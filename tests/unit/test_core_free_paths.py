@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.core import BlockPool, KVCacheManager, PoolConfig
-from pagedkv.errors import RequestStateError
+from pagedkv.errors import InvariantViolation, RequestStateError
 from reference.core_state import make_manager
 
 T = list(range(100, 109))  # two full blocks of 4 and one token
@@ -172,3 +172,16 @@ def test_a_long_batch_of_copies_keeps_each_hash_its_unfreed_copies(
     assert pool.num_copy_blocks == (n - 1 if z else 0)
     assert pool.eviction_order() == []
     pool.check_invariants()
+
+
+def test_manager_check_invariants_catches_a_table_listing_a_block_twice() -> None:
+    m = make_manager(block_size=4, num_blocks=16)
+    m.add_request("a", T, max_tokens=0)
+    m.allocate_slots("a", len(T))
+    m.commit("a", len(T))
+    seq = m._seqs["a"]
+    b = seq.block_ids[0]
+    seq.block_ids.append(b)  # the table names b twice; the pool's count follows (M1's sum)
+    m.pool.touch([b])
+    with pytest.raises(InvariantViolation, match=r"^M1: request 'a' lists a block twice"):
+        m.check_invariants()
