@@ -24,8 +24,9 @@ prefix     ``match_prefix`` + ``allocate_slots`` of a prompt whose every full bl
 hash       ``BlockHashChain.extend`` over a 32K-token prompt given as a Python list, per block.
 free       ``KVCacheManager.free`` of a finished 4K/32K-token request, per prompt, admission
            untimed: ``cached`` (it hit every full block; every block goes back to the LRU),
-           ``shared`` (another request holds the same blocks: ref 2 -> 1), ``copies`` (its
-           blocks duplicate a live request's). Details and what is like for like with vLLM:
+           ``shared`` (another request holds the same blocks: ref 2 -> 1), ``nested`` (a third
+           holds the first half too: 3 -> 2, 2 -> 1), ``copies`` (its blocks duplicate a live
+           request's). Details and what is like for like with vLLM:
            ``core_free.py``.
 counts     ``pool.num_free_blocks`` and ``pool.usage`` (plain attribute reads), per read, on a
            131,072-block pool half in use.
