@@ -22,8 +22,12 @@ prefix     ``match_prefix`` + ``allocate_slots`` of a prompt whose every full bl
            (a finished request computed it); ``add_request`` (hashing) before the timer, ``free``
            after it.
 hash       ``BlockHashChain.extend`` over a 32K-token prompt given as a Python list, per block.
-free       ``KVCacheManager.free`` of a request whose whole 4K/32K-token prompt is cached (it hit
-           every full block; every block goes back to the LRU), per prompt; admission untimed.
+free       ``KVCacheManager.free`` of a finished 4K/32K-token request, per prompt, admission
+           untimed: ``cached`` (it hit every full block; every block goes back to the LRU),
+           ``shared`` (another request holds the same blocks: ref 2 -> 1), ``nested`` (a third
+           holds the first half too: 3 -> 2, 2 -> 1), ``copies`` (its blocks duplicate a live
+           request's). Details and what is like for like with vLLM:
+           ``core_free.py``.
 counts     ``pool.num_free_blocks`` and ``pool.usage`` (plain attribute reads), per read, on a
            131,072-block pool half in use.
 """
@@ -50,6 +54,7 @@ from _harness import (
     set_clock,
     write_json,
 )
+from core_free import FREE_KINDS, free_case
 from pagedkv.core import (
     BlockHashChain,
     BlockPool,
@@ -331,46 +336,12 @@ def hash_cases(quick: bool) -> list[Case]:
 
 # ---------------------------------------------------------------------------- free, counts
 def free_cases(quick: bool) -> list[Case]:
-    cases: list[Case] = []
-    for num_tokens in PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS:
-        prompt = prefix_prompt(num_tokens)
-        m = KVCacheManager(
-            CacheConfig(block_size=BLOCK_SIZE, num_blocks=2 * num_tokens // BLOCK_SIZE + 64)
-        )
-        m.add_request("warm", prompt)
-        m.allocate_slots("warm", num_tokens)
-        m.commit("warm", num_tokens)
-        m.free("warm")
-        state: dict[str, Any] = {"n": 0}
-
-        def setup(m: KVCacheManager = m, st: dict[str, Any] = state, p: list[int] = prompt) -> None:
-            st["n"] += 1
-            rid = st["rid"] = f"f{st['n']}"
-            m.add_request(rid, p)
-            hit = m.match_prefix(rid).num_cached_tokens
-            m.allocate_slots(rid, len(p) - hit)
-            m.commit(rid, len(p) - hit)
-
-        def check(m: KVCacheManager = m, n: int = num_tokens) -> None:
-            m.check_invariants()
-            if m.pool.num_cached_free_blocks != n // BLOCK_SIZE:
-                raise RuntimeError("free fixture: the prompt's blocks are not all cached-free")
-
-        cases.append(
-            Case(
-                "free",
-                f"cached prompt={num_tokens:,} tokens",
-                "pagedkv",
-                "prompt",
-                lambda m=m, st=state: m.free(st["rid"]),
-                setup=setup,
-                rounds=5 if quick else 21,
-                warmup=2,
-                params={"prompt_tokens": num_tokens},
-                check=check,
-            )
-        )
-    return cases
+    """``KVCacheManager.free``: cached, shared and copies (``core_free.py``)."""
+    return [
+        free_case(kind, prefix_prompt(n), BLOCK_SIZE, quick)
+        for n in (PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS)
+        for kind in FREE_KINDS
+    ]
 
 
 def count_cases(quick: bool) -> list[Case]:

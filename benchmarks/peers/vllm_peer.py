@@ -153,58 +153,27 @@ class VLLMPeer:
         return cases
 
     def free_cases(self, quick: bool) -> list[Case]:
-        """``KVCacheManager.free`` of a request that hit its whole cached prompt."""
+        """``KVCacheManager.free`` of a finished request: cached, shared, copies (``vllm_free``)."""
         from bench_core import PREFIX_LENGTHS, prefix_prompt
+        from core_free import FREE_KINDS
+        from peers.vllm_free import free_case
 
         utils, hashing = self.mods["utils"], self.mods["hashing"]
         waiting = self.mods["request"].RequestStatus.WAITING
         hash_fn = hashing.sha256
         utils.init_none_hash(hash_fn)
         hasher = utils.get_request_block_hasher(BLOCK_SIZE, hash_fn)
-        cases: list[Case] = []
-        for num_tokens in PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS:
-            prompt = prefix_prompt(num_tokens)
-            mgr = self._manager(2 * num_tokens // BLOCK_SIZE + 64, 2 * num_tokens)
-            st: dict[str, Any] = {"n": 0}
 
-            def admit(
-                rid: str, mgr: Any = mgr, prompt: list[int] = prompt, st: dict[str, Any] = st
-            ) -> _Request:
-                req = _Request(rid, prompt, waiting)
-                req.block_hashes.extend(hasher(req))
-                blocks, hit, _ = mgr.get_computed_blocks(req)
-                if mgr.allocate_slots(req, len(prompt) - hit, hit, blocks) is None:
-                    raise RuntimeError("vLLM could not allocate the free fixture's request")
-                req.num_computed_tokens = len(prompt)
-                st["hit"] = hit
-                return req
+        def new_request(rid: str, prompt: list[int]) -> _Request:
+            req = _Request(rid, prompt, waiting)
+            req.block_hashes.extend(hasher(req))
+            return req
 
-            mgr.free(admit("warm"))
-
-            def setup(st: dict[str, Any] = st, admit: Any = admit) -> None:
-                st["n"] += 1
-                st["req"] = admit(f"f{st['n']}")
-
-            def check(st: dict[str, Any] = st, n: int = num_tokens) -> None:
-                if st["hit"] != (n - 1) // BLOCK_SIZE * BLOCK_SIZE:
-                    raise RuntimeError(f"vLLM free fixture hit {st['hit']} tokens, not all")
-
-            cases.append(
-                Case(
-                    "free",
-                    f"cached prompt={num_tokens:,} tokens",
-                    "vllm",
-                    "prompt",
-                    lambda st=st, mgr=mgr: mgr.free(st["req"]),
-                    setup=setup,
-                    rounds=5 if quick else 21,
-                    warmup=2,
-                    params={"prompt_tokens": num_tokens},
-                    note="KVCacheManager.free",
-                    check=check,
-                )
-            )
-        return cases
+        return [
+            free_case(kind, prefix_prompt(n), BLOCK_SIZE, quick, self._manager, new_request)
+            for n in (PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS)
+            for kind in FREE_KINDS
+        ]
 
     def evict_cases(self, quick: bool) -> list[Case]:
         """``BlockPool.get_new_blocks(64)`` when every free block is cached (each is evicted);

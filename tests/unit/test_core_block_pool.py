@@ -92,7 +92,7 @@ def test_shared_counter_follows_touch_and_free() -> None:
 
 
 def test_lru_policy_orders_by_push() -> None:
-    lru = LRUPolicy()
+    lru = LRUPolicy(num_blocks=10)
     for b in (5, 3, 9):
         lru.push(b)
     lru.remove(3)

@@ -25,14 +25,15 @@ Watches (for memoised prefix matches): a caller may ``watch`` blocks and hashes;
 can alter a prefix match over them (a watched block evicted, or its ref count crossing 0, or a
 watched hash indexed) bumps ``watch_epoch``. A match taken at the current epoch is still exact.
 
+Parts in their own modules: ``prefix_index.py`` (the index, copies and watches) and
+``pool_free.py`` (``free``/``free_owned``: the references dropped, the freed blocks placed).
+
 The pool is single-threaded by design: one owner (the scheduler loop) calls it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import compress
-from operator import itemgetter
 
 from pagedkv.core.events import (
     AllBlocksCleared,
@@ -44,6 +45,7 @@ from pagedkv.core.eviction import EvictionPolicy, make_policy
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.pool_checks import check_pool
 from pagedkv.core.pool_config import PoolConfig as PoolConfig  # re-exported (its old home)
+from pagedkv.core.pool_free import FreePathMixin
 from pagedkv.core.prefix_index import PrefixIndexMixin
 from pagedkv.errors import (
     CacheBusyError,
@@ -57,25 +59,7 @@ NULL_BLOCK_ID = 0
 """With ``use_null_block``, block 0 is never allocated: runners point padding at it."""
 
 
-def _gather(values: Sequence[int], ids: Sequence[int]) -> tuple[int, ...]:
-    """``values[i]`` for each ``i`` of ``ids`` as a tuple, in one C call (``itemgetter``): about
-    half the time of ``list(map(values.__getitem__, ids))``."""
-    if len(ids) == 1:
-        return (values[ids[0]],)
-    return itemgetter(*ids)(values)  # type: ignore[no-any-return]
-
-
-def _first_repeat(items: Sequence[int]) -> int:
-    """Index of the first item that occurs earlier in ``items`` (``len(items)`` if none)."""
-    seen: set[int] = set()
-    for i, x in enumerate(items):
-        if x in seen:
-            return i
-        seen.add(x)
-    return len(items)
-
-
-class BlockPool(PrefixIndexMixin):
+class BlockPool(FreePathMixin, PrefixIndexMixin):
     """Fixed-size KV blocks with reference counts, a free list and a prefix-hash index.
 
     Invariants (``check_invariants()`` recomputes each from scratch):
@@ -289,117 +273,6 @@ class BlockPool(PrefixIndexMixin):
         if num_taken:
             self._set_free(self.num_free_blocks - num_taken)
 
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference per block, in the given order. All or nothing.
-
-        A block reaching 0 goes to the eviction policy if hashed, else to the uncached stack.
-        Callers pass a request's blocks last first, so its tail is evicted before its head.
-        Fast path (a request's exclusive blocks, the usual case): the ref counts are read in one
-        C call (``itemgetter``) and, all being 1, each is set to 0 in one plain store loop; a
-        block listed twice is caught by the placement (the policy grows by fewer blocks than
-        were pushed, or an uncached block repeats), undone and raised. Otherwise one validating
-        pass decrements; a bad id undoes the pass and raises.
-        """
-        if not block_ids:
-            return
-        if min(block_ids) < self._reserved or max(block_ids) >= len(self._ref):  # C-level
-            self._raise_not_in_use(block_ids, len(block_ids))
-        self.free_owned(block_ids)
-
-    def free_owned(self, block_ids: Sequence[int]) -> None:
-        """``free`` of ids this pool handed out (a manager's own block table, never user input).
-
-        The same checks and all-or-nothing rule, less the range check of the ids (two C passes,
-        a quarter of a 2,048-block free): such ids are in range by construction. Ref counts are
-        still checked, so a double free still raises and changes nothing.
-        """
-        if not block_ids:
-            return
-        ref = self._ref
-        if _gather(ref, block_ids).count(1) == len(block_ids):
-            for b in block_ids:
-                ref[b] = 0
-            zeros = block_ids if isinstance(block_ids, list) else list(block_ids)
-            if not self._place_freed(zeros, exclusive=True):
-                for b in block_ids:  # undo: a block was listed twice
-                    ref[b] = 1
-                self._raise_not_in_use(block_ids, _first_repeat(block_ids))
-        else:
-            zeros = self._decrement(block_ids)
-            if zeros:
-                self._place_freed(zeros, exclusive=False)
-        if zeros:
-            self._set_free(self.num_free_blocks + len(zeros))
-
-    def _decrement(self, block_ids: Sequence[int]) -> list[int]:
-        """Drop one reference per block (some shared); return those reaching 0. All or nothing."""
-        ref = self._ref
-        zeros: list[int] = []
-        append = zeros.append
-        num_unshared = 0
-        for i, b in enumerate(block_ids):
-            r = ref[b]
-            if r == 1:
-                ref[b] = 0
-                append(b)
-            elif r > 1:
-                ref[b] = r - 1
-                if r == 2:
-                    num_unshared += 1
-            else:
-                for u in block_ids[:i]:  # undo: nothing changes on failure
-                    ref[u] += 1
-                self._raise_not_in_use(block_ids, i)
-        self._num_shared -= num_unshared
-        return zeros
-
-    def _place_freed(self, zeros: list[int], *, exclusive: bool) -> bool:
-        """Put blocks that reached ref 0 in the policy (hashed) or the uncached stack, keeping
-        their order within each; one C call reads whether each is hashed.
-
-        With ``exclusive`` (counts set to 0 without a per-block check) a repeated block is
-        detected here: nothing is placed and False is returned for the caller to undo.
-        """
-        policy = self._policy
-        hs = _gather(self._hashed, zeros)
-        num_unhashed = hs.count(0)
-        if num_unhashed:  # usually only the tail: the partial last block, or a copy
-            uncached: list[int] = []
-            i = -1
-            for _ in range(num_unhashed):
-                i = hs.index(0, i + 1)
-                uncached.append(zeros[i])
-            if exclusive and len(set(uncached)) != num_unhashed:
-                return False
-            # All before the hashed ones (a request freed tail first): a slice will do.
-            tail_first = i == num_unhashed - 1
-            cached = zeros[num_unhashed:] if tail_first else list(compress(zeros, hs))
-        else:
-            cached, uncached = zeros, []
-        if cached:
-            before = len(policy)
-            policy.push_many(cached)
-            if exclusive and len(policy) - before != len(cached):
-                for b in dict.fromkeys(cached):  # undo the pushes of a repeated block
-                    policy.remove(b)
-                return False
-        if uncached:
-            if self._copy_of:
-                self._drop_copies(uncached)
-            self._free_uncached.extend(uncached)
-        watched = self._watched_blocks
-        if watched and not watched.keys().isdisjoint(zeros):
-            self.watch_epoch += 1
-        return True
-
-    def _raise_not_in_use(self, block_ids: Sequence[int], i: int) -> None:
-        """Raise for the first block of ``block_ids[:i + 1]`` that cannot be freed."""
-        for k, b in enumerate(block_ids[: i + 1]):
-            if not self._reserved <= b < len(self._ref) or self._ref[b] <= 0 or k == i:
-                twice = 0 <= b < len(self._ref) and b in block_ids[:k]
-                what = "is freed twice" if twice else "is not in use"
-                raise RequestStateError(f"block {b} {what}; it cannot be freed")
-
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; raise CacheBusyError, changing nothing, if a block is in use.
 
@@ -444,6 +317,7 @@ class BlockPool(PrefixIndexMixin):
         self._ref.extend([0] * (total - start))
         self._hash.extend([None] * (total - start))
         self._hashed.extend(bytes(total - start))
+        self._policy.reserve(total)
         first = max(start, self._reserved)
         # New blocks go under the stack, lowest id nearest the top, so existing free blocks are
         # reused first and new ids are handed out in ascending order (predictable block ids).

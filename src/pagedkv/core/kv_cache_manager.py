@@ -63,7 +63,8 @@ class KVCacheManager(CommitMixin, BlockTablesMixin, ManagerQueriesMixin):
     """Per-request block tables, prefix caching, copy-on-write forks, rollback and admission.
 
     Invariants (``check_invariants()`` recomputes each from scratch):
-      M1  sum of references the requests hold per block == the pool's ref count of that block
+      M1  sum of references the requests hold per block == the pool's ref count of that block,
+          and a request's table lists each block at most once (``free_owned`` relies on it)
       M2  ``_running_claim == sum(seq.claim)`` and each claim matches the reservation policy
       M3  every request's blocks cover ``num_computed + num_pending`` positions
       M4  ``num_computed <= len(token_ids)``; committed full blocks of a request are hashed with

@@ -26,7 +26,10 @@ def check_manager(m: KVCacheManager) -> None:
     bs = m.block_size
     for seq in m._seqs.values():
         _check_released(m, seq)
-        for b in seq.block_ids[seq.num_released_blocks :]:
+        held = seq.block_ids[seq.num_released_blocks :]
+        if len(set(held)) != len(held):  # the pool's free_owned relies on distinct tables
+            raise InvariantViolation(f"M1: request {seq.request_id!r} lists a block twice")
+        for b in held:
             refs[b] = refs.get(b, 0) + 1
         if seq.claim != m._claim_of(seq):
             raise InvariantViolation(f"M2: request {seq.request_id!r} claim is stale")
