@@ -10,19 +10,22 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from pagedkv.sim.records import RequestRecords
 from pagedkv.sim.report import (
     Percentiles,
-    RequestRecord,
     SimReport,
     TimeSeries,
     WallTimings,
     bucket_series,
     summarize_tags,
 )
+
+if TYPE_CHECKING:
+    from pagedkv.sim.workload import SimRequest
 
 _N = TypeVar("_N", int, float)
 
@@ -80,7 +83,8 @@ class Recorder:
     Invariant: every per-step column has one entry per simulated step (``num_steps``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, requests: Sequence[SimRequest] = ()) -> None:
+        """``requests``: the workload's, which the records name by position."""
         self.ttft: array[float] = array("d")
         self.ttft_at: array[float] = array("d")
         self.e2e: array[float] = array("d")
@@ -102,7 +106,7 @@ class Recorder:
         self.sched_wall: array[int] = array("q")
         self.update_cpu: array[int] = array("q")
         self.update_wall: array[int] = array("q")
-        self.records: list[RequestRecord] = []
+        self.records = RequestRecords(requests)
 
     def tag(self, tag: str) -> TagSamples:
         s = self.by_tag.get(tag)
@@ -174,19 +178,35 @@ class Recorder:
         gaps, counts, singles = (np.concatenate(col) for col in zip(*parts, strict=True))
         return Percentiles.of_runs(gaps, counts, singles)
 
-    def on_finish(self, record: RequestRecord, last_s: float, queue_s: float) -> None:
-        """A finished request; ``last_s`` < 0 when it never produced a token."""
-        self.records.append(record)
-        n = record.num_output_tokens
-        if last_s >= 0.0 and record.first_token_s is not None:
-            e2e = last_s - record.arrival_s
+    def on_finish(
+        self,
+        order: int,
+        tag: str,
+        times: tuple[float, float, float],
+        counts: tuple[int, int, int, int],
+        last_s: float,
+        queue_s: float,
+    ) -> None:
+        """A finished request: ``workload.requests[order]``, its (arrival, first token, finish)
+        times (< 0: none), its (prompt, output, cached, preemptions) counts; ``last_s`` < 0
+        when it never produced a token, ``queue_s`` < 0 when it was never scheduled."""
+        arrival_s, first_s, finish_s = times
+        has_first = first_s >= 0.0
+        self.records.append(order, arrival_s, first_s if has_first else None, finish_s, counts)
+        n = counts[1]
+        if last_s >= 0.0 and has_first:
+            e2e = last_s - arrival_s
             self.e2e.append(e2e)
-            self.tag(record.tag).e2e.append(e2e)
+            self.tag(tag).e2e.append(e2e)
             if n > 1:
-                self.tpot.append((last_s - record.first_token_s) / (n - 1))
+                self.tpot.append((last_s - first_s) / (n - 1))
             self.normalized.append(e2e / n)
         if queue_s >= 0.0:
             self.queue.append(queue_s)
+
+    def on_reject(self, order: int, arrival_s: float, num_prompt_tokens: int) -> None:
+        """A request refused at admission (no tokens, no times but its arrival)."""
+        self.records.append(order, arrival_s, None, None, (num_prompt_tokens, 0, 0, 0), True)
 
     def _mean(self, col: array[float], w: np.ndarray) -> float:
         total = w.sum()
@@ -237,7 +257,7 @@ class Recorder:
     def build(self, max_points: int, **fields: Any) -> SimReport:
         """The report: these samples plus the run's counters in ``fields``."""
         tags = {k: (v.ttft, Percentiles.of_runs(*v.runs()), v.e2e) for k, v in self.by_tag.items()}
-        by_tag = summarize_tags(tags, self.records)
+        by_tag = summarize_tags(tags, self.records.tag_totals())
         return SimReport(
             ttft_s=Percentiles.of(self.ttft),
             itl_s=self.itl_summary(),
@@ -249,7 +269,7 @@ class Recorder:
             peak_running=max(self.running, default=0),
             peak_waiting=max(self.waiting, default=0),
             series=self._series(max_points),
-            records=tuple(self.records),
+            records=self.records,
             by_tag=by_tag,
             **self.usage_summary(),
             **fields,
