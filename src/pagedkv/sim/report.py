@@ -52,8 +52,11 @@ class Percentiles:
         n = int(counts.sum())
         if n == 0:
             return cls()
+        mean = float(np.dot(values, counts.astype(np.float64)) / n)  # (its temporary freed first)
         order = np.argsort(values, kind="stable")
-        v, cum = values[order], np.cumsum(counts[order])
+        v, cum = values[order], counts[order].astype(np.int64, copy=False)
+        del order  # at most 3 arrays of the sample's size alive at once, besides the inputs
+        np.cumsum(cum, out=cum)
         vi = (n - 1) * (np.asarray([50, 90, 99], dtype=np.float64) / 100)
         lo = np.floor(vi)
         gamma = vi - lo
@@ -62,7 +65,6 @@ class Percentiles:
         a = v[np.searchsorted(cum, lo_i, side="right")]
         b = v[np.searchsorted(cum, hi_i, side="right")]
         p50, p90, p99 = (float(x) for x in _lerp(a, b, gamma))
-        mean = float(np.dot(values, counts.astype(np.float64)) / n)
         return cls(n, mean, p50, p90, p99, float(v[-1]))
 
     def scaled(self, factor: float) -> Percentiles:

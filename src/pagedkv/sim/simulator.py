@@ -199,6 +199,7 @@ class _Run:
         self.step = 0
         pool = self.sched.manager.pool
         self.capacity_tokens = pool.capacity_blocks * cfg.cache.block_size
+        self.rec.capacity_tokens = self.capacity_tokens
         self.max_len = cfg.scheduler.max_model_len
         self.block_size = cfg.cache.block_size
 
@@ -280,7 +281,7 @@ class _Run:
             return
         mgr = sched.manager
         usage = mgr.usage
-        allocated = usage
+        allocated = None  # the used blocks: usage
         if self.cfg.allocator.is_contiguous:
             allocated = usage + mgr.running_claim_blocks / mgr.pool.capacity_blocks
         load_s = 0.0 if self.tier_stack is None else self.tier_step(out)
@@ -315,8 +316,7 @@ class _Run:
         if touched:
             rec.end_gaps(clock - start)
         counts = (sched.num_running, sched.num_waiting, len(out.scheduled))
-        token_usage = max(0.0, usage - empty_slots / self.capacity_tokens)
-        rec.on_step(clock, dt, usage, allocated, token_usage, counts)
+        rec.on_step(clock, dt, usage, allocated, empty_slots, counts)
 
     def scan_step(
         self, scheduled: Iterable[ScheduledRequest], start: float
