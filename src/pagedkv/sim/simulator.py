@@ -174,12 +174,10 @@ class _Run:
         self.arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
         self.released = self.arrivals  # where followers go when released (replicas: the router)
         self.rec: Recorder
-        self.followers: dict[str, list[SimRequest]]
-        self.order_of: dict[str, int]
+        self.followers: dict[str, list[tuple[int, SimRequest]]]  # (order, child) by parent id
         if replica_of is not None:
             self.rec = replica_of.rec
             self.followers = replica_of.followers  # shared: a child is released once, anywhere
-            self.order_of = replica_of.order_of
         else:
             self.rec = Recorder(workload.requests)
             self.followers = {}
@@ -187,9 +185,8 @@ class _Run:
                 if r.follows is None:
                     self.arrivals.append((r.arrival_s, order, r))
                 else:
-                    self.followers.setdefault(r.follows, []).append(r)
+                    self.followers.setdefault(r.follows, []).append((order, r))
             heapq.heapify(self.arrivals)
-            self.order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
         self.tracks: dict[str, Track] = {}
         self.num_done = self.num_rejected = self.num_truncated = 0
         self.num_prompt = self.num_output = self.prefill_computed = 0
@@ -205,9 +202,9 @@ class _Run:
 
     # -------------------------------------------------------------- arrivals and finishes
     def release(self, rid: str, at: float) -> None:
-        for child in self.followers.pop(rid, ()):
+        for order, child in self.followers.pop(rid, ()):
             when = max(child.arrival_s, at + child.think_s)
-            heapq.heappush(self.released, (when, self.order_of[child.request_id], child))
+            heapq.heappush(self.released, (when, order, child))
 
     def admit_arrivals(self) -> None:
         """Add every request whose arrival time has come (rejections are counted, not raised)."""
