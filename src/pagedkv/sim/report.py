@@ -52,8 +52,11 @@ class Percentiles:
         n = int(counts.sum())
         if n == 0:
             return cls()
+        mean = float(np.dot(values, counts.astype(np.float64)) / n)  # (its temporary freed first)
         order = np.argsort(values, kind="stable")
-        v, cum = values[order], np.cumsum(counts[order])
+        v, cum = values[order], counts[order].astype(np.int64, copy=False)
+        del order  # at most 3 arrays of the sample's size alive at once, besides the inputs
+        np.cumsum(cum, out=cum)
         vi = (n - 1) * (np.asarray([50, 90, 99], dtype=np.float64) / 100)
         lo = np.floor(vi)
         gamma = vi - lo
@@ -62,7 +65,6 @@ class Percentiles:
         a = v[np.searchsorted(cum, lo_i, side="right")]
         b = v[np.searchsorted(cum, hi_i, side="right")]
         p50, p90, p99 = (float(x) for x in _lerp(a, b, gamma))
-        mean = float(np.dot(values, counts.astype(np.float64)) / n)
         return cls(n, mean, p50, p90, p99, float(v[-1]))
 
     def scaled(self, factor: float) -> Percentiles:
@@ -201,7 +203,8 @@ class SimReport:
     queue_s: Percentiles  # arrival to first scheduled (admission wait)
     normalized_latency_s: Percentiles  # per request: end-to-end / output tokens
     series: TimeSeries
-    records: tuple[RequestRecord, ...]  # one per request, in the order they finished
+    records: Sequence[RequestRecord]  # one per request, in the order they finished (a
+    #                                   read-only sequence: sim.records.RequestRecords)
     by_tag: tuple[TagSummary, ...]  # one per tag of the admitted requests, sorted by tag
     wall: WallTimings = field(compare=False)
     tiers: tuple[TierReport, ...] = ()  # one per KV tier below the device pool, top first
@@ -248,6 +251,7 @@ class SimReport:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (time series included)."""
         out = asdict(self)
+        out["records"] = tuple(asdict(r) for r in self.records)
         out["params"] = dict(self.params)
         out["requests_per_wall_s"] = self.requests_per_wall_s
         out["draft_acceptance_rate"] = self.draft_acceptance_rate
@@ -257,16 +261,10 @@ class SimReport:
 
 def summarize_tags(
     by_tag: Mapping[str, tuple[Sequence[float], Percentiles, Sequence[float]]],
-    records: list[RequestRecord],
+    counts: Mapping[str, Sequence[int]],
 ) -> tuple[TagSummary, ...]:
-    """One TagSummary per tag of the admitted requests, from per-tag latency lists."""
-    counts: dict[str, list[int]] = {}  # tag -> [requests, prompt tokens, cached tokens]
-    for rec in records:
-        if not rec.rejected:
-            c = counts.setdefault(rec.tag, [0, 0, 0])
-            c[0] += 1
-            c[1] += rec.num_prompt_tokens
-            c[2] += rec.num_cached_tokens
+    """One TagSummary per tag of the admitted requests, from per-tag latency lists and
+    ``counts``: tag -> (admitted requests, their prompt tokens, their cached tokens)."""
     out = []
     for tag in sorted(counts):
         n, prompt, cached = counts[tag]

@@ -51,10 +51,10 @@ from pagedkv.sched.scheduler import Scheduler
 from pagedkv.sim.allocators import Allocator, reserved_max_tokens
 from pagedkv.sim.cost_model import CostModel, StepCost
 from pagedkv.sim.recorder import Recorder
-from pagedkv.sim.report import RequestRecord, SimReport
+from pagedkv.sim.report import SimReport
 from pagedkv.sim.roofline import MemoryPool
 from pagedkv.sim.tiers import SimTierStack, TierSpec, kv_bytes_per_token_of, tier_reports
-from pagedkv.sim.tracks import Track, accepted_tokens, output_tokens, propose_drafts
+from pagedkv.sim.tracks import Track, accepted_tokens, propose_drafts
 from pagedkv.sim.workload import (
     EOS_TOKEN_ID,
     SimRequest,
@@ -174,22 +174,19 @@ class _Run:
         self.arrivals: list[tuple[float, int, SimRequest]] = []  # heap of (time, order, request)
         self.released = self.arrivals  # where followers go when released (replicas: the router)
         self.rec: Recorder
-        self.followers: dict[str, list[SimRequest]]
-        self.order_of: dict[str, int]
+        self.followers: dict[str, list[tuple[int, SimRequest]]]  # (order, child) by parent id
         if replica_of is not None:
             self.rec = replica_of.rec
             self.followers = replica_of.followers  # shared: a child is released once, anywhere
-            self.order_of = replica_of.order_of
         else:
-            self.rec = Recorder()
+            self.rec = Recorder(workload.requests)
             self.followers = {}
             for order, r in enumerate(workload.requests):
                 if r.follows is None:
                     self.arrivals.append((r.arrival_s, order, r))
                 else:
-                    self.followers.setdefault(r.follows, []).append(r)
+                    self.followers.setdefault(r.follows, []).append((order, r))
             heapq.heapify(self.arrivals)
-            self.order_of = {r.request_id: i for i, r in enumerate(workload.requests)}
         self.tracks: dict[str, Track] = {}
         self.num_done = self.num_rejected = self.num_truncated = 0
         self.num_prompt = self.num_output = self.prefill_computed = 0
@@ -199,20 +196,21 @@ class _Run:
         self.step = 0
         pool = self.sched.manager.pool
         self.capacity_tokens = pool.capacity_blocks * cfg.cache.block_size
+        self.rec.capacity_tokens = self.capacity_tokens
         self.max_len = cfg.scheduler.max_model_len
         self.block_size = cfg.cache.block_size
 
     # -------------------------------------------------------------- arrivals and finishes
     def release(self, rid: str, at: float) -> None:
-        for child in self.followers.pop(rid, ()):
+        for order, child in self.followers.pop(rid, ()):
             when = max(child.arrival_s, at + child.think_s)
-            heapq.heappush(self.released, (when, self.order_of[child.request_id], child))
+            heapq.heappush(self.released, (when, order, child))
 
     def admit_arrivals(self) -> None:
         """Add every request whose arrival time has come (rejections are counted, not raised)."""
         arrivals, cfg = self.arrivals, self.cfg
         while arrivals and arrivals[0][0] <= self.clock:
-            at, _, sim = heapq.heappop(arrivals)
+            at, order, sim = heapq.heappop(arrivals)
             limit = sim.max_tokens_limit
             if cfg.allocator.is_contiguous:
                 limit = reserved_max_tokens(
@@ -232,20 +230,15 @@ class _Run:
                 self.sched.add_request(req)
             except (PromptTooLongError, OverloadedError) as exc:
                 logger.debug("request %s rejected: %s", sim.request_id, exc)
-                self.reject(sim, at)
+                self.reject(sim, order, at)
                 continue
-            output = output_tokens(sim, cfg.seed, stops)
-            self.tracks[sim.request_id] = Track(sim, req, at, output, self.rec.tag(sim.tag))
+            self.tracks[sim.request_id] = Track(sim, order, req, stops, self.rec.tag(sim.tag))
             self.num_prompt += sim.num_prompt_tokens
 
-    def reject(self, sim: SimRequest, at: float) -> None:
+    def reject(self, sim: SimRequest, order: int, at: float) -> None:
         self.num_rejected += 1
         self.num_done += 1
-        rec = RequestRecord(
-            sim.request_id, sim.session_id, sim.tag, at, None, None,
-            sim.num_prompt_tokens, 0, 0, 0, rejected=True,
-        )  # fmt: skip
-        self.rec.on_finish(rec, -1.0, -1.0)
+        self.rec.on_reject(order, at, sim.num_prompt_tokens)
         self.release(sim.request_id, self.clock)
 
     def finish(self, rid: str, at: float) -> None:
@@ -256,13 +249,10 @@ class _Run:
         self.num_output += produced
         if produced < tr.sim.output_len:
             self.num_truncated += 1
-        rec = RequestRecord(
-            rid, tr.sim.session_id, tr.sim.tag, tr.arrival_s,
-            tr.first_s if tr.first_s >= 0.0 else None, at,
-            req.num_prompt_tokens, produced, req.num_cached_tokens, req.num_preemptions,
-        )  # fmt: skip
+        counts = (req.num_prompt_tokens, produced, req.num_cached_tokens, req.num_preemptions)
         queue = tr.sched_s - tr.arrival_s if tr.sched_s >= 0.0 else -1.0
-        self.rec.on_finish(rec, tr.last_s, queue)
+        times = (tr.arrival_s, tr.first_s, at)
+        self.rec.on_finish(tr.order, tr.sim.tag, times, counts, tr.last_s, queue)
         self.last_finish = max(self.last_finish, at)
         self.release(rid, at)
 
@@ -288,7 +278,7 @@ class _Run:
             return
         mgr = sched.manager
         usage = mgr.usage
-        allocated = usage
+        allocated = None  # the used blocks: usage
         if self.cfg.allocator.is_contiguous:
             allocated = usage + mgr.running_claim_blocks / mgr.pool.capacity_blocks
         load_s = 0.0 if self.tier_stack is None else self.tier_step(out)
@@ -323,8 +313,7 @@ class _Run:
         if touched:
             rec.end_gaps(clock - start)
         counts = (sched.num_running, sched.num_waiting, len(out.scheduled))
-        token_usage = max(0.0, usage - empty_slots / self.capacity_tokens)
-        rec.on_step(clock, dt, usage, allocated, token_usage, counts)
+        rec.on_step(clock, dt, usage, allocated, empty_slots, counts)
 
     def scan_step(
         self, scheduled: Iterable[ScheduledRequest], start: float
@@ -346,7 +335,7 @@ class _Run:
             rid = sr.request_id
             tr = tracks[rid]
             if tr.sched_s < 0.0:
-                tr.sched_s = start
+                tr.start(start, self.cfg.seed)
             k = sr.num_draft_tokens
             if sr.is_prefill:
                 prefill += n
