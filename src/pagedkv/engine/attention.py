@@ -163,6 +163,7 @@ class AttentionMetadata:
     native: NativeDecode | None = None  # or, instead, the native kernel's decodes
     window: int | None = None  # the sliding window of the layers this view serves
     sliding: AttentionMetadata | None = None  # the sliding-window view of a mixed model
+    position_end: int = -1  # max(positions) + 1 where the host knows it (-1: not known)
 
     @property
     def num_tokens(self) -> int:
@@ -258,14 +259,17 @@ def build_metadata(
     )
     positions = torch.from_numpy(np.concatenate(pos_parts)).to(device)
     args = (slot_mapping, positions, ref, dec, block_size, device, native_decode, cache_row_elems)
+    end = max(s.start_position + s.num_tokens for s in seqs) if seqs else 0
     if sliding_window is None:
-        return _build_view(None, *args)
-    windowed = _build_view(sliding_window, *args)
-    if not full_attention:
-        return windowed
-    full = _build_view(None, *args)
-    full.sliding = windowed
-    return full
+        meta = _build_view(None, *args)
+    else:
+        meta = windowed = _build_view(sliding_window, *args)
+        if full_attention:
+            meta = _build_view(None, *args)
+            meta.sliding = windowed
+        windowed.position_end = end
+    meta.position_end = end
+    return meta
 
 
 def _build_view(

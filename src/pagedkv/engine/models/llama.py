@@ -32,6 +32,7 @@ from pagedkv.engine.qlinear import QuantizedProjection, check_quantization, requ
 from pagedkv.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
+_ROPE_CHUNK = 256  # positions per piece of the RoPE table (see _grow_rope_table)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -113,6 +114,8 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         inv = rope_inv_freq(config.rope, config.head_dim)
         self._inv_freq = inv.to(torch.float32).to(self.device)
+        self._rope_cos = torch.empty(0, config.head_dim, dtype=self.dtype, device=self.device)
+        self._rope_sin = torch.empty_like(self._rope_cos)  # _rope's tables, grown on demand
         self.quantization: str | None = None
         self._lm_head_q: Linear | None = None
         self.deferred_quantization: dict[str, Callable[[LlamaModel], None]] = {}  # quantize()
@@ -255,10 +258,39 @@ class LlamaModel:
                     names.append(f"{p}mlp.{proj}.bias")
         return names
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (``[positions, head_dim]``, the model dtype) by transformers' formula."""
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _grow_rope_table(self, num_positions: int) -> None:
+        """Extend the cos/sin table to cover positions below ``num_positions`` (at least
+        doubling it). Built in chunks of ``_ROPE_CHUNK`` positions, each by ``_rope_rows``:
+        a chunk is one single-threaded, fully vectorised cos and sin (its element count is a
+        multiple of 16 and under torch's intra-op grain), as a step's own small call is, so
+        the table holds the bits that call computes."""
+        have = self._rope_cos.shape[0]
+        want = -(-max(num_positions, 2 * have) // _ROPE_CHUNK) * _ROPE_CHUNK
+        parts = [
+            self._rope_rows(torch.arange(a, a + _ROPE_CHUNK, device=self.device))
+            for a in range(have, want, _ROPE_CHUNK)
+        ]
+        self._rope_cos = torch.cat([self._rope_cos, *(c for c, _ in parts)])
+        self._rope_sin = torch.cat([self._rope_sin, *(s for _, s in parts)])
+
+    def _rope(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's positions (``[tokens, 1, head_dim]``): rows of a table
+        kept across steps (two index calls per step instead of a dozen ops)."""
+        positions = meta.positions
+        end = meta.position_end
+        if end < 0 and positions.numel():  # metadata built without it: one reduction
+            end = int(positions.max()) + 1
+        if end > self._rope_cos.shape[0]:
+            self._grow_rope_table(end)
+        cos = self._rope_cos.index_select(0, positions)
+        sin = self._rope_sin.index_select(0, positions)
+        return cos[:, None, :], sin[:, None, :]
 
     @torch.inference_mode()
     def forward(
@@ -284,7 +316,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         n = input_ids.shape[0]
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        cos, sin = self._rope(meta.positions)
+        cos, sin = self._rope(meta)
         h = F.embedding(input_ids, self.embed)
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -320,7 +352,7 @@ class LlamaModel:
         cfg, ops = self.config, self._layer_ops
         assert ops is not None
         n, hd = input_ids.shape[0], cfg.head_dim
-        cos, sin = (t.view(n, hd) for t in self._rope(meta.positions))
+        cos, sin = (t.view(n, hd) for t in self._rope(meta))
         h = F.embedding(input_ids, self.embed)
         buf = ops.step(h, cos, sin, meta.slot_mapping, cache, cfg.num_attention_heads,
                        cfg.intermediate_size)  # fmt: skip
