@@ -35,7 +35,7 @@ Two paths compute the same thing:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,6 +54,7 @@ __all__ = [
     "NativeDecode",
     "SeqAttention",
     "attend",
+    "bind_native_decode",
     "build_metadata",
     "context_slots",
     "paged_attention",
@@ -421,6 +422,19 @@ def attend(
             od = _attend_decode_group(qd, cache, layer, group, scale)
             out.index_copy_(0, group.token_idx, od)
     return out
+
+
+def bind_native_decode(
+    q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """``attend(layer, q, cache, meta, scale, out)`` as ``call(cache.k[layer],
+    cache.v[layer])`` for every layer of a step that keeps these ``q``/``out`` buffers, where
+    the native kernel serves every row on one thread (a decode-only step): checked once here,
+    one ctypes call per layer. None otherwise (call ``attend``)."""
+    nat = meta.native
+    if nat is None or meta.seqs or meta.decode or nat.token_range != (0, q.shape[0]):
+        return None
+    return nat.call(cache, 0, q.shape[1], scale).bind(q, out, cache.k[0], cache.v[0])
 
 
 def _attend_reference(

@@ -25,7 +25,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from pagedkv.engine import layer_ops
-from pagedkv.engine.attention import AttentionMetadata, attend, paged_attention
+from pagedkv.engine.attention import (
+    AttentionMetadata,
+    attend,
+    bind_native_decode,
+    paged_attention,
+)
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
 from pagedkv.engine.qlinear import QuantizedProjection, check_quantization, require_in_place
@@ -112,6 +117,7 @@ class LlamaModel:
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
         self.final_norm = w["model.norm.weight"]
         self.scale = config.head_dim**-0.5
+        self._layer_windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
         inv = rope_inv_freq(config.rope, config.head_dim)
         self._inv_freq = inv.to(torch.float32).to(self.device)
         self._rope_cos = torch.empty(0, config.head_dim, dtype=self.dtype, device=self.device)
@@ -357,9 +363,16 @@ class LlamaModel:
         buf = ops.step(h, cos, sin, meta.slot_mapping, cache, cfg.num_attention_heads,
                        cfg.intermediate_size)  # fmt: skip
         buf.input_norm()
-        for i in range(cfg.num_hidden_layers):
+        views = [meta.for_window(w) for w in self._layer_windows]
+        bound = {id(v): bind_native_decode(buf.q, cache, v, self.scale, buf.att) for v in views}
+        k_pools, v_pools = cache.k, cache.v
+        for i, view in enumerate(views):
             buf.rope_write(i, _linear(self._qkv[i], buf.x, buf.qkv))
-            attend(i, buf.q, cache, meta.for_window(cfg.layer_window(i)), self.scale, buf.att)
+            call = bound[id(view)]
+            if call is not None:  # a decode-only step: one ctypes call
+                call(k_pools[i], v_pools[i])
+            else:
+                attend(i, buf.q, cache, view, self.scale, buf.att)
             buf.add_post_norm(i, _linear(self._o[i], buf.att_rows, buf.o))
             gu = _linear(self._gate_up[i], buf.x, buf.gate_up)
             g, u = (buf.gate, buf.up) if gu is buf.gate_up else gu.chunk(2, dim=-1)
