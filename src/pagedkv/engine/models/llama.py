@@ -364,7 +364,11 @@ class LlamaModel:
                        cfg.intermediate_size)  # fmt: skip
         buf.input_norm()
         views = [meta.for_window(w) for w in self._layer_windows]
-        bound = {id(v): bind_native_decode(buf.q, cache, v, self.scale, buf.att) for v in views}
+        distinct = {id(v): v for v in views}  # one view, or two for a mixed-window model
+        bound = {
+            key: bind_native_decode(buf.q, cache, v, self.scale, buf.att)
+            for key, v in distinct.items()
+        }
         k_pools, v_pools = cache.k, cache.v
         for i, view in enumerate(views):
             buf.rope_write(i, _linear(self._qkv[i], buf.x, buf.qkv))
