@@ -285,15 +285,19 @@ class LlamaModel:
         self._rope_cos = torch.cat([self._rope_cos, *(c for c, _ in parts)])
         self._rope_sin = torch.cat([self._rope_sin, *(s for _, s in parts)])
 
+    def _ensure_rope(self, meta: AttentionMetadata) -> None:
+        """Grow the RoPE table to cover the step's positions."""
+        end = meta.position_end
+        if end < 0 and meta.positions.numel():  # metadata built without it: one reduction
+            end = int(meta.positions.max()) + 1
+        if end > self._rope_cos.shape[0]:
+            self._grow_rope_table(end)
+
     def _rope(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the step's positions (``[tokens, 1, head_dim]``): rows of a table
         kept across steps (two index calls per step instead of a dozen ops)."""
+        self._ensure_rope(meta)
         positions = meta.positions
-        end = meta.position_end
-        if end < 0 and positions.numel():  # metadata built without it: one reduction
-            end = int(positions.max()) + 1
-        if end > self._rope_cos.shape[0]:
-            self._grow_rope_table(end)
         cos = self._rope_cos.index_select(0, positions)
         sin = self._rope_sin.index_select(0, positions)
         return cos[:, None, :], sin[:, None, :]
@@ -353,15 +357,14 @@ class LlamaModel:
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
         """``forward`` with the native layer ops (the module docstring): the same bits. Every
-        intermediate lives in a buffer allocated here once and reused by each layer; the
-        residual stream ``h`` is updated in place."""
+        intermediate lives in a buffer reused by each layer, and by the next step of the same
+        size (``ModelLayerOps.step``); the residual stream ``h`` is updated in place."""
         cfg, ops = self.config, self._layer_ops
         assert ops is not None
-        n, hd = input_ids.shape[0], cfg.head_dim
-        cos, sin = (t.view(n, hd) for t in self._rope(meta))
-        h = F.embedding(input_ids, self.embed)
-        buf = ops.step(h, cos, sin, meta.slot_mapping, cache, cfg.num_attention_heads,
-                       cfg.intermediate_size)  # fmt: skip
+        self._ensure_rope(meta)
+        buf = ops.step(input_ids.shape[0], cache, cfg.num_attention_heads, cfg.intermediate_size)
+        buf.load(input_ids, self.embed, self._rope_cos, self._rope_sin, meta.positions,
+                 meta.slot_mapping)  # fmt: skip
         buf.input_norm()
         views = [meta.for_window(w) for w in self._layer_windows]
         distinct = {id(v): v for v in views}  # one view, or two for a mixed-window model
@@ -382,7 +385,7 @@ class LlamaModel:
             g, u = (buf.gate, buf.up) if gu is buf.gate_up else gu.chunk(2, dim=-1)
             torch.mul(F.silu(g, inplace=True), u, out=buf.act)
             buf.add_next_norm(i, _linear(self._down[i], buf.act, buf.down))
-        return buf.x
+        return buf.out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
