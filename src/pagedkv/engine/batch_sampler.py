@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.engine import layer_ops
 from pagedkv.engine.outputs import TokenLogprob
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvariantViolation
@@ -203,7 +204,8 @@ def _draw(
     greedy = [i for i, e in enumerate(inputs) if e.params.is_greedy]
     if greedy:
         if len(greedy) == len(inputs):  # every row, in order: no gather
-            flat = x.argmax(dim=-1).tolist()
+            native = layer_ops.argmax_rows(x)
+            flat = x.argmax(dim=-1).tolist() if native is None else native
         else:
             rows = torch.tensor(
                 [r for i in greedy for r in range(starts[i], starts[i] + counts[i])]

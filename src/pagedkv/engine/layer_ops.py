@@ -61,7 +61,13 @@ def _load() -> tuple[ctypes.CDLL, int]:
     lib.pagedkv_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i64]
     lib.pagedkv_add_rms_norm_f32.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, f32, i64]
     lib.pagedkv_rope_write_f32.argtypes = [ptr] * 7 + [i64] * 5 + [ptr, ptr, f32, i64]
-    for fn in (lib.pagedkv_rms_norm_f32, lib.pagedkv_add_rms_norm_f32, lib.pagedkv_rope_write_f32):
+    lib.pagedkv_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
+    for fn in (
+        lib.pagedkv_rms_norm_f32,
+        lib.pagedkv_add_rms_norm_f32,
+        lib.pagedkv_rope_write_f32,
+        lib.pagedkv_argmax_f32,
+    ):
         fn.restype = ctypes.c_int
     capability = torch.backends.cpu.get_cpu_capability()
     width = _VECTOR_WIDTH.get(capability)
@@ -111,6 +117,28 @@ def _check(tensors: tuple[torch.Tensor, ...]) -> None:
                 f"native layer ops take contiguous float32 CPU tensors; got {t.dtype} "
                 f"{tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()})"
             )
+
+
+def argmax_rows(x: torch.Tensor) -> list[int] | None:
+    """``x.argmax(dim=-1).tolist()`` of a 2-D float32 CPU tensor with contiguous rows, the
+    same indices (the first maximum; the first NaN where a row holds one), in one pass that
+    vectorises (torch's CPU argmax does not: ~60-90 us for a 49,152-token row here). None
+    when the kernels are unavailable or ``x`` is not such a tensor (use torch's then)."""
+    if (
+        _lib is None
+        or x.dim() != 2
+        or x.dtype is not torch.float32
+        or x.device.type != "cpu"
+        or x.stride(1) != 1
+        or x.shape[1] == 0
+        or x.stride(0) < x.shape[1]
+    ):
+        return None
+    rows = x.shape[0]
+    out = (ctypes.c_int64 * rows)()
+    if _lib.pagedkv_argmax_f32(x.data_ptr(), rows, x.shape[1], x.stride(0), out):
+        return None
+    return list(out)
 
 
 def _lib_or_raise() -> ctypes.CDLL:

@@ -308,13 +308,12 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[tokens, hidden]``."""
         cfg = self.config
-        if input_ids.numel() and (
-            int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size
-        ):
-            raise InvalidRequestError(
-                f"token ids must be in [0, {cfg.vocab_size}); got "
-                f"{int(input_ids.min())}..{int(input_ids.max())}"
-            )
+        if input_ids.numel():
+            lo, hi = (int(t) for t in torch.aminmax(input_ids))  # one reduction
+            if lo < 0 or hi >= cfg.vocab_size:
+                raise InvalidRequestError(
+                    f"token ids must be in [0, {cfg.vocab_size}); got {lo}..{hi}"
+                )
         if (
             self.fused_layer_ops
             and self._layer_ops is not None
