@@ -3,6 +3,8 @@ on transformers-written random checkpoints of every architecture switch the ops 
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +131,20 @@ def test_kept_step_buffers_follow_a_growing_cache_and_never_overwrite_an_output(
         run(pos, 1)
     assert all(torch.equal(out, copy) for out, copy in kept)
     assert len({out.data_ptr() for out, _ in kept}) == len(kept)
+
+
+def test_kept_step_buffers_do_not_keep_a_dropped_cache_alive(tmp_path: Path) -> None:
+    build_hf_model("llama", tmp_path)
+    model = load_model(tmp_path, dtype="float32")
+    cfg = model.config
+    spec = KVCacheSpec(cfg.num_hidden_layers, 4, cfg.num_key_value_heads, cfg.head_dim)
+    cache = PagedKVCache(spec, 8)
+    table = np.array([3, 1], dtype=np.int32)
+    seq = _entry("a", table, 4, 0, [5, 6, 7])
+    runner = ModelRunner(model, cache, decode_kernel="native")
+    meta = build_metadata([seq], 4, model.device, native_decode=runner.uses_native_decode())
+    model.forward(torch.tensor([5, 6, 7]), meta, cache)
+    ref = weakref.ref(cache)
+    del runner, cache
+    gc.collect()
+    assert ref() is None

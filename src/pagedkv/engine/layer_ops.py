@@ -21,6 +21,7 @@ import ctypes
 import logging
 import subprocess
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -331,7 +332,8 @@ class StepBuffers:
                 f"native layer ops: pool {tuple(cache.k[0].shape)} {cache.spec.dtype} does "
                 f"not fit head_dim {hd}"
             )
-        self.ops, self.cache = ops, cache
+        # a weak reference: kept buffers must not keep a dropped cache (gigabytes) alive
+        self.ops, self._cache = ops, weakref.ref(cache)
         self._built_for = (cache.num_grows, cache.num_blocks, num_heads, intermediate_size)
         self.h, self.x = torch.empty(n, hidden), torch.empty(n, hidden)
         self.o, self.down, self.out = torch.empty(n, hidden), torch.empty(n, hidden), self.x
@@ -366,7 +368,7 @@ class StepBuffers:
 
     def fits(self, cache: PagedKVCache, num_heads: int, intermediate_size: int) -> bool:
         """Whether these buffers serve a step over ``cache`` as it is now."""
-        return cache is self.cache and self._built_for == (
+        return cache is self._cache() and self._built_for == (
             cache.num_grows, cache.num_blocks, num_heads, intermediate_size
         )  # fmt: skip
 
