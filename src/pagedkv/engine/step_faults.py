@@ -130,7 +130,10 @@ def nonfinite_requests(logits: Mapping[str, torch.Tensor]) -> dict[str, Exceptio
         return {}
     ids = list(logits)
     row_max = [logits[rid].amax(dim=-1) for rid in ids]  # NaN propagates through amax
-    finite = torch.isfinite(torch.cat(row_max)).tolist()
+    if len(row_max) == 1:  # batch 1: no concatenation, and the check in Python
+        finite = [math.isfinite(v) for v in row_max[0].tolist()]
+    else:
+        finite = torch.isfinite(torch.cat(row_max)).tolist()
     bad: dict[str, Exception] = {}
     start = 0
     for rid, rows in zip(ids, row_max, strict=True):

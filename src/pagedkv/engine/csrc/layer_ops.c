@@ -185,3 +185,61 @@ int pagedkv_rope_write_f32(const float *qkv, const float *cos_, const float *sin
     }
     return 0;
 }
+
+/* torch.argmax(x, dim=-1) of a [rows, cols] float32 matrix (row stride `stride`) into
+ * out[rows]: the index of the first maximum of each row, or of its first NaN when it holds
+ * one (torch treats NaN as the maximum). Two passes: the row's maximum in ARGMAX_LANES
+ * independent lanes (a max needs no rounding, so the lane order cannot change it; NaN
+ * compares false and is skipped), with x - x summed per lane (0 for finite x, NaN for a
+ * NaN or an infinity), then the first index equal to the maximum (-0.0 == 0.0: the first
+ * of either, as torch's tie rule picks), or, when a lane saw a NaN or an infinity, a scan
+ * for the first NaN. */
+#define ARGMAX_LANES 32
+int pagedkv_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride,
+                       int64_t *out) {
+    if (rows < 0 || cols < 1 || stride < cols) return -1;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * stride;
+        float m[ARGMAX_LANES], odd[ARGMAX_LANES];
+        for (int l = 0; l < ARGMAX_LANES; ++l) {
+            m[l] = -INFINITY;
+            odd[l] = 0.0f;
+        }
+        int64_t i = 0;
+        for (; i + ARGMAX_LANES <= cols; i += ARGMAX_LANES)
+            for (int l = 0; l < ARGMAX_LANES; ++l) {
+                const float v = row[i + l];
+                m[l] = v > m[l] ? v : m[l];
+                odd[l] = odd[l] + (v - v);
+            }
+        float best = -INFINITY;
+        int special = 0;
+        for (int l = 0; l < ARGMAX_LANES; ++l) {
+            best = m[l] > best ? m[l] : best;
+            special |= odd[l] != odd[l];
+        }
+        for (; i < cols; ++i) {
+            const float v = row[i];
+            best = v > best ? v : best;
+            special |= v != v || isinf(v);
+        }
+        int64_t at = -1;
+        if (special)
+            for (int64_t j = 0; j < cols; ++j)
+                if (row[j] != row[j]) {
+                    at = j;
+                    break;
+                }
+        if (at < 0) { /* no NaN: the first maximum (every entry is >= -inf, so one exists) */
+            at = 0;
+            for (; at + ARGMAX_LANES <= cols; at += ARGMAX_LANES) { /* the block holding it */
+                int hit = 0;
+                for (int l = 0; l < ARGMAX_LANES; ++l) hit |= row[at + l] == best;
+                if (hit) break;
+            }
+            while (row[at] != best) ++at;
+        }
+        out[r] = at;
+    }
+    return 0;
+}

@@ -25,13 +25,19 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from pagedkv.engine import layer_ops
-from pagedkv.engine.attention import AttentionMetadata, attend, paged_attention
+from pagedkv.engine.attention import (
+    AttentionMetadata,
+    attend,
+    bind_native_decode,
+    paged_attention,
+)
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
 from pagedkv.engine.qlinear import QuantizedProjection, check_quantization, require_in_place
 from pagedkv.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
+_ROPE_CHUNK = 256  # positions per piece of the RoPE table (see _grow_rope_table)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -111,8 +117,11 @@ class LlamaModel:
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
         self.final_norm = w["model.norm.weight"]
         self.scale = config.head_dim**-0.5
+        self._layer_windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
         inv = rope_inv_freq(config.rope, config.head_dim)
         self._inv_freq = inv.to(torch.float32).to(self.device)
+        self._rope_cos = torch.empty(0, config.head_dim, dtype=self.dtype, device=self.device)
+        self._rope_sin = torch.empty_like(self._rope_cos)  # _rope's tables, grown on demand
         self.quantization: str | None = None
         self._lm_head_q: Linear | None = None
         self.deferred_quantization: dict[str, Callable[[LlamaModel], None]] = {}  # quantize()
@@ -255,10 +264,43 @@ class LlamaModel:
                     names.append(f"{p}mlp.{proj}.bias")
         return names
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (``[positions, head_dim]``, the model dtype) by transformers' formula."""
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _grow_rope_table(self, num_positions: int) -> None:
+        """Extend the cos/sin table to cover positions below ``num_positions`` (at least
+        doubling it). Built in chunks of ``_ROPE_CHUNK`` positions, each by ``_rope_rows``:
+        a chunk is one single-threaded, fully vectorised cos and sin (its element count is a
+        multiple of 16 and under torch's intra-op grain), as a step's own small call is, so
+        the table holds the bits that call computes."""
+        have = self._rope_cos.shape[0]
+        want = -(-max(num_positions, 2 * have) // _ROPE_CHUNK) * _ROPE_CHUNK
+        parts = [
+            self._rope_rows(torch.arange(a, a + _ROPE_CHUNK, device=self.device))
+            for a in range(have, want, _ROPE_CHUNK)
+        ]
+        self._rope_cos = torch.cat([self._rope_cos, *(c for c, _ in parts)])
+        self._rope_sin = torch.cat([self._rope_sin, *(s for _, s in parts)])
+
+    def _ensure_rope(self, meta: AttentionMetadata) -> None:
+        """Grow the RoPE table to cover the step's positions."""
+        end = meta.position_end
+        if end < 0 and meta.positions.numel():  # metadata built without it: one reduction
+            end = int(meta.positions.max()) + 1
+        if end > self._rope_cos.shape[0]:
+            self._grow_rope_table(end)
+
+    def _rope(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's positions (``[tokens, 1, head_dim]``): rows of a table
+        kept across steps (two index calls per step instead of a dozen ops)."""
+        self._ensure_rope(meta)
+        positions = meta.positions
+        cos = self._rope_cos.index_select(0, positions)
+        sin = self._rope_sin.index_select(0, positions)
+        return cos[:, None, :], sin[:, None, :]
 
     @torch.inference_mode()
     def forward(
@@ -266,13 +308,12 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[tokens, hidden]``."""
         cfg = self.config
-        if input_ids.numel() and (
-            int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size
-        ):
-            raise InvalidRequestError(
-                f"token ids must be in [0, {cfg.vocab_size}); got "
-                f"{int(input_ids.min())}..{int(input_ids.max())}"
-            )
+        if input_ids.numel():
+            lo, hi = (int(t) for t in torch.aminmax(input_ids))  # one reduction
+            if lo < 0 or hi >= cfg.vocab_size:
+                raise InvalidRequestError(
+                    f"token ids must be in [0, {cfg.vocab_size}); got {lo}..{hi}"
+                )
         if (
             self.fused_layer_ops
             and self._layer_ops is not None
@@ -284,7 +325,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         n = input_ids.shape[0]
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        cos, sin = self._rope(meta.positions)
+        cos, sin = self._rope(meta)
         h = F.embedding(input_ids, self.embed)
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -315,25 +356,35 @@ class LlamaModel:
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
         """``forward`` with the native layer ops (the module docstring): the same bits. Every
-        intermediate lives in a buffer allocated here once and reused by each layer; the
-        residual stream ``h`` is updated in place."""
+        intermediate lives in a buffer reused by each layer, and by the next step of the same
+        size (``ModelLayerOps.step``); the residual stream ``h`` is updated in place."""
         cfg, ops = self.config, self._layer_ops
         assert ops is not None
-        n, hd = input_ids.shape[0], cfg.head_dim
-        cos, sin = (t.view(n, hd) for t in self._rope(meta.positions))
-        h = F.embedding(input_ids, self.embed)
-        buf = ops.step(h, cos, sin, meta.slot_mapping, cache, cfg.num_attention_heads,
-                       cfg.intermediate_size)  # fmt: skip
+        self._ensure_rope(meta)
+        buf = ops.step(input_ids.shape[0], cache, cfg.num_attention_heads, cfg.intermediate_size)
+        buf.load(input_ids, self.embed, self._rope_cos, self._rope_sin, meta.positions,
+                 meta.slot_mapping)  # fmt: skip
         buf.input_norm()
-        for i in range(cfg.num_hidden_layers):
+        views = [meta.for_window(w) for w in self._layer_windows]
+        distinct = {id(v): v for v in views}  # one view, or two for a mixed-window model
+        bound = {
+            key: bind_native_decode(buf.q, cache, v, self.scale, buf.att)
+            for key, v in distinct.items()
+        }
+        k_pools, v_pools = cache.k, cache.v
+        for i, view in enumerate(views):
             buf.rope_write(i, _linear(self._qkv[i], buf.x, buf.qkv))
-            attend(i, buf.q, cache, meta.for_window(cfg.layer_window(i)), self.scale, buf.att)
+            call = bound[id(view)]
+            if call is not None:  # a decode-only step: one ctypes call
+                call(k_pools[i], v_pools[i])
+            else:
+                attend(i, buf.q, cache, view, self.scale, buf.att)
             buf.add_post_norm(i, _linear(self._o[i], buf.att_rows, buf.o))
             gu = _linear(self._gate_up[i], buf.x, buf.gate_up)
             g, u = (buf.gate, buf.up) if gu is buf.gate_up else gu.chunk(2, dim=-1)
             torch.mul(F.silu(g, inplace=True), u, out=buf.act)
             buf.add_next_norm(i, _linear(self._down[i], buf.act, buf.down))
-        return buf.x
+        return buf.out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
