@@ -32,7 +32,7 @@ class CommitMixin(PrefixAdmissionMixin):
 
     def append_and_commit(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
         """``append_tokens(token_ids)`` then ``commit(num_tokens)`` in one lookup: a sampling
-        step's update (the scheduler's hot path, so both are inlined). All or nothing: both are
+        step's update (a plain decode that completes no block is inlined). All or nothing: both are
         validated before either changes anything. Returns what ``commit`` returns."""
         seq = self._seqs.get(request_id)
         if seq is None:
@@ -61,16 +61,7 @@ class CommitMixin(PrefixAdmissionMixin):
         new_computed = seq.num_computed + num_tokens
         if num_tokens < 0 or num_tokens > seq.num_pending or new_computed > num_known:
             self._check_commit(seq, num_tokens, num_known)  # raises, naming the reason
-        new = list(token_ids)
-        if self.config.enable_prefix_caching:
-            completed = seq.chain.extend(new)  # raises, changing nothing, for bad token ids
-            if completed and seq.started:  # they are this request's to compute: in flight
-                self._inflight.extend(seq, completed)
-        else:
-            pack_tokens(new)
-        seq.token_ids.extend(new)
-        if seq.match is not None:
-            self._drop_memo(seq)
+        self._append(seq, token_ids)  # raises, changing nothing, for bad token ids
         seq.num_computed = new_computed
         seq.num_pending -= num_tokens
         if new_computed // self.block_size <= seq.num_cached_blocks:
@@ -101,9 +92,7 @@ class CommitMixin(PrefixAdmissionMixin):
         num_new = 0
         for seq, tok in zip(cast("list[SeqState]", seqs), token_ids, strict=True):
             if caching and not seq.chain.try_append(tok):  # it completes a block: hash it
-                completed = seq.chain.extend([tok])  # a list: packed in C
-                if completed and seq.started:  # they are this request's to compute: in flight
-                    self._inflight.extend(seq, completed)
+                self._extend_chain(seq, [tok])  # a list: packed in C
             seq.token_ids.append(tok)
             if seq.match is not None:
                 self._drop_memo(seq)
@@ -137,14 +126,19 @@ class CommitMixin(PrefixAdmissionMixin):
     def _append(self, seq: SeqState, token_ids: Sequence[int]) -> None:
         new = list(token_ids)
         if self.config.enable_prefix_caching:
-            completed = seq.chain.extend(new)
-            if completed and seq.started:  # they are this request's to compute: in flight
-                self._inflight.extend(seq, completed)
+            self._extend_chain(seq, new)
         else:
             pack_tokens(new)
         seq.token_ids.extend(new)
         if seq.match is not None:
             self._drop_memo(seq)
+
+    def _extend_chain(self, seq: SeqState, new: list[int]) -> None:
+        """Extend the request's hash chain by ``new`` (raises, changing nothing, for bad token
+        ids); blocks it completes are this request's to compute, so they are in flight."""
+        completed = seq.chain.extend(new)
+        if completed and seq.started:
+            self._inflight.extend(seq, completed)
 
     def commit(self, request_id: str, num_tokens: int) -> int:
         """Mark ``num_tokens`` scheduled positions computed; share the blocks they filled.
