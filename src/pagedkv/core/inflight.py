@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pagedkv.core.hashing import BlockHash
+from pagedkv.core.prefix_index import drop_counts
 from pagedkv.core.seq_state import SeqState
 from pagedkv.errors import InvariantViolation
 
@@ -81,10 +82,4 @@ class InflightTable:
             counts[h] = counts.get(h, 0) + 1
 
     def _drop(self, hashes: Sequence[BlockHash]) -> None:
-        counts = self._counts
-        for h in hashes:
-            n = counts[h] - 1
-            if n:
-                counts[h] = n
-            else:
-                del counts[h]
+        drop_counts(self._counts, hashes)

@@ -21,8 +21,9 @@ _MATCH_CHUNK = 64  # hashes looked up per step of match_prefix
 _K = TypeVar("_K")
 
 
-def _drop_counts(table: dict[_K, int], keys: Iterable[_K]) -> None:
-    """Decrement a count per key; a count reaching 0 leaves the table."""
+def drop_counts(table: dict[_K, int], keys: Iterable[_K]) -> None:
+    """Decrement a count per key; a count reaching 0 leaves the table (a key not in it raises
+    ``KeyError``). Shared by the pool's watches and the manager's in-flight table."""
     for k in keys:
         n = table[k] - 1
         if n:
@@ -86,8 +87,8 @@ class PrefixIndexMixin:
 
     def unwatch(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
         """Drop watches taken by ``watch`` (same arguments)."""
-        _drop_counts(self._watched_blocks, block_ids)
-        _drop_counts(self._watched_hashes, block_hashes)
+        drop_counts(self._watched_blocks, block_ids)
+        drop_counts(self._watched_hashes, block_hashes)
 
     def _promote_copy(self, block_hash: BlockHash) -> None:
         copies = self._copies[block_hash]
