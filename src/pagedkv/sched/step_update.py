@@ -196,19 +196,7 @@ class StepUpdateMixin(KVSharingMixin):
         req.num_computed_tokens += num_committed  # == the manager's count (S3)
         if windowed:
             self._release_outside_window(req)
-        if req.draft_token_ids:
-            req.draft_token_ids = []
-        if reason is not None:
-            self._remove_running(req)
-            self._finish(req, reason)
-        return RequestOutput(
-            rid,
-            tuple(final),
-            reason is not None,
-            reason,
-            req.num_prompt_tokens,
-            req.num_cached_tokens,
-        )
+        return self._end_of_step(req, tuple(final), reason)
 
     def _apply_decode(self, req: Request, token_id: int) -> RequestOutput:
         """``_apply_sampled`` for a plain decode (one position, no drafts, no window): append
@@ -218,6 +206,12 @@ class StepUpdateMixin(KVSharingMixin):
         final = (tok,)
         self.manager.append_and_commit(req.request_id, final, 1)  # req.all_token_ids too (S6)
         req.num_computed_tokens += 1  # == the manager's count (S3)
+        return self._end_of_step(req, final, reason)
+
+    def _end_of_step(
+        self, req: Request, final: tuple[int, ...], reason: FinishReason | None
+    ) -> RequestOutput:
+        """A sampled request's drafts are spent; it finishes on a stop; its output record."""
         if req.draft_token_ids:
             req.draft_token_ids = []
         if reason is not None:
