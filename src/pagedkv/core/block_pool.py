@@ -91,7 +91,9 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
         self._free_uncached: list[int] = []  # a stack; the next block to hand out is at the end
         self._num_shared = 0  # == count(ref > 1)
         self._copy_of: dict[int, BlockHash] = {}  # copy block -> the hash it duplicates (I7)
-        self._copies: dict[BlockHash, list[int]] = {}  # hash -> its copies, oldest first
+        self._copies: dict[BlockHash, int] = {}  # hash -> its oldest copy
+        self._more_copies: dict[BlockHash, list[int]] = {}  # hash -> its later copies, oldest
+        # first (a hash with a second copy: rare, so a free of single copies skips lists)
         self._watched_blocks: dict[int, int] = {}  # block id -> number of watches on it
         self._watched_hashes: dict[BlockHash, int] = {}  # hash -> number of watches on it
         self.watch_epoch = 0  # bumped when something watched changes (see the module docstring)
