@@ -10,7 +10,9 @@ Cost: a request's free is one C pass reading the ref counts (``itemgetter``), on
 loop, one C pass reading the hashed flags and one push per block into the LRU. ``tuple.count``
 and ``in`` match small ints by identity but compare every other element generically (as ``min``
 and ``max`` compare every pair), so each extra pass over the counts costs about as much as the
-store loop: the paths below use as few as they can.
+store loop: the paths below use as few as they can. A table whose blocks are shared (a prefix
+held by other requests) is freed as runs of one count each (``_runs``: a ``count`` and an
+``index`` per run), each run a constant store per block rather than a read-modify-write.
 """
 
 from __future__ import annotations
@@ -152,8 +154,9 @@ class FreePathMixin:
         The same checks and all-or-nothing rule, less what such a table makes impossible: ids
         out of range, and a block listed twice (a table holds distinct blocks: the manager's
         M1). Ref counts are still checked, so a block not in use still raises and changes
-        nothing. Blocks shared with other requests (ref > 1) are decremented in one plain loop
-        over the counts read in C, not by the sequential validating pass of ``free``.
+        nothing. Blocks shared with other requests (ref > 1) are decremented from the counts
+        read in C, a run of one count at a time (``_runs``), else in one read-modify-write
+        loop, not by the sequential validating pass of ``free``.
         """
         if block_ids:
             self._free(block_ids, distinct=True)
