@@ -28,6 +28,9 @@ free       ``KVCacheManager.free`` of a finished 4K/32K-token request, per promp
            holds the first half too: 3 -> 2, 2 -> 1), ``copies`` (its blocks duplicate a live
            request's). Details and what is like for like with vLLM:
            ``core_free.py``.
+touch      the references a prefix hit takes on a cached 4K/32K prompt's blocks, per prompt:
+           ``cached-free`` (0 -> 1, off the LRU) and ``in-use`` (1 -> 2), through
+           ``touch_owned`` (the manager's call) and the public checked ``touch``: ``core_touch.py``.
 counts     ``pool.num_free_blocks`` and ``pool.usage`` (plain attribute reads), per read, on a
            131,072-block pool half in use.
 """
@@ -55,6 +58,7 @@ from _harness import (
     write_json,
 )
 from core_free import FREE_KINDS, free_case
+from core_touch import TOUCH_KINDS, touch_case
 from pagedkv.core import (
     BlockHashChain,
     BlockPool,
@@ -80,7 +84,7 @@ TARGET_ALLOC_US = 0.4
 TARGET_HASH_US = 0.6
 ADMIT_FLAT = 1.25
 
-FIXTURES = ("admission", "alloc", "evict", "prefix", "hash", "free", "counts")
+FIXTURES = ("admission", "alloc", "evict", "prefix", "hash", "free", "touch", "counts")
 ADMISSION_PAGES = (512, 8192, 32_768, 131_072)  # the first two in --quick
 ADMISSION_RUNNING = (32, 1024)  # the first in --quick
 ALLOC_POOL_SIZES = (1024, 131_072, 16_384, 1_048_576)  # the first two in --quick
@@ -344,6 +348,16 @@ def free_cases(quick: bool) -> list[Case]:
     ]
 
 
+def touch_cases(quick: bool) -> list[Case]:
+    """``BlockPool.touch_owned`` and ``touch`` of a cached prompt's blocks (``core_touch.py``)."""
+    return [
+        touch_case(kind, n, BLOCK_SIZE, quick, checked=checked)
+        for n in (PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS)
+        for kind in TOUCH_KINDS
+        for checked in (False, True)
+    ]
+
+
 def count_cases(quick: bool) -> list[Case]:
     pool = BlockPool(PoolConfig(num_blocks=131_072))
     pool.allocate(65_536)
@@ -425,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefix": prefix_cases,
         "hash": hash_cases,
         "free": free_cases,
+        "touch": touch_cases,
         "counts": count_cases,
     }
     peers = []

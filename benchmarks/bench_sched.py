@@ -158,6 +158,7 @@ def decode_cases(quick: bool) -> list[Case]:
                 warmup=steps,
                 params={"running": n, "prompt_tokens": PROMPT_TOKENS, "steps_per_round": steps},
                 check=check,
+                interleave="decode",  # every size (and the peer's) round by round: flatness
             )
         )
     return cases

@@ -153,6 +153,7 @@ class InfiniLMPeer:
                     params={"running": n, "prompt_tokens": PROMPT_TOKENS, "steps_per_round": steps},
                     note="Scheduler.schedule + update",
                     check=check,
+                    interleave="decode",  # with pagedkv's decode rows, every size alike
                 )
             )
         return cases

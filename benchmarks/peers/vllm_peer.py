@@ -70,6 +70,7 @@ class VLLMPeer:
             "alloc": self.alloc_cases,
             "hash": self.hash_cases,
             "free": self.free_cases,
+            "touch": self.touch_cases,
             "counts": self.count_cases,
             "evict": self.evict_cases,
         }
@@ -173,6 +174,26 @@ class VLLMPeer:
             free_case(kind, prefix_prompt(n), BLOCK_SIZE, quick, self._manager, new_request)
             for n in (PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS)
             for kind in FREE_KINDS
+        ]
+
+    def touch_cases(self, quick: bool) -> list[Case]:
+        """``BlockPool.touch`` of a cached prompt's blocks (``vllm_touch``)."""
+        from bench_core import PREFIX_LENGTHS
+        from core_touch import TOUCH_KINDS
+        from peers.vllm_touch import touch_case
+
+        waiting = self.mods["request"].RequestStatus.WAITING
+
+        def new_request(rid: str, num_blocks: int) -> _Request:
+            req = _Request(rid, [0] * (num_blocks * BLOCK_SIZE), waiting)
+            req.block_hashes.extend(i.to_bytes(32, "little") for i in range(num_blocks))
+            return req
+
+        pool_class = self.mods["pool"].BlockPool
+        return [
+            touch_case(kind, n, BLOCK_SIZE, quick, pool_class, new_request)
+            for n in (PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS)
+            for kind in TOUCH_KINDS
         ]
 
     def evict_cases(self, quick: bool) -> list[Case]:

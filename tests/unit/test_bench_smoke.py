@@ -40,7 +40,16 @@ def test_bench_core_quick_prints_table_and_writes_json(tmp_path: Path) -> None:
     assert "median / op" in proc.stdout
     doc = json.loads(out.read_text())
     benches = {r["bench"] for r in doc["results"]}
-    assert benches == {"admission", "alloc+free", "evict", "prefix", "hash", "free", "counts"}
+    assert benches == {
+        "admission",
+        "alloc+free",
+        "evict",
+        "prefix",
+        "hash",
+        "free",
+        "touch",
+        "counts",
+    }
     for r in doc["results"]:
         assert r["impl"] == "pagedkv"
         assert r["median_us"] > 0

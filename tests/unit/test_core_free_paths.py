@@ -185,3 +185,54 @@ def test_manager_check_invariants_catches_a_table_listing_a_block_twice() -> Non
     m.pool.touch([b])
     with pytest.raises(InvariantViolation, match=r"^M1: request 'a' lists a block twice"):
         m.check_invariants()
+
+
+def _table_with_counts(pool: BlockPool, counts: list[int]) -> list[int]:
+    """Blocks in use with these ref counts (cached, so the ones reaching 0 go to the LRU)."""
+    ids = pool.allocate(len(counts))
+    pool.cache_blocks(ids, [bytes([i]) * 8 for i in range(len(counts))], parent_hash=None)
+    for b, c in zip(ids, counts, strict=True):
+        for _ in range(c - 1):
+            pool.touch_owned([b])
+    return ids
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [1] * 2 + [2] * 10,  # one shared count after an own tail (the shared free)
+        [1] + [2] * 9 + [3] * 10,  # nested: two runs
+        [1, 2] + [2] * 8 + [3] * 4 + [4] * 4 + [5] * 3,  # four runs
+        [1, 3, 2] + [2] * 9 + [3] * 9,  # a tail that is not a run
+        [2] * 5 + [1] * 5 + [2] * 5,  # not runs: the general loop
+        [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3 + [5] * 3 + [6] * 3,  # too many runs
+        [2] * 3 + [3] * 3 + [2] * 3,  # a count that comes back
+        [1, 2, 3],  # short: one by one
+    ],
+)
+def test_free_owned_of_runs_of_counts_matches_one_decrement_each(counts: list[int]) -> None:
+    pool = BlockPool(PoolConfig(num_blocks=64))
+    ids = _table_with_counts(pool, counts)
+    order = ids  # freed in this order; the blocks reaching 0 enter the LRU in it
+    free_before = pool.num_free_blocks
+    pool.free_owned(order)
+    assert pool.ref_counts(ids) == [c - 1 for c in counts]
+    assert pool.eviction_order() == [b for b, c in zip(ids, counts, strict=True) if c == 1]
+    assert pool.num_shared_blocks == sum(1 for c in counts if c > 2)
+    assert pool.num_free_blocks == free_before + counts.count(1)
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("where", [0, 5, 11, 19])
+def test_free_owned_of_runs_with_a_block_not_in_use_changes_nothing(where: int) -> None:
+    pool = BlockPool(PoolConfig(num_blocks=64))
+    counts = [1] + [2] * 9 + [3] * 10
+    ids = _table_with_counts(pool, counts)
+    bad = ids[where]
+    for _ in range(counts[where]):
+        pool.free([bad])
+    before = _snapshot(pool, ids)
+    with pytest.raises(RequestStateError, match=f"block {bad} is not in use"):
+        pool.free_owned(ids)
+    assert _snapshot(pool, ids) == before
+    pool.check_invariants()

@@ -63,3 +63,24 @@ def test_elastic_pool_grows_while_cached_blocks_wait_in_the_lru() -> None:
     assert c[-2:] == [3, 2]
     assert pool.eviction_order() == [1, 5, 4]
     pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("removed", "left"),
+    [
+        ([5, 4, 3], [0, 1, 2]),  # the newest run, in match order (head first)
+        ([0, 1], [2, 3, 4, 5]),  # the next victims
+        ([1, 3, 5], [0, 2, 4]),  # scattered
+        ([0, 1, 2, 3, 4, 5], []),  # everything: the sentinel links to itself
+    ],
+)
+def test_lru_remove_many_unlinks_each_block_and_keeps_the_rest_in_order(
+    removed: list[int], left: list[int]
+) -> None:
+    lru = LRUPolicy(num_blocks=8)
+    lru.push_many([0, 1, 2, 3, 4, 5])
+    lru.remove_many(removed)
+    assert (list(lru), len(lru)) == (left, len(left))
+    lru.push(7)  # the list still links both ways: a push and a victim see the right ends
+    assert list(lru) == [*left, 7]
+    assert lru.pop_victim() == (left or [7])[0]

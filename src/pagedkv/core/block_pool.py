@@ -25,15 +25,16 @@ Watches (for memoised prefix matches): a caller may ``watch`` blocks and hashes;
 can alter a prefix match over them (a watched block evicted, or its ref count crossing 0, or a
 watched hash indexed) bumps ``watch_epoch``. A match taken at the current epoch is still exact.
 
-Parts in their own modules: ``prefix_index.py`` (the index, copies and watches) and
-``pool_free.py`` (``free``/``free_owned``: the references dropped, the freed blocks placed).
+Parts in their own modules: ``prefix_index.py`` (the index, copies and watches),
+``pool_free.py`` (``free``/``free_owned``: the references dropped, the freed blocks placed) and
+``pool_touch.py`` (``touch``/``touch_owned``: references taken on hit or forked blocks).
 
 The pool is single-threaded by design: one owner (the scheduler loop) calls it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from pagedkv.core.events import (
     AllBlocksCleared,
@@ -46,20 +47,20 @@ from pagedkv.core.hashing import BlockHash
 from pagedkv.core.pool_checks import check_pool
 from pagedkv.core.pool_config import PoolConfig as PoolConfig  # re-exported (its old home)
 from pagedkv.core.pool_free import FreePathMixin
+from pagedkv.core.pool_touch import TouchPathMixin
 from pagedkv.core.prefix_index import PrefixIndexMixin
 from pagedkv.errors import (
     CacheBusyError,
     InvalidRequestError,
     InvariantViolation,
     OutOfBlocksError,
-    RequestStateError,
 )
 
 NULL_BLOCK_ID = 0
 """With ``use_null_block``, block 0 is never allocated: runners point padding at it."""
 
 
-class BlockPool(FreePathMixin, PrefixIndexMixin):
+class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
     """Fixed-size KV blocks with reference counts, a free list and a prefix-hash index.
 
     Invariants (``check_invariants()`` recomputes each from scratch):
@@ -90,7 +91,9 @@ class BlockPool(FreePathMixin, PrefixIndexMixin):
         self._free_uncached: list[int] = []  # a stack; the next block to hand out is at the end
         self._num_shared = 0  # == count(ref > 1)
         self._copy_of: dict[int, BlockHash] = {}  # copy block -> the hash it duplicates (I7)
-        self._copies: dict[BlockHash, list[int]] = {}  # hash -> its copies, oldest first
+        self._copies: dict[BlockHash, int] = {}  # hash -> its oldest copy
+        self._more_copies: dict[BlockHash, list[int]] = {}  # hash -> its later copies, oldest
+        # first (a hash with a second copy: rare, so a free of single copies skips lists)
         self._watched_blocks: dict[int, int] = {}  # block id -> number of watches on it
         self._watched_hashes: dict[BlockHash, int] = {}  # hash -> number of watches on it
         self.watch_epoch = 0  # bumped when something watched changes (see the module docstring)
@@ -240,38 +243,6 @@ class BlockPool(FreePathMixin, PrefixIndexMixin):
         if removed and self.events.enabled:
             self.events.push(BlockRemoved(tuple(removed)))
         return victims
-
-    def touch(self, block_ids: Iterable[int]) -> None:
-        """Take one more reference on each block (a prefix hit or a fork). O(1) per block.
-
-        A block with ref count 0 must hold a hash (only cached blocks can be hit); it leaves the
-        eviction policy. Raises RequestStateError, changing nothing, for a free uncached block.
-        """
-        ids = list(block_ids)
-        ref, hashes = self._ref, self._hash
-        n = len(ref)
-        for b in ids:
-            if not 0 <= b < n:
-                self._check_id(b)  # raises the typed error
-            if ref[b] == 0 and hashes[b] is None:
-                raise RequestStateError(f"block {b} is free and uncached; it cannot be shared")
-        remove = self._policy.remove
-        watched = self._watched_blocks
-        num_newly_shared = 0
-        num_taken = 0
-        for b in ids:
-            r = ref[b]
-            if r == 0:
-                remove(b)
-                num_taken += 1
-                if watched and b in watched:
-                    self.watch_epoch += 1
-            elif r == 1:
-                num_newly_shared += 1
-            ref[b] = r + 1
-        self._num_shared += num_newly_shared
-        if num_taken:
-            self._set_free(self.num_free_blocks - num_taken)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; raise CacheBusyError, changing nothing, if a block is in use.

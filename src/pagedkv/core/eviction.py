@@ -30,6 +30,9 @@ class EvictionPolicy(Protocol):
     def remove(self, block_id: int) -> None:
         """``block_id`` was referenced again (a prefix hit) and is no longer evictable."""
 
+    def remove_many(self, block_ids: Sequence[int]) -> None:
+        """``remove`` each of distinct listed blocks (one call for a prefix hit's blocks)."""
+
     def pop_victim(self) -> int:
         """Remove and return the block to evict next. Called only when ``len(self) > 0``."""
 
@@ -56,8 +59,9 @@ class LRUPolicy:
     A doubly linked list threaded through two plain lists indexed by block id, as vLLM's free
     block queue threads one through its block objects: ``_next[b]``/``_prev[b]`` are the
     neighbours of a listed block, and the slot after the last block id is the sentinel (its
-    next is the victim, its prev the newest). A push is three list stores, a removal four; an
-    ``OrderedDict`` allocated and freed a node per push and removal, about twice the cost.
+    next is the victim, its prev the newest). A push is three list stores, a removal four
+    (``push_many``/``remove_many``: one loop for a request's blocks); an ``OrderedDict``
+    allocated and freed a node per push and removal, about twice the cost.
     Entries of unlisted blocks are stale and never read: ``remove`` is called only for a
     listed block (the pool's I1 says which are), and ``__contains__``, for checks and tests,
     walks the list.
@@ -114,6 +118,14 @@ class LRUPolicy:
         nxt[p] = n
         prev[n] = p
         self._len -= 1
+
+    def remove_many(self, block_ids: Sequence[int]) -> None:
+        nxt, prev = self._next, self._prev
+        for b in block_ids:
+            p, n = prev[b], nxt[b]
+            nxt[p] = n
+            prev[n] = p
+        self._len -= len(block_ids)
 
     def pop_victim(self) -> int:
         nxt, s = self._next, self._s

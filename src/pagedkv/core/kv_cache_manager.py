@@ -228,7 +228,7 @@ class KVCacheManager(CommitMixin, BlockTablesMixin, ManagerQueriesMixin):
 
     def _start(self, seq: SeqState, hit_ids: tuple[int, ...], num_computed: int) -> None:
         """A request's first allocation: take its prefix hit and count the prefix query."""
-        self.pool.touch(hit_ids)
+        self.pool.touch_owned(hit_ids)
         seq.block_ids = list(hit_ids)
         seq.table = None
         seq.num_computed = num_computed
@@ -325,7 +325,7 @@ class KVCacheManager(CommitMixin, BlockTablesMixin, ManagerQueriesMixin):
         if max_tokens is not None and max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
         shared = parent.block_ids[: -(-parent.num_computed // self.block_size)]
-        self.pool.touch(shared[parent.num_released_blocks :])  # released entries: null block
+        self.pool.touch_owned(shared[parent.num_released_blocks :])  # released entries: null block
         max_total = parent.max_total_tokens
         if max_tokens is not None:
             max_total = len(parent.token_ids) + max_tokens

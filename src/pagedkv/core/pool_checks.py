@@ -67,8 +67,13 @@ def check_pool(pool: BlockPool) -> None:
 
 
 def _check_copies(pool: BlockPool) -> None:
-    listed = [(b, h) for h, bs in pool._copies.items() for b in bs]
-    if sorted(listed) != sorted(pool._copy_of.items()) or not all(pool._copies.values()):
+    listed = [(b, h) for h, b in pool._copies.items()]
+    listed += [(b, h) for h, bs in pool._more_copies.items() for b in bs]
+    if (
+        sorted(listed) != sorted(pool._copy_of.items())
+        or not all(pool._more_copies.values())
+        or not pool._more_copies.keys() <= pool._copies.keys()
+    ):
         raise InvariantViolation("I7: the copy lists and the copy map disagree")
     for b, h in pool._copy_of.items():
         if pool._ref[b] <= 0 or pool._hash[b] is not None or pool._index.get(h, b) == b:

@@ -10,14 +10,16 @@ Cost: a request's free is one C pass reading the ref counts (``itemgetter``), on
 loop, one C pass reading the hashed flags and one push per block into the LRU. ``tuple.count``
 and ``in`` match small ints by identity but compare every other element generically (as ``min``
 and ``max`` compare every pair), so each extra pass over the counts costs about as much as the
-store loop: the paths below use as few as they can.
+store loop: the paths below use as few as they can. A table whose blocks are shared (a prefix
+held by other requests) is freed as runs of one count each (``_runs``: a ``count`` and an
+``index`` per run), each run a constant store per block rather than a read-modify-write.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import compress, repeat
-from operator import eq, itemgetter
+from itertools import compress
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from pagedkv.core.eviction import EvictionPolicy
@@ -33,19 +35,6 @@ def _gather(values: Sequence[int], ids: Sequence[int]) -> tuple[int, ...]:
     return itemgetter(*ids)(values)  # type: ignore[no-any-return]
 
 
-def _where_one(ids: Sequence[int], counts: tuple[int, ...], num_ones: int) -> list[int]:
-    """``ids[i]`` for each ``counts[i] == 1``, in order (``num_ones`` of them): a few found by
-    ``tuple.index``, many by one C pass (``compress``)."""
-    if num_ones > 16:
-        return list(compress(ids, map(eq, counts, repeat(1))))
-    out: list[int] = []
-    i = -1
-    for _ in range(num_ones):
-        i = counts.index(1, i + 1)
-        out.append(ids[i])
-    return out
-
-
 def _first_repeat(items: Sequence[int]) -> int:
     """Index of the first item that occurs earlier in ``items`` (``len(items)`` if none)."""
     seen: set[int] = set()
@@ -54,6 +43,43 @@ def _first_repeat(items: Sequence[int]) -> int:
             return i
         seen.add(x)
     return len(items)
+
+
+_MAX_RUNS = 4  # more distinct counts than this take the general loop
+_SHORT_TAIL = 8  # counts before the runs looked at one by one
+
+
+def _runs(counts: tuple[int, ...], head: int, num_head: int) -> list[tuple[int, int]] | None:
+    """Split ref counts read tail first into runs of one count each, from the head back:
+    ``[(start, count), ...]``, ``counts[start:end]`` all ``count`` (``end`` the previous
+    run's start), counts strictly falling run by run, every count >= 1; ``counts[:start]``
+    of the last run, fewer than ``_SHORT_TAIL``, are left to the caller, checked >= 1.
+    None if the counts are not so shaped (the caller takes the general loop).
+
+    Each run costs a ``tuple.count`` and a ``tuple.index`` in C: the count of a run's value
+    over the whole tuple equals the run's length only because every later (headward) run
+    holds a larger count, and the first occurrence then marks the run's start.
+    """
+    runs: list[tuple[int, int]] = []
+    end = len(counts)
+    top, num_top = head, num_head
+    while end >= _SHORT_TAIL:
+        start = end - num_top
+        if top <= 0 or start < 0 or counts.index(top) != start:
+            return None
+        runs.append((start, top))
+        if len(runs) > _MAX_RUNS:
+            return None
+        end = start
+        if end < _SHORT_TAIL:
+            break
+        nxt = counts[end - 1]
+        if nxt >= top:
+            return None
+        top, num_top = nxt, counts.count(nxt)
+    if 0 in counts[:end]:
+        return None
+    return runs
 
 
 class FreePathMixin:
@@ -108,6 +134,11 @@ class FreePathMixin:
             if r == 2:
                 self._num_shared -= 1
             return
+        self._place_one(b)
+        self._set_free(self.num_free_blocks + 1)
+
+    def _place_one(self, b: int) -> None:
+        """Put one block that reached ref 0 where ``_place_freed`` would."""
         if self._hashed[b]:
             self._policy.push(b)
         else:
@@ -116,7 +147,6 @@ class FreePathMixin:
             self._free_uncached.append(b)
         if self._watched_blocks and b in self._watched_blocks:
             self.watch_epoch += 1
-        self._set_free(self.num_free_blocks + 1)
 
     def free_owned(self, block_ids: Sequence[int]) -> None:
         """``free`` of a block table this pool handed out (a manager's own, never user input).
@@ -124,8 +154,9 @@ class FreePathMixin:
         The same checks and all-or-nothing rule, less what such a table makes impossible: ids
         out of range, and a block listed twice (a table holds distinct blocks: the manager's
         M1). Ref counts are still checked, so a block not in use still raises and changes
-        nothing. Blocks shared with other requests (ref > 1) are decremented in one plain loop
-        over the counts read in C, not by the sequential validating pass of ``free``.
+        nothing. Blocks shared with other requests (ref > 1) are decremented from the counts
+        read in C, a run of one count at a time (``_runs``), else in one read-modify-write
+        loop, not by the sequential validating pass of ``free``.
         """
         if block_ids:
             self._free(block_ids, distinct=True)
@@ -133,8 +164,9 @@ class FreePathMixin:
     def _free(self, block_ids: Sequence[int], *, distinct: bool) -> None:
         ref = self._ref
         counts = _gather(ref, block_ids)
-        num_ones = counts.count(1)
-        if num_ones == len(block_ids):  # every block exclusive: all reach 0
+        head = counts[-1]  # the most shared block of a table freed tail first
+        num_head = counts.count(head)  # the majority's count: matched by identity, fast
+        if head == 1 and num_head == len(block_ids):  # every block exclusive: all reach 0
             for b in block_ids:
                 ref[b] = 0
             zeros = block_ids if isinstance(block_ids, list) else list(block_ids)
@@ -142,10 +174,8 @@ class FreePathMixin:
                 for b in block_ids:  # undo: a block was listed twice
                     ref[b] = 1
                 self._raise_not_in_use(block_ids, _first_repeat(block_ids))
-        elif distinct and (
-            (shared := self._decrement_distinct(block_ids, counts, num_ones)) is not None
-        ):
-            zeros = shared
+        elif distinct and (runs := _runs(counts, head, num_head)) is not None:
+            zeros = self._decrement_runs(block_ids, counts, runs)
             if zeros:
                 self._place_freed(zeros, check_repeats=False)
         else:
@@ -155,37 +185,39 @@ class FreePathMixin:
         if zeros:
             self._set_free(self.num_free_blocks + len(zeros))
 
-    def _decrement_distinct(
-        self, block_ids: Sequence[int], counts: tuple[int, ...], num_ones: int
-    ) -> list[int] | None:
-        """Drop one reference from each of distinct blocks, some shared, whose ref counts are
-        ``counts``; return those reaching 0, or None (changing nothing) if one is free.
+    def _decrement_runs(
+        self, block_ids: Sequence[int], counts: tuple[int, ...], runs: list[tuple[int, int]]
+    ) -> list[int]:
+        """Drop one reference from each of distinct blocks whose ref counts ``counts`` are
+        runs (``_runs``'s answer, every count >= 1 checked); return those reaching 0, in order.
 
-        Two C passes read the counts (``count(1)`` by the caller, one ``set``): a generic
-        comparison per element each, so no more (``min``, ``max`` and further ``count`` calls
-        cost as much again). One shared count (a prefix held by the same other requests, the
-        usual case) is a constant store per block, then the exclusive ones go to 0: about half
-        the cost of the read-modify-write that several counts (nested sharing) take.
+        A run of one count is a constant store per block (``ref[b] = v - 1``), about half the
+        cost of the read-modify-write the general loop takes; the few blocks before the runs
+        (the tail: the request's own blocks) are done one by one.
         """
-        values = set(counts)
-        if 0 in values:
-            return None
         ref = self._ref
-        zeros = _where_one(block_ids, counts, num_ones)
-        values.discard(1)
-        if len(values) == 1:
-            (top,) = values
-            shared_after = top - 1
-            for b in block_ids:
-                ref[b] = shared_after
-            for b in zeros:
-                ref[b] = 0
-            num_twos = len(block_ids) - num_ones if top == 2 else 0
-        else:
-            for b in block_ids:
-                ref[b] -= 1
-            num_twos = counts.count(2)
-        self._num_shared -= num_twos  # a block at 2 is no longer shared
+        zeros: list[int] = []
+        num_unshared = 0  # blocks going from 2 to 1
+        first = runs[-1][0] if runs else len(block_ids)
+        for i in range(first):  # the tail before the runs
+            b, r = block_ids[i], counts[i]
+            ref[b] = r - 1
+            if r == 1:
+                zeros.append(b)
+            elif r == 2:
+                num_unshared += 1
+        end = len(block_ids)
+        for start, v in runs:
+            after = v - 1
+            run = block_ids[start:end]
+            for b in run:
+                ref[b] = after
+            if after == 0:
+                zeros.extend(run)  # the runs strictly decrease: this one is the last
+            elif after == 1:
+                num_unshared += end - start
+            end = start
+        self._num_shared -= num_unshared
         return zeros
 
     def _decrement(self, block_ids: Sequence[int]) -> list[int]:
@@ -217,9 +249,12 @@ class FreePathMixin:
 
         With ``check_repeats`` (counts set to 0 without a per-block check, ids not known to be
         distinct) a repeated block is detected here: nothing is placed and False is returned
-        for the caller to undo.
+        for the caller to undo. One block (a shared table's own tail) skips the batch steps.
         """
         policy = self._policy
+        if len(zeros) == 1:
+            self._place_one(zeros[0])
+            return True
         hs = _gather(self._hashed, zeros)
         # ``count`` matches by identity first and compares the rest generically: count the
         # value the head (last, usually hashed) holds, the majority in a request's free.

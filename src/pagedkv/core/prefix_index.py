@@ -43,7 +43,8 @@ class PrefixIndexMixin:
     _hashed: bytearray
     _index: dict[BlockHash, int]
     _copy_of: dict[int, BlockHash]
-    _copies: dict[BlockHash, list[int]]
+    _copies: dict[BlockHash, int]
+    _more_copies: dict[BlockHash, list[int]]
     _watched_blocks: dict[int, int]
     _watched_hashes: dict[BlockHash, int]
     version: int
@@ -74,7 +75,9 @@ class PrefixIndexMixin:
 
     def copies_of(self, block_hash: BlockHash) -> list[int]:
         """In-use copies of an indexed hash, next to take it over first (for tests)."""
-        return list(self._copies.get(block_hash, ()))
+        if block_hash not in self._copies:
+            return []
+        return [self._copies[block_hash], *self._more_copies.get(block_hash, ())]
 
     def watch(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
         """Bump ``watch_epoch`` whenever one of these blocks is evicted or crosses ref count 0,
@@ -91,64 +94,64 @@ class PrefixIndexMixin:
         drop_counts(self._watched_hashes, block_hashes)
 
     def _promote_copy(self, block_hash: BlockHash) -> None:
-        copies = self._copies[block_hash]
-        d = copies.pop(0)
-        if not copies:
-            del self._copies[block_hash]
+        d = self._copies.pop(block_hash)
+        if block_hash in self._more_copies:
+            self._next_copy(block_hash)
         del self._copy_of[d]
         self._index[block_hash] = d
         self._hash[d] = block_hash
         self._hashed[d] = 1
 
+    def _next_copy(self, block_hash: BlockHash) -> None:
+        """The oldest of the later copies becomes the hash's first copy."""
+        more = self._more_copies[block_hash]
+        self._copies[block_hash] = more.pop(0)
+        if not more:
+            del self._more_copies[block_hash]
+
     def _drop_copies(self, uncached: list[int]) -> None:
         """Freed copies whose hash is served elsewhere become plain garbage (I7).
 
         A few blocks (the usual partial tail) take a plain loop. Many (a request whose every
-        block is a copy) take two C passes: each block's copy entry is popped (its hash, or
-        None for a block that is no copy), then each hash's list of copies; if some hash had
-        more copies than this one, or is named twice, the lists go back and the plain loop
-        finishes the job.
+        block is a copy) take two C passes while no hash has a second copy (the usual case:
+        ``_more_copies`` is empty): each block's copy entry is popped (its hash, or None for a
+        block that is no copy), then each hash's first copy, which can only be that block.
         """
-        if len(uncached) > 8:
-            lists = self._pop_single_copies(uncached)
-            if lists is None:
-                return
-            uncached = lists
-        copy_of, copies_of = self._copy_of, self._copies
+        if len(uncached) > 8 and not self._more_copies:
+            self._pop_single_copies(uncached)
+            return
+        copy_of, copies, more = self._copy_of, self._copies, self._more_copies
         for b in uncached:
             h = copy_of.pop(b, None)
-            if h is not None:
-                copies = copies_of[h]
-                if len(copies) == 1:
-                    del copies_of[h]
+            if h is None:
+                continue
+            if copies[h] == b:  # the first copy: the next one (if any) takes its place
+                if h in more:
+                    self._next_copy(h)
                 else:
-                    copies.remove(b)
+                    del copies[h]
+            else:
+                later = more[h]
+                later.remove(b)
+                if not later:
+                    del more[h]
 
-    def _pop_single_copies(self, uncached: list[int]) -> list[int] | None:
-        """The C passes of ``_drop_copies``: None when done, else the freed copies left for the
-        plain loop (their entries restored)."""
-        copy_of, copies_of = self._copy_of, self._copies
-        # Whether every pop found its key is read from the dicts' sizes (O(1)), not by ``in``
+    def _pop_single_copies(self, uncached: list[int]) -> None:
+        """The C passes of ``_drop_copies`` (every hash has one copy at most)."""
+        copy_of = self._copy_of
+        # Whether every pop found its key is read from the dict's size (O(1)), not by ``in``
         # (a generic comparison of each hash with None, as slow as the pop itself).
         num_entries = len(copy_of)
         raw: list[BlockHash | None] = list(map(copy_of.pop, uncached, repeat(None)))
         if num_entries - len(copy_of) != len(uncached):  # some freed blocks were no copies
-            freed = [b for b, h in zip(uncached, raw, strict=True) if h is not None]
             hs = [h for h in raw if h is not None]
         else:
-            freed, hs = uncached, cast(list[BlockHash], raw)
-        none: list[int] | None = None
-        num_entries = len(copies_of)
-        lists = list(map(copies_of.pop, hs, repeat(none)))  # None: a hash named again
-        if num_entries - len(copies_of) == len(hs) and sum(
-            map(len, cast(list[list[int]], lists))
-        ) == len(lists):
-            return None  # each hash had exactly this one copy
-        for b, h, copies in zip(freed, hs, lists, strict=True):
-            copy_of[b] = h
-            if copies is not None:
-                copies_of[h] = copies
-        return freed
+            hs = cast(list[BlockHash], raw)
+        # One copy per hash: each freed copy is its hash's only one, and no hash is named twice
+        # (two freed copies of one hash would make a second copy).
+        copies = self._copies
+        for h in hs:
+            del copies[h]
 
     def cache_blocks(
         self,
@@ -186,7 +189,10 @@ class PrefixIndexMixin:
             if h in index:
                 self.num_duplicate_commits += 1
                 copy_of[b] = h
-                self._copies.setdefault(h, []).append(b)
+                if h in self._copies:
+                    self._more_copies.setdefault(h, []).append(b)
+                else:
+                    self._copies[h] = b
                 continue
             index[h] = b
             hashes[b] = h
