@@ -8,7 +8,7 @@ import numpy as np
 
 from pagedkv.core import CacheConfig
 from pagedkv.sched import Request, Scheduler, SchedulerConfig
-from pagedkv.sched.output import ScheduledRequest, StepSlots, decode_entries
+from pagedkv.sched.output import RequestOutput, ScheduledRequest, StepSlots, decode_entries
 
 _FIELDS = (
     "request_id",
@@ -67,3 +67,25 @@ def test_a_decode_step_crossing_block_boundaries_keeps_order_and_slots() -> None
         sched.update(out, {sr.request_id: [7] for sr in out.scheduled if sr.samples})
     # prefill: 1 + 1 + 2 blocks; decode positions 3..7, 4..8 and 5..9 start 1 + 2 + 1 blocks
     assert num_new_blocks == 8
+
+
+def test_a_run_of_plain_decodes_reports_the_constructors_outputs() -> None:
+    """``update``'s outputs for plain decodes that do not finish (made without a constructor
+    call) equal ``RequestOutput(...)`` field for field, cached prefix counts included."""
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, check_invariants=True
+        ),
+        CacheConfig(block_size=4, num_blocks=32, watermark=0.0),
+    )
+    for i, n in enumerate((3, 6)):
+        sched.add_request(Request(f"r{i}", list(range(1, n + 1)), max_tokens=10))
+    out = sched.schedule()
+    sched.update(out, {sr.request_id: [50] for sr in out.scheduled if sr.samples})
+    out = sched.schedule()
+    got = sched.update(out, {"r0": [51], "r1": [52]})
+    assert got == [
+        RequestOutput("r0", (51,), False, None, 3, 0),
+        RequestOutput("r1", (52,), False, None, 6, 0),
+    ]
+    assert all(type(o) is RequestOutput for o in got)

@@ -220,8 +220,7 @@ class KVCacheManager(CommitMixin, BlockTablesMixin, ManagerQueriesMixin):
         copies = self._copy_on_write(seq, cow_index) if cow_index >= 0 else ()
         new_ids = pool.allocate(num_new_blocks) if num_new_blocks else []
         if new_ids:
-            seq.block_ids.extend(new_ids)
-            seq.table = None
+            seq.append_blocks(new_ids)
         seq.num_pending += num_new_tokens
         self._update_claim(seq)
         return Allocation(tuple(new_ids), copies, seq.num_hit_tokens)

@@ -41,19 +41,12 @@ class BlockTablesMixin(SeqTable):
     def block_views(self, request_id: str) -> tuple[list[int], np.ndarray]:
         """``(block_ids_view, block_table_view)`` in one lookup (the scheduler's hot path)."""
         seq = self._get(request_id)
-        table = seq.table
-        if table is None:
-            table = seq.table = np.array(seq.block_ids, dtype=np.int32)
-        return seq.block_ids, table
+        return seq.block_ids, seq.table_view()
 
     def block_table_view(self, request_id: str) -> np.ndarray:
         """The request's block table as an int32 array, cached until the table changes (a
         read-only view for one step's batch: the manager replaces it, never mutates it)."""
-        seq = self._get(request_id)
-        table = seq.table
-        if table is None:
-            table = seq.table = np.array(seq.block_ids, dtype=np.int32)
-        return table
+        return self._get(request_id).table_view()
 
     def slot_mapping(self, request_id: str, start: int, end: int) -> np.ndarray:
         """Slots of positions ``[start, end)``: ``block_id * block_size + offset`` (int32)."""
@@ -97,9 +90,7 @@ class BlockTablesMixin(SeqTable):
         else:
             slots_out.extend(ids[p // bs] * bs + p % bs for p in range(write_pos, end))
         table = seq.table
-        if table is None:
-            table = seq.table = np.array(ids, dtype=np.int32)
-        return table
+        return table if table is not None else seq.table_view()
 
     def append_slot_mapping(
         self, request_id: str, start: int, num_tokens: int, slots_out: list[int]
@@ -114,9 +105,11 @@ class BlockTablesMixin(SeqTable):
                 f"positions [{start}, {start + num_tokens}) are outside the {len(ids) * bs} "
                 f"allocated slots of request {request_id!r}"
             )
-        if num_tokens <= 16:
+        if num_tokens == 1:  # a decode that took a new block
+            slots_out.append(ids[start // bs] * bs + start % bs)
+        elif num_tokens <= 16:
             slots_out.extend(ids[p // bs] * bs + p % bs for p in range(start, start + num_tokens))
-        else:
+        else:  # a prefill chunk: gather from the cached int32 table (widened after the gather)
             pos = np.arange(start, start + num_tokens)
-            table = np.asarray(ids, dtype=np.int64)
-            slots_out.extend((table[pos // bs] * bs + pos % bs).tolist())
+            blocks = seq.table_view()[pos // bs].astype(np.int64)
+            slots_out.extend((blocks * bs + pos % bs).tolist())

@@ -175,9 +175,15 @@ class PrefixIndexMixin:
                 f"{len(block_ids)} blocks but {len(block_hashes)} hashes to cache"
             )
         ref, hashes, index, copy_of = self._ref, self._hash, self._index, self._copy_of
+        num_ids = len(ref)
         for b, h in zip(block_ids, block_hashes, strict=True):
-            self._check_id(b)
-            if ref[b] <= 0 or hashes[b] not in (None, h) or copy_of.get(b, h) != h:
+            if (
+                not 0 <= b < num_ids
+                or ref[b] <= 0
+                or hashes[b] not in (None, h)
+                or copy_of.get(b, h) != h
+            ):
+                self._check_id(b)  # raises the typed error for an id out of range
                 raise RequestStateError(
                     f"block {b} must be in use and unhashed (or hold this hash) to be cached"
                 )

@@ -63,6 +63,7 @@ class SeqState:
         "resumed",
         "started",
         "table",
+        "table_buf",
         "token_ids",
     )
 
@@ -75,7 +76,12 @@ class SeqState:
         self.num_prompt_tokens = len(token_ids)
         self.max_total_tokens = max_total
         self.block_ids: list[int] = []
-        self.table: np.ndarray | None = None  # block_ids as int32, built on demand (a cache)
+        # block_ids as int32, built on demand (a cache; None once block_ids change otherwise
+        # than by append_blocks): table_buf[:len(block_ids)], a view of a buffer with room to
+        # grow. Writes to table_buf only ever go past len(table), so a view handed out earlier
+        # (a prefix of the buffer) never changes; any other change builds a new buffer.
+        self.table: np.ndarray | None = None
+        self.table_buf: np.ndarray | None = None
         self.num_computed = 0  # committed positions: KV computed and final
         self.num_pending = 0  # scheduled positions after num_computed, not yet committed
         self.num_cached_blocks = 0  # leading blocks already registered in the pool's index
@@ -98,6 +104,32 @@ class SeqState:
         self.match_watched = False  # the memo watches its blocks and next hash
         self.match_num_tokens = 0  # len(token_ids) when matched
         self.match_next: tuple[bytes, ...] = ()  # the watched next hash (none at the limit)
+
+    def table_view(self) -> np.ndarray:
+        """``block_ids`` as an int32 array (the cached ``table``, built on first use with room
+        for as many blocks again). Callers treat it as read-only: it is never mutated."""
+        table = self.table
+        if table is None:
+            ids = self.block_ids
+            n = len(ids)
+            buf = self.table_buf = np.empty(2 * n + 8, dtype=np.int32)
+            buf[:n] = ids
+            table = self.table = buf[:n]
+        return table
+
+    def append_blocks(self, new_ids: list[int]) -> None:
+        """Append ``new_ids`` to ``block_ids``. A cached table grows in place when its buffer
+        has room (``table_buf[len(table):]`` was never handed out, so earlier views stay what
+        they were); else it is dropped, to be built again on use. O(len(new_ids))."""
+        ids = self.block_ids
+        start = len(ids)
+        ids.extend(new_ids)
+        table, buf = self.table, self.table_buf
+        if table is not None and buf is not None and len(table) == start and len(ids) <= len(buf):
+            buf[start : len(ids)] = new_ids
+            self.table = buf[: len(ids)]
+        else:
+            self.table = None
 
 
 class SeqTable:

@@ -169,15 +169,20 @@ class StepUpdateMixin(KVSharingMixin):
         ids, tokens, reqs = run
         self.manager.commit_decodes(ids, tokens)  # validated: cannot fail
         append = results.append
+        new = object.__new__  # each record made without a constructor call (decode_entries')
         for rid, req, tok in zip(ids, reqs, tokens, strict=True):
             req.num_computed_tokens += 1  # == the manager's count (S3)
             if req.draft_token_ids:
                 req.draft_token_ids = []
-            append(
-                RequestOutput(
-                    rid, (tok,), False, None, req.num_prompt_tokens, req.num_cached_tokens
-                )
-            )
+            # == RequestOutput(rid, (tok,), False, None, num_prompt_tokens, num_cached_tokens)
+            o = new(RequestOutput)
+            o.request_id = rid
+            o.new_token_ids = (tok,)
+            o.finished = False
+            o.finish_reason = None
+            o.num_prompt_tokens = req.num_prompt_tokens
+            o.num_cached_tokens = req.num_cached_tokens
+            append(o)
 
     def _apply_sampled(
         self, req: Request, sr: ScheduledRequest, toks: Sequence[int], windowed: bool
