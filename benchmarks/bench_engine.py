@@ -35,7 +35,12 @@ padded batch; cached TTFT at least 5x faster than uncached. Issue 15: overhead u
 
 decode1, decode16 and overhead also time pagedkv with its native layer ops switched off
 (``pagedkv torch-ops``: ``LlamaModel.fused_layer_ops = False``, the same engine, rounds
-interleaved), so the ratio column shows what the layer ops buy.
+interleaved), so the ratio column shows what the layer ops buy; and, float32, with
+``linear_kernel="native"`` (``pagedkv native-linear``: the batch-invariant few-row kernel of
+``pagedkv.engine.fewrow`` for the linears and the head at 2..32 rows). The footer gives each
+decode fixture's limit in the same run: batch tokens per step, a step reading every linear
+weight and the vocabulary projection once at the bandwidth of a 256 MiB copy, and each pagedkv
+row's share of it.
 """
 
 from __future__ import annotations
