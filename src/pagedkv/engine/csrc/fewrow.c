@@ -13,13 +13,15 @@
  *   increasing k.
  *
  * Why this shape: MKL's sgemm at 16 rows re-reads the weights (measured ~2.7x its one-row time
- * on 576 x 3072), while 16 rows are near this CPU's FMA bound with a single pass. nn walks the
- * weight in chunks of KC rows (KC * out contiguous floats, streamed as KC sequential runs), and
- * for each 24-column panel of the chunk runs every 4-row block over it: 12 accumulators in ymm
- * registers, loaded from and stored to y between chunks (y is the accumulator), so the chunk's
- * panel is read from memory once and from L1 by the other row blocks. nt keeps 4 rows x 3
- * embedding rows of lane sums in registers; the 3 embedding rows (3 * in floats) stay in L1
- * for the other row blocks.
+ * on 576 x 3072), while 16 rows are near this CPU's FMA bound with a single pass. nn takes the
+ * columns in blocks of JB (the rows' partial sums of a block stay in L1/L2), walks the weight
+ * in chunks of KC rows, and for each 16-column panel of a chunk runs every 6-row block over
+ * it: 12 accumulators in ymm registers, loaded from and stored to y between chunks (y is the
+ * accumulator), so the chunk's panel comes from memory once and from L1 for the other row
+ * blocks. nt keeps 4 rows x 3 embedding rows of lane sums in registers; the 3 embedding rows
+ * (3 * in floats) stay in L1 for the other row blocks. Measured (benchmarks/RESULTS.md, issue
+ * 15 few-row section) 1.2-1.4x faster than torch.mm at 16 rows on SmolLM2's shapes, loaded
+ * machine; KC 8..576, JB 64..4096 and prefetching the next chunk were within the noise.
  *
  * The AVX2/FMA path and the portable path (fmaf, the same single rounding as a vector FMA)
  * compute the same bits. Returns 0, or -1 for a bad range.
