@@ -103,6 +103,7 @@ def test_bad_inputs_are_refused() -> None:
     assert not fewrow.accepts(torch.randn(1, 8))
     assert not fewrow.accepts(torch.randn(33, 8))
     assert not fewrow.accepts(torch.randn(4, 8).t())
+    assert not fewrow.accepts(torch.randn(()))
 
 
 def test_the_engine_switch_routes_decode_rows_and_refuses_bfloat16(tmp_path: Path) -> None:

@@ -83,9 +83,9 @@ def accepts(x: torch.Tensor) -> bool:
     """Whether :func:`linear` / :func:`linear_nt` take ``x`` (no build is triggered here):
     float32 on the CPU, 2-D with unit column stride, ``MIN_ROWS..MAX_ROWS`` rows."""
     return (
-        MIN_ROWS <= x.shape[0] <= MAX_ROWS
+        x.dim() == 2
+        and MIN_ROWS <= x.shape[0] <= MAX_ROWS
         and x.dtype is torch.float32
-        and x.dim() == 2
         and x.device.type == "cpu"
         and x.stride(1) == 1
     )
