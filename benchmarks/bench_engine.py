@@ -35,7 +35,12 @@ padded batch; cached TTFT at least 5x faster than uncached. Issue 15: overhead u
 
 decode1, decode16 and overhead also time pagedkv with its native layer ops switched off
 (``pagedkv torch-ops``: ``LlamaModel.fused_layer_ops = False``, the same engine, rounds
-interleaved), so the ratio column shows what the layer ops buy.
+interleaved), so the ratio column shows what the layer ops buy; and, float32, with
+``linear_kernel="native"`` (``pagedkv native-linear``: the batch-invariant few-row kernel of
+``pagedkv.engine.fewrow`` for the linears and the head at 2..32 rows). The footer gives each
+decode fixture's limit in the same run: batch tokens per step, a step reading every linear
+weight and the vocabulary projection once at the bandwidth of a 256 MiB copy, and each pagedkv
+row's share of it.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from _harness import (
     set_clock,
     write_json,
 )
+from pagedkv.engine import fewrow
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.models.llama import Projection
@@ -109,7 +115,11 @@ def _hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> int:
 
 def decode_cases(
     model_dir: Path, hf: Any, batch: int, quick: bool, kernel: str, dtype: str = "float32"
-) -> tuple[list[Case], dict[str, int]]:
+) -> tuple[list[Case], dict[str, int], int]:
+    """The fixture's cases, the tokens each generated (filled in as they run) and the bytes of
+    weights a decode step reads (every linear and the vocabulary projection)."""
+    from bench_qlinear import weight_bytes_per_token
+
     engine = LLMEngine.from_model_dir(
         str(model_dir),
         EngineConfig(
@@ -134,11 +144,18 @@ def decode_cases(
 
     def ours() -> None:
         engine.model.fused_layer_ops = fused
+        engine.model.set_linear_kernel("torch")
         counts["pagedkv"] = _run(engine, prompts, params)
 
     def torch_ops() -> None:
         engine.model.fused_layer_ops = False
+        engine.model.set_linear_kernel("torch")
         counts["pagedkv torch-ops"] = _run(engine, prompts, params)
+
+    def native_linear() -> None:
+        engine.model.fused_layer_ops = fused
+        engine.model.set_linear_kernel("native")
+        counts["pagedkv native-linear"] = _run(engine, prompts, params)
 
     def theirs() -> None:
         counts["transformers"] = _hf_generate(hf, prompts, new)
@@ -148,8 +165,10 @@ def decode_cases(
     cases = [Case(name, case, "pagedkv", "token", ours, **common)]
     if fused:
         cases.append(Case(name, case, "pagedkv torch-ops", "token", torch_ops, **common))
+    if dtype == "float32" and fewrow.available():
+        cases.append(Case(name, case, "pagedkv native-linear", "token", native_linear, **common))
     cases.append(Case(name, case, "transformers", "token", theirs, **common))
-    return cases, counts
+    return cases, counts, weight_bytes_per_token(engine.model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +308,25 @@ def _reference_model(model: Path, dtype: str = "float32") -> Any:
     return hf.eval()
 
 
+def _decode_limit(res: list[Result], batch: int, step_bytes: int) -> str:
+    """The decode limit of the same run: ``batch`` tokens per step, a step reading every
+    linear weight and the vocabulary projection once, at the bandwidth of a 256 MiB copy
+    (read + write bytes, as bench_qlinear's ``copy``) measured now; each pagedkv row's share."""
+    from bench_qlinear import copy_gbs
+
+    gbs = copy_gbs()
+    limit = batch * gbs * 1e9 / step_bytes
+    shares = ", ".join(
+        f"{r.impl} {1 / r.timing.median_s:.0f} tok/s = {100 / r.timing.median_s / limit:.0f}%"
+        for r in res
+        if r.impl.startswith("pagedkv")
+    )
+    return (
+        f"decode{batch}: limit {limit:.0f} tok/s ({step_bytes / 1e6:.0f} MB per step at "
+        f"{gbs:.1f} GB/s copy); {shares}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0] if __doc__ else "")
     parser.set_defaults(clock="wall")
@@ -330,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (1, 16):
             if f"decode{batch}" not in only:
                 continue
-            cases, counts = decode_cases(
+            cases, counts, step_bytes = decode_cases(
                 model_dir, hf, batch, args.quick, args.decode_kernel, args.dtype
             )
             res = run_cases(cases)
@@ -338,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             if set(counts.values()) != {expected} or "transformers" not in counts:
                 raise RuntimeError(f"decode{batch}: generated {counts}, expected {expected} each")
             results += res
+            footer.append(_decode_limit(res, batch, step_bytes))
         if "overhead" in only:
             results += run_cases(overhead_cases(model_dir, args.quick, args.decode_kernel))
         if "ttft" in only:

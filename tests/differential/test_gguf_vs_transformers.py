@@ -124,11 +124,21 @@ def reference_tokens(hf_model: Any, prompts: list[list[int]]) -> list[list[int]]
 
 
 def _pagedkv_tokens(
-    ckpt: GGUFCheckpoint, prompts: Sequence[list[int]], *, caching: bool, passes: int
+    ckpt: GGUFCheckpoint,
+    prompts: Sequence[list[int]],
+    *,
+    caching: bool,
+    passes: int,
+    linear_kernel: str = "torch",
 ) -> tuple[list[list[list[int]]], float]:
     """Greedy tokens of the last pass (earlier passes only prefill, warming the cache) and
     the prefix hit rate over all passes."""
-    cfg = EngineConfig(num_blocks=256, enable_prefix_caching=caching, model_id=ckpt.fingerprint)
+    cfg = EngineConfig(
+        num_blocks=256,
+        enable_prefix_caching=caching,
+        model_id=ckpt.fingerprint,
+        linear_kernel=linear_kernel,
+    )
     engine = LLMEngine(ckpt.model, ckpt.tokenizer, cfg)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     warm = SamplingParams(max_tokens=1, temperature=0.0)
@@ -173,6 +183,19 @@ def test_greedy_tokens_equal_transformers_without_prefix_caching(
     assert got == reference_tokens
     assert any(len(t) == MAX_TOKENS for t in got)  # some ran to the limit, some hit eos
     assert any(t and t[-1] == 2 for t in got)
+
+
+def test_greedy_tokens_equal_transformers_with_the_few_row_kernel(
+    ckpt: GGUFCheckpoint, prompts: list[list[int]], reference_tokens: list[list[int]]
+) -> None:
+    """``linear_kernel="native"`` (engine/fewrow.py): the 8 prompts decode together, so every
+    decode step's linears and head run through the kernel, rounding unlike ``torch.mm``."""
+    from pagedkv.engine import fewrow
+
+    if not fewrow.available():
+        pytest.skip("no C compiler")
+    (got,), _ = _pagedkv_tokens(ckpt, prompts, caching=False, passes=1, linear_kernel="native")
+    assert got == reference_tokens
 
 
 def test_greedy_tokens_equal_transformers_with_prefix_caching(

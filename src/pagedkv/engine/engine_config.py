@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.config import check_invariants_default
+from pagedkv.engine.fewrow import check_linear_kernel
 from pagedkv.engine.kv_cache import parse_dtype
 from pagedkv.engine.qlinear import check_quantization
 from pagedkv.errors import InvalidRequestError
@@ -31,7 +32,9 @@ class EngineConfig:
     engine is built out of Python's cyclic collector (``gc.freeze()``), so collections while
     serving don't rescan the model and the imported libraries. ``quantization="int8"``
     keeps the linear layers' weights int8 per output channel (CPU, float32 only:
-    ``pagedkv.engine.qlinear``).
+    ``pagedkv.engine.qlinear``). ``linear_kernel="native"`` runs the float32 linear layers
+    and vocabulary projection at 2..32 rows (decode steps) through a batch-invariant C kernel
+    (``pagedkv.engine.fewrow``; CPU float32), ``"torch"`` keeps ``torch.mm``.
 
     Resolved by ``LLMEngine.from_model_dir`` from the checkpoint: ``dtype="auto"`` (float32 on
     a CPU, the checkpoint's dtype on CUDA: ``pagedkv.engine.dtype``), ``model_id=""`` (the
@@ -59,6 +62,7 @@ class EngineConfig:
     batched_decode: bool = True
     decode_kernel: str = "auto"  # "auto" | "torch" | "native" (see pagedkv.engine.native)
     quantization: str | None = None  # None | "int8" | "gguf" (pagedkv.engine.qlinear)
+    linear_kernel: str = "torch"  # "torch" | "native": few-row fp32 matmuls (engine.fewrow)
     watermark: float = 0.01
     reservation: str = "max_tokens"
     model_id: str = ""  # default: the checkpoint's fingerprint (pagedkv.engine.fingerprint)
@@ -88,6 +92,7 @@ class EngineConfig:
         if self.dtype != "auto":
             parse_dtype(self.dtype)  # raises InvalidRequestError naming the choices
         check_quantization(self.quantization, self.dtype, self.device)
+        check_linear_kernel(self.linear_kernel, self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

@@ -94,6 +94,8 @@ class LLMEngine:
         max_len = engine_wiring.check_max_model_len(config, mcfg)
         if config.quantization is not None and model.quantization != config.quantization:
             model.quantize(config.quantization)  # here, so every loader's model gets it
+        if config.linear_kernel != model.linear_kernel:
+            model.set_linear_kernel(config.linear_kernel)
         sections = engine_wiring.build_sections(config, mcfg, max_len)
         self.tier_io = TierIO.try_build(config.tiers, sections.layout, offload)  # see close()
         tier_index = None if self.tier_io is None else self.tier_io.offload

@@ -28,6 +28,7 @@ import sys
 
 from pagedkv.engine.dtype import DTYPE_CHOICES
 from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.fewrow import LINEAR_KERNEL_CHOICES
 from pagedkv.engine.native import add_decode_kernel_argument
 from pagedkv.engine.qlinear import QUANTIZATION_CHOICES
 from pagedkv.errors import PagedKVError
@@ -96,6 +97,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "Q8_0/Q4_0/Q4_1 linears kept quantized (CPU, float32)",
     )
     parser.add_argument(
+        "--linear-kernel",
+        default="torch",
+        choices=LINEAR_KERNEL_CHOICES,
+        help="float32 linear layers at 2..32 rows (decode): torch (torch.mm) or native (a "
+        "batch-invariant C kernel that reads each weight once for all rows; CPU)",
+    )
+    parser.add_argument(
         "--chat-template", default=None, help="a template file, or the template itself"
     )
     parser.add_argument(
@@ -142,6 +150,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             num_speculative_tokens=args.num_speculative_tokens,
             decode_kernel=args.decode_kernel,
             quantization=args.quantization,
+            linear_kernel=args.linear_kernel,
             chat_template=args.chat_template,
             generation_config=args.generation_config,
             tokenizer=args.tokenizer,

@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pagedkv.engine import layer_ops
+from pagedkv.engine import fewrow, layer_ops
 from pagedkv.engine.attention import (
     AttentionMetadata,
     attend,
@@ -75,18 +75,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class Projection:
-    """A linear layer with its weight stored transposed (``[in, out]``) and an optional bias."""
+    """A linear layer with its weight stored transposed (``[in, out]``) and an optional bias.
+    ``few_rows``: calls of 2..32 rows take :mod:`pagedkv.engine.fewrow`'s kernel
+    (``EngineConfig.linear_kernel="native"``), the others ``torch.mm``."""
 
     weight_t: torch.Tensor
     bias: torch.Tensor | None
+    few_rows: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows and fewrow.accepts(x):
+            return fewrow.linear(x, self.weight_t, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
     def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``self(x)`` written into ``out`` (the same kernel, so the same bits)."""
+        if self.few_rows and fewrow.accepts(x):
+            return fewrow.linear(x, self.weight_t, self.bias, out)
         if self.bias is None:
             return torch.mm(x, self.weight_t, out=out)
         return torch.addmm(self.bias, x, self.weight_t, out=out)
@@ -124,6 +131,7 @@ class LlamaModel:
         self._rope_sin = torch.empty_like(self._rope_cos)  # _rope's tables, grown on demand
         self.quantization: str | None = None
         self._lm_head_q: Linear | None = None
+        self.linear_kernel = "torch"  # set_linear_kernel: "native" = fewrow's few-row kernel
         self.deferred_quantization: dict[str, Callable[[LlamaModel], None]] = {}  # quantize()
         self._qkv: list[Linear] = []
         self._o: list[Linear] = []
@@ -241,6 +249,24 @@ class LlamaModel:
                 self.weights.pop(f"{name}.bias", None)
         self._lm_head_q = head
         self.quantization = method
+
+    def set_linear_kernel(self, kernel: str) -> None:
+        """``"native"``: the float32 linear layers and the float32 vocabulary projection take
+        :mod:`pagedkv.engine.fewrow`'s kernel at 2..32 rows (batch-invariant bits, different
+        from ``torch.mm``'s); ``"torch"``: ``torch.mm`` everywhere. Quantized layers keep
+        their own kernels. Refused (nothing changed) off the CPU, for a dtype other than
+        float32, or when the kernel cannot be built."""
+        fewrow.check_linear_kernel(kernel, self.device.type)
+        native = kernel == "native"
+        if native:
+            if self.dtype is not torch.float32:
+                raise InvalidRequestError(
+                    f"linear_kernel='native' needs a float32 model, not {self.dtype}"
+                )
+            fewrow.require_available()
+        for group in (self._qkv, self._o, self._gate_up, self._down):
+            group[:] = [replace(p, few_rows=native) if type(p) is Projection else p for p in group]
+        self.linear_kernel = kernel
 
     def expected_weight_names(self) -> list[str]:
         cfg = self.config
@@ -391,6 +417,8 @@ class LlamaModel:
         """Float32 logits of the given hidden rows, ``[rows, vocab]``."""
         if self._lm_head_q is not None:
             return self._lm_head_q(hidden)
+        if self.linear_kernel == "native" and fewrow.accepts(hidden) and _unit(self.lm_head):
+            return fewrow.linear_nt(hidden, self.lm_head)
         return F.linear(hidden, self.lm_head).float()
 
 
@@ -399,6 +427,11 @@ def _linear(p: Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if isinstance(p, Projection):
         return p.into(x, out)
     return p(x).contiguous()
+
+
+def _unit(w: torch.Tensor) -> bool:
+    """A float32 CPU matrix with unit column stride (what ``fewrow.linear_nt`` reads)."""
+    return w.dtype is torch.float32 and w.dim() == 2 and w.stride(1) == 1
 
 
 def _quantized(p: Linear) -> QuantizedProjection:
