@@ -48,6 +48,14 @@
 #define MAX_HEAD_DIM 512
 #define QTILE 3 /* queries per tile: 3 x 4 score sums, or 3 x 2 accumulators, in registers */
 
+/* The tile functions take their query count as an argument that is a constant at every call
+ * site: inlined, the loops over it unroll and the accumulator arrays live in registers. */
+#if defined(__GNUC__)
+#define TILE_FN static inline __attribute__((always_inline)) void
+#else
+#define TILE_FN static inline void
+#endif
+
 #ifdef PAGEDKV_AVX2
 /* Lane r (r < 4) of the result: the sum of all 8 lanes of a[r]. */
 static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -63,8 +71,8 @@ static inline float hsum1(__m256 a) {
 #endif
 
 /* sc[i * ld + j] = scale * q[i] . k[j] for i < nq (nq <= QTILE) and 4 rows j = 0..3. */
-static inline __attribute__((always_inline)) void scores_4rows(const float *restrict q, int64_t nq, const float *restrict k,
-                                int64_t d, float scale, float *restrict sc, int64_t ld) {
+TILE_FN scores_4rows(const float *restrict q, int64_t nq, const float *restrict k, int64_t d,
+                     float scale, float *restrict sc, int64_t ld) {
     int64_t x = 0;
     float tile[QTILE][4];
 #ifdef PAGEDKV_AVX2
@@ -107,8 +115,8 @@ static inline __attribute__((always_inline)) void scores_4rows(const float *rest
 }
 
 /* One row: sc[i * ld] = scale * q[i] . k for i < nq (a block's last rows, fewer than 4). */
-static inline __attribute__((always_inline)) void scores_1row(const float *restrict q, int64_t nq, const float *restrict k,
-                               int64_t d, float scale, float *restrict sc, int64_t ld) {
+TILE_FN scores_1row(const float *restrict q, int64_t nq, const float *restrict k, int64_t d,
+                    float scale, float *restrict sc, int64_t ld) {
     for (int64_t i = 0; i < nq; ++i) {
         const float *qi = q + i * d;
         int64_t x = 0;
@@ -130,7 +138,7 @@ static inline __attribute__((always_inline)) void scores_1row(const float *restr
 }
 
 /* The rows j0 <= j < n of one tile of nq queries (a constant after inlining). */
-static inline __attribute__((always_inline)) void tile_scores(
+TILE_FN tile_scores(
     const float *restrict q, int64_t nq, const float *restrict kb, int64_t j0, int64_t n,
     int64_t d, float scale, float *restrict sc, int64_t ld) {
     int64_t j = j0;
@@ -151,7 +159,7 @@ static void block_scores(const float *restrict q, int64_t group, const float *re
 
 /* a[t][x] += sum_j p[t * ld + j] * vb[j][x] for one tile of nq queries (a constant after
  * inlining), j0 <= j < n, x < d. */
-static inline __attribute__((always_inline)) void tile_values(
+TILE_FN tile_values(
     float *restrict a, int64_t nq, const float *restrict vb, int64_t j0, int64_t n, int64_t d,
     const float *restrict p, int64_t ld) {
     int64_t x = 0;
