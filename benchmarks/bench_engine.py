@@ -197,6 +197,16 @@ class _Stub(Projection):
         return out.zero_()
 
 
+def stub_linears(engine: LLMEngine) -> None:
+    """Replace every linear layer of ``engine``'s model and its vocabulary projection by
+    ``_Stub``s (the ``overhead`` fixture's model)."""
+    model = engine.model
+    for group in (model._qkv, model._o, model._gate_up, model._down):
+        group[:] = [_Stub.like(p) for p in group]
+    vocab = model.config.vocab_size
+    model.logits = lambda hidden: torch.zeros(hidden.shape[0], vocab)  # type: ignore[method-assign]
+
+
 def overhead_cases(model_dir: Path, quick: bool, kernel: str) -> list[Case]:
     engine = LLMEngine.from_model_dir(
         str(model_dir),
@@ -204,10 +214,7 @@ def overhead_cases(model_dir: Path, quick: bool, kernel: str) -> list[Case]:
                      decode_kernel=kernel),
     )  # fmt: skip
     model = engine.model
-    for group in (model._qkv, model._o, model._gate_up, model._down):
-        group[:] = [_Stub.like(p) for p in group]
-    vocab = model.config.vocab_size
-    model.logits = lambda hidden: torch.zeros(hidden.shape[0], vocab)  # type: ignore[method-assign]
+    stub_linears(engine)
     rounds, calls = (2, 10) if quick else (7, 30)
     steps = 4 * rounds * calls + 64
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)

@@ -3,12 +3,11 @@
 Torch's batched decode path gathers every decode's K/V blocks into a padded batch and SDPA
 reads that copy again; on one CPU thread the copy and the re-read are about half of a decode
 step (benchmarks/RESULTS.md, engine section). The C kernel walks each sequence's block table
-and reads each block from the pool once. It is compiled with the system C compiler
-(``$CC``, else ``cc``/``gcc``) into a per-user cache (``$PAGEDKV_CACHE_DIR`` or
-``~/.cache/pagedkv``), keyed by the source, the flags, the compiler and the CPU, so a copy
-built for another machine is never loaded. Without a compiler, or when the build fails, the
-kernel is unavailable (``available()`` is False, the reason is logged once) and the engine
-keeps torch's path.
+and reads each block from the pool once. It is built on first use through
+``native_build.LazyLibrary`` (the per-user build cache, keyed by source, flags, compiler and
+CPU; ``compile_library``, ``LazyLibrary`` and ``FlagSets`` are re-exported here for the other
+kernels). Without a compiler, or when the build fails, the kernel is unavailable
+(``available()`` is False, the reason is logged once) and the engine keeps torch's path.
 
 One call runs on torch's intra-op thread count: with enough work (``_MIN_POSITIONS_PER_THREAD``
 context positions per thread) the rows are shared among a small thread pool (ctypes releases
@@ -22,14 +21,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import itertools
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,124 +31,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedkv.engine.native_build import FLAG_SETS
+from pagedkv.engine.native_build import FlagSets as FlagSets
+from pagedkv.engine.native_build import LazyLibrary as LazyLibrary
+from pagedkv.engine.native_build import compile_library as compile_library
 from pagedkv.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-# (compile flags, link flags). -ffast-math lets gcc call glibc's vectorised expf (libmvec);
-# the kernel never makes infinities. It is a compile flag only: linking a shared object with
-# -ffast-math pulls in crtfastmath.o, which turns on flush-to-zero for the whole process
-# (every denormal float in torch and Python would become 0).
-_FLAG_SETS = (
-    (["-O3", "-march=native", "-ffast-math", "-fPIC"], ["-shared", "-lm", "-lmvec"]),
-    (["-O3", "-ffast-math", "-fPIC"], ["-shared", "-lm"]),  # no libmvec, or no -march=native
-)
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None  # why the kernel is unavailable, once known
+_FLAG_SETS = FLAG_SETS  # -O3 -march=native -ffast-math (compile only: native_build says why)
 
 
-def _cpu_key() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features", "model name")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDKV_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "pagedkv"
-
-
-def _build() -> ctypes.CDLL:
-    lib = compile_library(_SOURCE)
+def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.pagedkv_decode_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float]
     fn.restype = ctypes.c_int
-    return lib
 
 
-FlagSets = tuple[tuple[list[str], list[str]], ...]  # (compile flags, link flags), tried in order
-
-
-def compile_library(source_path: Path, flag_sets: FlagSets = _FLAG_SETS) -> ctypes.CDLL:
-    """Compile one C file of ``csrc`` into the per-user cache (the module docstring: keyed by
-    the source, flags, compiler and CPU) and load it, with the first of ``flag_sets`` that
-    builds (default: -O3 -march=native -ffast-math). Raises OSError naming why it failed."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (set CC, or install gcc)")
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
-    ).stdout
-    source = source_path.read_bytes()
-    stem = source_path.stem
-    errors = []
-    for cflags, ldflags in flag_sets:
-        flags = " ".join([*cflags, "|", *ldflags]).encode()
-        key = hashlib.sha256(
-            b"\0".join([source, flags, version.encode(), _cpu_key().encode()])
-        ).hexdigest()[:16]
-        target = _cache_dir() / "native" / key / f"{stem}.so"
-        if not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                obj, built = Path(tmp) / f"{stem}.o", Path(tmp) / f"{stem}.so"
-                for cmd in (
-                    [compiler, *cflags, "-c", str(source_path), "-o", str(obj)],
-                    [compiler, str(obj), "-o", str(built), *ldflags],
-                ):
-                    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                    if proc.returncode != 0:
-                        lines = proc.stderr.strip().splitlines()
-                        errors.append(lines[-1] if lines else f"{cmd[0]} failed")
-                        break
-                else:  # atomic: a concurrent build of the same key is harmless
-                    os.replace(built, target)
-            if not target.is_file():
-                continue
-        return ctypes.CDLL(str(target))
-    raise OSError("; ".join(errors))
-
-
-class LazyLibrary:
-    """One C file of ``csrc``, built and loaded on the first :meth:`load` (thread-safe), at most
-    once per process. A failed build is remembered with its reason (``error``) and never
-    retried: the caller falls back to its torch/numpy path, and one warning says so.
-    Invariant: at most one of ``lib`` and ``error`` is set, and neither changes once set."""
-
-    def __init__(
-        self, source: Path, bind: Callable[[ctypes.CDLL], None], what: str, fallback: str
-    ) -> None:
-        self._source, self._bind = source, bind
-        self._what, self._fallback = what, fallback  # for the warning
-        self._lock = threading.Lock()
-        self.lib: ctypes.CDLL | None = None
-        self.error: str | None = None
-
-    def load(self) -> ctypes.CDLL | None:
-        """The loaded library, building it on the first call; ``None`` if it cannot be built."""
-        lib = self.lib
-        if lib is not None:
-            return lib
-        with self._lock:
-            if self.lib is None and self.error is None:
-                try:
-                    built = compile_library(self._source)
-                    self._bind(built)  # ctypes signatures
-                    self.lib = built
-                except OSError as exc:
-                    self.error = str(exc) or type(exc).__name__
-                    logger.warning(
-                        "%s unavailable (%s); %s", self._what, self.error, self._fallback
-                    )
-        return self.lib
+_KERNEL = LazyLibrary(_SOURCE, _bind, "native decode kernel", "using torch's")
+_lock = threading.Lock()  # guards the shared thread pool (workers())
 
 
 def add_decode_kernel_argument(parser: argparse.ArgumentParser) -> None:
@@ -190,20 +86,11 @@ def supports(
 
 def available() -> bool:
     """Whether the kernel is built (building it on the first call) and loaded."""
-    global _lib, _error
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except (OSError, subprocess.SubprocessError) as exc:
-                _error = str(exc) or type(exc).__name__
-                logger.warning("native decode kernel unavailable (%s); using torch's", _error)
-        return _lib is not None
+    return _KERNEL.load() is not None
 
 
 def unavailable_reason() -> str | None:
-    available()
-    return _error
+    return _KERNEL.reason()
 
 
 def decode_attention(
@@ -261,9 +148,9 @@ class PreparedDecode:
         *,
         starts: torch.Tensor | None = None,
     ) -> None:
-        if not available():
-            raise InvalidRequestError(f"the native decode kernel is unavailable: {_error}")
-        assert _lib is not None
+        lib = _KERNEL.load()
+        if lib is None:
+            raise InvalidRequestError(f"the native decode kernel is unavailable: {_KERNEL.error}")
         num_kv, num_blocks, block_size, head_dim = k_pool.shape
         seqs = int(lens.shape[0]) if lens.dim() == 1 else -1
         if (
@@ -290,7 +177,7 @@ class PreparedDecode:
         self._lens = lens.contiguous()
         self._starts = None if starts is None else starts.contiguous()
         self._pool_shape = k_pool.shape
-        self._fn = _lib.pagedkv_decode_f32
+        self._fn = lib.pagedkv_decode_f32
         self._seqs, self._heads, self._head_dim = seqs, num_heads, head_dim
         self._dims = (self._tables.shape[1], num_heads, num_kv, num_blocks, block_size, head_dim)
         self._scale = scale

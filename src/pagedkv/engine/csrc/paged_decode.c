@@ -2,9 +2,21 @@
  *
  * One query token per sequence; grouped-query attention (each KV head serves `group`
  * consecutive query heads). For every (sequence, KV head) the kernel walks the sequence's
- * block table once, reading each 16-row K and V block of that head from the pool a single
- * time for all the group's queries, with an online (per-block) softmax. Nothing is gathered:
- * torch's path copies the blocks into a padded batch first and SDPA reads that copy again.
+ * block table once, reading each K and V block of that head from the pool a single time for
+ * all the group's queries, with an online (per-block) softmax. Nothing is gathered: torch's
+ * path copies the blocks into a padded batch first and SDPA reads that copy again.
+ *
+ * Per block the work is two small matrix products, each vectorised across positions or
+ * head_dim rather than one dot product per position:
+ *   scores[group][rows] = Q[group][d] . K[rows][d]^T   tiles of 4 rows x up to 3 queries: each
+ *                        K row chunk is loaded once for the tile's queries, the 12 running sums
+ *                        stay in registers, and one horizontal reduction serves 4 positions;
+ *   acc[group][d]      += P[group][rows] . V[rows][d]   tiles of 16 lanes of d x up to 3
+ *                        queries: each V row chunk is loaded once for the tile's queries and
+ *                        the accumulators stay in registers across the block's rows.
+ * With AVX2 + FMA (gcc -march=native on such a CPU) these are intrinsics; otherwise the same
+ * tiles are plain loops. Only the order of the float additions differs from a dot product per
+ * position (the tests compare with a float64 reference).
  *
  * Layouts (float32, contiguous):
  *   q, out     [num_seqs, num_heads, head_dim]
@@ -15,30 +27,201 @@
  *              window that begins inside it; 0 <= starts[s] < min(lens[s], block_size)).
  *              The table then begins at the window's first block and lens counts from it.
  *
- * Returns 0, or -1 when a block id is out of range, a length is not positive or a start is
- * out of range (nothing
- * meaningful is written then; the caller raises). Compiled (not linked) with -ffast-math for
- * vectorised expf: the code never produces infinities or NaNs for finite inputs (the running
- * max starts at -FLT_MAX, not -inf).
+ * Returns 0, -1 when a block id is out of range, a length is not positive or a start is out
+ * of range, or -2 when a shape is above the kernel's limits (nothing meaningful is written
+ * then; the caller raises). Compiled (not linked) with -ffast-math for vectorised expf: the
+ * code never produces infinities or NaNs for finite inputs (the running max starts at
+ * -FLT_MAX, not -inf).
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDKV_AVX2 1
+#endif
+
 #define MAX_GROUP 64
 #define MAX_BLOCK 256
 #define MAX_HEAD_DIM 512
+#define QTILE 3 /* queries per tile: 3 x 4 score sums, or 3 x 2 accumulators, in registers */
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float part[16] = {0};
+/* The tile functions take their query count as an argument that is a constant at every call
+ * site: inlined, the loops over it unroll and the accumulator arrays live in registers. */
+#if defined(__GNUC__)
+#define TILE_FN static inline __attribute__((always_inline)) void
+#else
+#define TILE_FN static inline void
+#endif
+
+#ifdef PAGEDKV_AVX2
+/* Lane r (r < 4) of the result: the sum of all 8 lanes of a[r]. */
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+static inline float hsum1(__m256 a) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 p = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
+#endif
+
+/* sc[i * ld + j] = scale * q[i] . k[j] for i < nq (nq <= QTILE) and 4 rows j = 0..3. */
+TILE_FN scores_4rows(const float *restrict q, int64_t nq, const float *restrict k, int64_t d,
+                     float scale, float *restrict sc, int64_t ld) {
     int64_t x = 0;
-    for (; x + 16 <= n; x += 16)
-        for (int t = 0; t < 16; ++t) part[t] += a[x + t] * b[x + t];
+    float tile[QTILE][4];
+#ifdef PAGEDKV_AVX2
+    __m256 acc[QTILE][4];
+    for (int i = 0; i < QTILE; ++i)
+        for (int r = 0; r < 4; ++r) acc[i][r] = _mm256_setzero_ps();
+    for (; x + 8 <= d; x += 8) {
+        const __m256 k0 = _mm256_loadu_ps(k + x), k1 = _mm256_loadu_ps(k + d + x);
+        const __m256 k2 = _mm256_loadu_ps(k + 2 * d + x), k3 = _mm256_loadu_ps(k + 3 * d + x);
+        for (int i = 0; i < nq; ++i) {
+            const __m256 qv = _mm256_loadu_ps(q + i * d + x);
+            acc[i][0] = _mm256_fmadd_ps(qv, k0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(qv, k1, acc[i][1]);
+            acc[i][2] = _mm256_fmadd_ps(qv, k2, acc[i][2]);
+            acc[i][3] = _mm256_fmadd_ps(qv, k3, acc[i][3]);
+        }
+    }
+    for (int i = 0; i < nq; ++i)
+        _mm_storeu_ps(tile[i], hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+#else
+    float part[QTILE][4][8];
+    memset(part, 0, sizeof part);
+    for (; x + 8 <= d; x += 8)
+        for (int i = 0; i < nq; ++i)
+            for (int r = 0; r < 4; ++r)
+                for (int t = 0; t < 8; ++t) part[i][r][t] += q[i * d + x + t] * k[r * d + x + t];
+    for (int i = 0; i < nq; ++i)
+        for (int r = 0; r < 4; ++r) {
+            float s = 0.0f;
+            for (int t = 0; t < 8; ++t) s += part[i][r][t];
+            tile[i][r] = s;
+        }
+#endif
+    for (int i = 0; i < nq; ++i)
+        for (int r = 0; r < 4; ++r) {
+            float s = tile[i][r];
+            for (int64_t t = x; t < d; ++t) s += q[i * d + t] * k[r * d + t];
+            sc[i * ld + r] = s * scale;
+        }
+}
+
+/* One row: sc[i * ld] = scale * q[i] . k for i < nq (a block's last rows, fewer than 4). */
+TILE_FN scores_1row(const float *restrict q, int64_t nq, const float *restrict k, int64_t d,
+                    float scale, float *restrict sc, int64_t ld) {
+    for (int64_t i = 0; i < nq; ++i) {
+        const float *qi = q + i * d;
+        int64_t x = 0;
+        float s = 0.0f;
+#ifdef PAGEDKV_AVX2
+        __m256 a = _mm256_setzero_ps();
+        for (; x + 8 <= d; x += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qi + x), _mm256_loadu_ps(k + x), a);
+        s = hsum1(a);
+#else
+        float part[8] = {0};
+        for (; x + 8 <= d; x += 8)
+            for (int t = 0; t < 8; ++t) part[t] += qi[x + t] * k[x + t];
+        for (int t = 0; t < 8; ++t) s += part[t];
+#endif
+        for (; x < d; ++x) s += qi[x] * k[x];
+        sc[i * ld] = s * scale;
+    }
+}
+
+/* The rows j0 <= j < n of one tile of nq queries (a constant after inlining). */
+TILE_FN tile_scores(
+    const float *restrict q, int64_t nq, const float *restrict kb, int64_t j0, int64_t n,
+    int64_t d, float scale, float *restrict sc, int64_t ld) {
+    int64_t j = j0;
+    for (; j + 4 <= n; j += 4) scores_4rows(q, nq, kb + j * d, d, scale, sc + j, ld);
+    for (; j < n; ++j) scores_1row(q, nq, kb + j * d, d, scale, sc + j, ld);
+}
+
+/* scores[i * ld + j] = scale * q[i] . kb[j] for i < group, j0 <= j < n. */
+static void block_scores(const float *restrict q, int64_t group, const float *restrict kb,
+                         int64_t j0, int64_t n, int64_t d, float scale, float *restrict scores,
+                         int64_t ld) {
+    int64_t i = 0;
+    for (; i + QTILE <= group; i += QTILE)
+        tile_scores(q + i * d, QTILE, kb, j0, n, d, scale, scores + i * ld, ld);
+    if (group - i == 2) tile_scores(q + i * d, 2, kb, j0, n, d, scale, scores + i * ld, ld);
+    if (group - i == 1) tile_scores(q + i * d, 1, kb, j0, n, d, scale, scores + i * ld, ld);
+}
+
+/* a[t][x] += sum_j p[t * ld + j] * vb[j][x] for one tile of nq queries (a constant after
+ * inlining), j0 <= j < n, x < d. */
+TILE_FN tile_values(
+    float *restrict a, int64_t nq, const float *restrict vb, int64_t j0, int64_t n, int64_t d,
+    const float *restrict p, int64_t ld) {
+    int64_t x = 0;
+#ifdef PAGEDKV_AVX2
+    for (; x + 16 <= d; x += 16) {
+        __m256 lo[QTILE], hi[QTILE];
+        for (int t = 0; t < nq; ++t) {
+            lo[t] = _mm256_loadu_ps(a + t * d + x);
+            hi[t] = _mm256_loadu_ps(a + t * d + x + 8);
+        }
+        for (int64_t j = j0; j < n; ++j) {
+            const __m256 v0 = _mm256_loadu_ps(vb + j * d + x);
+            const __m256 v1 = _mm256_loadu_ps(vb + j * d + x + 8);
+            for (int t = 0; t < nq; ++t) {
+                const __m256 w = _mm256_broadcast_ss(p + t * ld + j);
+                lo[t] = _mm256_fmadd_ps(w, v0, lo[t]);
+                hi[t] = _mm256_fmadd_ps(w, v1, hi[t]);
+            }
+        }
+        for (int t = 0; t < nq; ++t) {
+            _mm256_storeu_ps(a + t * d + x, lo[t]);
+            _mm256_storeu_ps(a + t * d + x + 8, hi[t]);
+        }
+    }
+#endif
+    for (int64_t t = 0; t < nq; ++t)
+        for (int64_t j = j0; j < n; ++j) {
+            const float w = p[t * ld + j];
+            const float *vj = vb + j * d;
+            for (int64_t y = x; y < d; ++y) a[t * d + y] += w * vj[y];
+        }
+}
+
+/* acc[i][x] += sum_j p[i * ld + j] * vb[j][x] for i < group, j0 <= j < n, x < d. */
+static void block_values(float *restrict acc, int64_t group, const float *restrict vb,
+                         int64_t j0, int64_t n, int64_t d, const float *restrict p, int64_t ld) {
+    int64_t i = 0;
+    for (; i + QTILE <= group; i += QTILE)
+        tile_values(acc + i * d, QTILE, vb, j0, n, d, p + i * ld, ld);
+    if (group - i == 2) tile_values(acc + i * d, 2, vb, j0, n, d, p + i * ld, ld);
+    if (group - i == 1) tile_values(acc + i * d, 1, vb, j0, n, d, p + i * ld, ld);
+}
+
+/* The online softmax for query row sc[j0..n): subtract the new running max, exponentiate in
+ * place, rescale the accumulator and running sum when the max moved. */
+static inline void block_softmax(float *restrict sc, int64_t j0, int64_t n, float *restrict acc,
+                                 int64_t d, float *restrict run_max, float *restrict run_sum) {
+    float block_max = -FLT_MAX;
+    for (int64_t j = j0; j < n; ++j) block_max = sc[j] > block_max ? sc[j] : block_max;
+    const float new_max = block_max > *run_max ? block_max : *run_max;
+    const float corr = expf(*run_max - new_max);
+    if (corr != 1.0f) {
+        *run_sum *= corr;
+        for (int64_t x = 0; x < d; ++x) acc[x] *= corr;
+    }
     float sum = 0.0f;
-    for (int t = 0; t < 16; ++t) sum += part[t];
-    for (; x < n; ++x) sum += a[x] * b[x];
-    return sum;
+    for (int64_t j = j0; j < n; ++j) {
+        sc[j] = expf(sc[j] - new_max);
+        sum += sc[j];
+    }
+    *run_sum += sum;
+    *run_max = new_max;
 }
 
 int pagedkv_decode_f32(const float *restrict q, float *restrict out,
@@ -84,30 +267,11 @@ int pagedkv_decode_f32(const float *restrict q, float *restrict out,
                 }
                 const int64_t n = (b + 1 < nblk) ? block_size : len - b * block_size;
                 const int64_t j0 = b ? 0 : first; /* rows before the window are skipped */
-                for (int64_t i = 0; i < group; ++i) {
-                    const float *qi = qh + i * d;
-                    float *sc = scores + i * block_size;
-                    float block_max = -FLT_MAX;
-                    for (int64_t j = j0; j < n; ++j) {
-                        sc[j] = dot(qi, kb + j * d, d) * scale;
-                        block_max = sc[j] > block_max ? sc[j] : block_max;
-                    }
-                    const float new_max = block_max > run_max[i] ? block_max : run_max[i];
-                    const float corr = expf(run_max[i] - new_max);
-                    float *ai = acc + i * d;
-                    if (corr != 1.0f) {
-                        run_sum[i] *= corr;
-                        for (int64_t x = 0; x < d; ++x) ai[x] *= corr;
-                    }
-                    for (int64_t j = j0; j < n; ++j) sc[j] = expf(sc[j] - new_max);
-                    for (int64_t j = j0; j < n; ++j) {
-                        const float p = sc[j];
-                        const float *vj = vb + j * d;
-                        run_sum[i] += p;
-                        for (int64_t x = 0; x < d; ++x) ai[x] += p * vj[x];
-                    }
-                    run_max[i] = new_max;
-                }
+                block_scores(qh, group, kb, j0, n, d, scale, scores, block_size);
+                for (int64_t i = 0; i < group; ++i)
+                    block_softmax(scores + i * block_size, j0, n, acc + i * d, d, run_max + i,
+                                  run_sum + i);
+                block_values(acc, group, vb, j0, n, d, scores, block_size);
             }
             float *oh = out + (s * num_heads + h * group) * d;
             for (int64_t i = 0; i < group; ++i) {

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pagedkv.engine import fewrow, layer_ops
+from pagedkv.engine import fewrow, layer_op_buffers, layer_ops
 from pagedkv.engine.attention import (
     AttentionMetadata,
     attend,
@@ -145,14 +145,14 @@ class LlamaModel:
             qk_norms = [(w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"])
                         for p in layers]  # fmt: skip
         # the native layer ops (module docstring); fused_layer_ops = False forces the torch ops
-        self._layer_ops: layer_ops.ModelLayerOps | None = None
+        self._layer_ops: layer_op_buffers.ModelLayerOps | None = None
         if (
             self.device.type == "cpu"
             and self.dtype is torch.float32
             and layer_ops.supports(config.hidden_size, config.head_dim)
         ):
             try:
-                self._layer_ops = layer_ops.ModelLayerOps(
+                self._layer_ops = layer_op_buffers.ModelLayerOps(
                     self._in_norm, self._post_norm, self.final_norm,
                     qk_norms, config.rms_norm_eps, config.head_dim,
                 )  # fmt: skip
