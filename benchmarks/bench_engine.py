@@ -69,7 +69,7 @@ from _harness import (
 from pagedkv.engine import fewrow
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.models.llama import Projection
+from pagedkv.engine.models.projection import Projection
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
 

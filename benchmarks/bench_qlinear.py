@@ -46,7 +46,8 @@ from _smollm2 import gguf_path, smollm2_checkpoint
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.gguf_qlinear import GGUFProjection
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.models.llama import LlamaModel, Projection
+from pagedkv.engine.models.llama import LlamaModel
+from pagedkv.engine.models.projection import Projection
 from pagedkv.engine.qlinear import QuantizedProjection, int8_linear, pack, quantize_int8
 from pagedkv.engine.sampler import SamplingParams
 

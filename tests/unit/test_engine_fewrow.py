@@ -109,7 +109,7 @@ def test_bad_inputs_are_refused() -> None:
 def test_the_engine_switch_routes_decode_rows_and_refuses_bfloat16(tmp_path: Path) -> None:
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.loader import load_model
-    from pagedkv.engine.models.llama import Projection
+    from pagedkv.engine.models.projection import Projection
     from pagedkv.engine.tiny import write_tiny_model
 
     write_tiny_model(tmp_path / "m", hidden_size=64, intermediate_size=96, num_hidden_layers=2)

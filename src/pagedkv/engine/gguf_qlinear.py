@@ -210,7 +210,7 @@ def reference_linear(x: torch.Tensor, proj: GGUFProjection) -> torch.Tensor:
 
 def concat_rows(parts: list[GGUFProjection]) -> GGUFProjection:
     """One projection for several that read the same input (q/k/v; gate/up): their output
-    rows stacked, as :class:`pagedkv.engine.models.llama.Projection` stacks float weights.
+    rows stacked, as :class:`pagedkv.engine.models.projection.Projection` stacks float weights.
     Raises UnsupportedQuantizationError when the parts differ in type or input size."""
     first = parts[0]
     if any(p.type_name != first.type_name or p.in_dim != first.in_dim for p in parts):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -33,6 +33,13 @@ from pagedkv.engine.attention import (
 )
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
+from pagedkv.engine.models.projection import (
+    Linear,
+    Projection,
+    linear_into,
+    to_quantized,
+    unit_stride,
+)
 from pagedkv.engine.qlinear import QuantizedProjection, check_quantization, require_in_place
 from pagedkv.errors import InvalidRequestError, ModelLoadError
 
@@ -71,35 +78,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-@dataclass(frozen=True, slots=True)
-class Projection:
-    """A linear layer with its weight stored transposed (``[in, out]``) and an optional bias.
-    ``few_rows``: calls of 2..32 rows take :mod:`pagedkv.engine.fewrow`'s kernel
-    (``EngineConfig.linear_kernel="native"``), the others ``torch.mm``."""
-
-    weight_t: torch.Tensor
-    bias: torch.Tensor | None
-    few_rows: bool = False
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows and fewrow.accepts(x):
-            return fewrow.linear(x, self.weight_t, self.bias)
-        if self.bias is None:
-            return torch.mm(x, self.weight_t)
-        return torch.addmm(self.bias, x, self.weight_t)
-
-    def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``self(x)`` written into ``out`` (the same kernel, so the same bits)."""
-        if self.few_rows and fewrow.accepts(x):
-            return fewrow.linear(x, self.weight_t, self.bias, out)
-        if self.bias is None:
-            return torch.mm(x, self.weight_t, out=out)
-        return torch.addmm(self.bias, x, self.weight_t, out=out)
-
-
-Linear = Callable[[torch.Tensor], torch.Tensor]  # a Projection or a QuantizedProjection
 
 
 class LlamaModel:
@@ -209,7 +187,7 @@ class LlamaModel:
             return
         require_in_place(method)
         groups = (self._qkv, self._o, self._gate_up, self._down)
-        new = [[_quantized(p) for p in group] for group in groups]
+        new = [[to_quantized(p) for p in group] for group in groups]
         head = QuantizedProjection.from_float(self.lm_head.t(), None)
         for group, q in zip(groups, new, strict=True):
             group[:] = q
@@ -399,17 +377,17 @@ class LlamaModel:
         }
         k_pools, v_pools = cache.k, cache.v
         for i, view in enumerate(views):
-            buf.rope_write(i, _linear(self._qkv[i], buf.x, buf.qkv))
+            buf.rope_write(i, linear_into(self._qkv[i], buf.x, buf.qkv))
             call = bound[id(view)]
             if call is not None:  # a decode-only step: one ctypes call
                 call(k_pools[i], v_pools[i])
             else:
                 attend(i, buf.q, cache, view, self.scale, buf.att)
-            buf.add_post_norm(i, _linear(self._o[i], buf.att_rows, buf.o))
-            gu = _linear(self._gate_up[i], buf.x, buf.gate_up)
+            buf.add_post_norm(i, linear_into(self._o[i], buf.att_rows, buf.o))
+            gu = linear_into(self._gate_up[i], buf.x, buf.gate_up)
             g, u = (buf.gate, buf.up) if gu is buf.gate_up else gu.chunk(2, dim=-1)
             torch.mul(F.silu(g, inplace=True), u, out=buf.act)
-            buf.add_next_norm(i, _linear(self._down[i], buf.act, buf.down))
+            buf.add_next_norm(i, linear_into(self._down[i], buf.act, buf.down))
         return buf.out
 
     @torch.inference_mode()
@@ -417,24 +395,6 @@ class LlamaModel:
         """Float32 logits of the given hidden rows, ``[rows, vocab]``."""
         if self._lm_head_q is not None:
             return self._lm_head_q(hidden)
-        if self.linear_kernel == "native" and fewrow.accepts(hidden) and _unit(self.lm_head):
+        if self.linear_kernel == "native" and fewrow.accepts(hidden) and unit_stride(self.lm_head):
             return fewrow.linear_nt(hidden, self.lm_head)
         return F.linear(hidden, self.lm_head).float()
-
-
-def _linear(p: Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``p(x)``, into ``out`` when ``p`` is a float projection; contiguous either way."""
-    if isinstance(p, Projection):
-        return p.into(x, out)
-    return p(x).contiguous()
-
-
-def _unit(w: torch.Tensor) -> bool:
-    """A float32 CPU matrix with unit column stride (what ``fewrow.linear_nt`` reads)."""
-    return w.dtype is torch.float32 and w.dim() == 2 and w.stride(1) == 1
-
-
-def _quantized(p: Linear) -> QuantizedProjection:
-    if not isinstance(p, Projection):
-        raise InvalidRequestError(f"cannot quantize a {type(p).__name__}")
-    return QuantizedProjection.from_float(p.weight_t, p.bias)

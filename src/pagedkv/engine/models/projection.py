@@ -1,0 +1,63 @@
+"""A Llama layer's linear projection: the float layer (:class:`Projection`, its weight kept
+transposed, ``[in, out]``) and the helpers the model's forwards call on any ``Linear`` (a float
+``Projection`` or a quantized layer with the same call signature)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.engine import fewrow
+from pagedkv.engine.qlinear import QuantizedProjection
+from pagedkv.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """A linear layer with its weight stored transposed (``[in, out]``) and an optional bias.
+    ``few_rows``: calls of 2..32 rows take :mod:`pagedkv.engine.fewrow`'s kernel
+    (``EngineConfig.linear_kernel="native"``), the others ``torch.mm``."""
+
+    weight_t: torch.Tensor
+    bias: torch.Tensor | None
+    few_rows: bool = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows and fewrow.accepts(x):
+            return fewrow.linear(x, self.weight_t, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` written into ``out`` (the same kernel, so the same bits)."""
+        if self.few_rows and fewrow.accepts(x):
+            return fewrow.linear(x, self.weight_t, self.bias, out)
+        if self.bias is None:
+            return torch.mm(x, self.weight_t, out=out)
+        return torch.addmm(self.bias, x, self.weight_t, out=out)
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]  # a Projection or a QuantizedProjection
+
+
+def linear_into(p: Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``p(x)``, into ``out`` when ``p`` is a float projection; contiguous either way."""
+    if isinstance(p, Projection):
+        return p.into(x, out)
+    return p(x).contiguous()
+
+
+def unit_stride(w: torch.Tensor) -> bool:
+    """A float32 CPU matrix with unit column stride (what ``fewrow.linear_nt`` reads)."""
+    return w.dtype is torch.float32 and w.dim() == 2 and w.stride(1) == 1
+
+
+def to_quantized(p: Linear) -> QuantizedProjection:
+    """``p`` as an int8 weight-only layer (:mod:`pagedkv.engine.qlinear`); only a float
+    :class:`Projection` can be quantized."""
+    if not isinstance(p, Projection):
+        raise InvalidRequestError(f"cannot quantize a {type(p).__name__}")
+    return QuantizedProjection.from_float(p.weight_t, p.bias)
