@@ -24,7 +24,6 @@ and faster. Columns are shared among torch's intra-op threads (ctypes releases t
 from __future__ import annotations
 
 import ctypes
-import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -195,11 +194,4 @@ def _run_split(
     if parts > 1:
         step = -(-cols // (parts * _COLUMN_ALIGN)) * _COLUMN_ALIGN
         cuts = [*range(0, cols, step), cols]
-    if len(cuts) == 2:
-        codes = [run(0, cols)]
-    else:
-        pool = native.workers(len(cuts) - 2)
-        futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(cuts[1:])]
-        codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
-    if any(codes):
-        raise InvalidRequestError("few-row kernel rejected its inputs (a bad range)")
+    native.run_ranges(run, cuts, "few-row kernel")

@@ -22,7 +22,6 @@ every call dequantizes with numpy (correct, slow; one warning).
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,14 +162,7 @@ class GGUFProjection:
 
         nthreads = torch.get_num_threads() if threads is None else threads
         cuts = _split(out, self.in_dim, rows, nthreads)
-        if len(cuts) == 2:
-            codes = [run(0, out)]
-        else:
-            pool = native.workers(len(cuts) - 2)
-            futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(cuts[1:])]
-            codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
-        if any(codes):
-            raise InvalidRequestError("GGUF kernel rejected its inputs (a bad range)")
+        native.run_ranges(run, cuts, "GGUF kernel")
         return y
 
     def dequantized(self, j_begin: int = 0, j_end: int | None = None) -> torch.Tensor:

@@ -317,3 +317,17 @@ def workers(n: int) -> ThreadPoolExecutor:
             _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="pagedkv-decode")
             _pool_size = n
         return _pool
+
+
+def run_ranges(run: Callable[[int, int], int], cuts: list[int], kernel: str) -> None:
+    """``run(a, b)`` for each range between consecutive ``cuts`` (``[0, ..., n]``): the first on
+    this thread, the others on :func:`workers` (ctypes releases the GIL for the call). Raises
+    ``InvalidRequestError`` naming ``kernel`` when any call returns non-zero (a bad range)."""
+    if len(cuts) == 2:
+        codes = [run(cuts[0], cuts[1])]
+    else:
+        pool = workers(len(cuts) - 2)
+        futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(cuts[1:])]
+        codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
+    if any(codes):
+        raise InvalidRequestError(f"{kernel} rejected its inputs (a bad range)")

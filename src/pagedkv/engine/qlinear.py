@@ -26,7 +26,6 @@ float32 (:class:`UnsupportedQuantizationError`).
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,14 +200,7 @@ class QuantizedProjection:
             return int(fn(*head, *args, in_dim, out_dim, a, b))
 
         cuts = _split(tiles, in_dim, rows, torch.get_num_threads() if threads is None else threads)
-        if len(cuts) == 2:
-            codes = [run(0, tiles)]
-        else:
-            pool = native.workers(len(cuts) - 2)
-            futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(cuts[1:])]
-            codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
-        if any(codes):
-            raise InvalidRequestError("int8 kernel rejected its inputs (a bad range)")
+        native.run_ranges(run, cuts, "int8 kernel")
         return y
 
 
