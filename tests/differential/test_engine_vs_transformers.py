@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from differential.engine_runs import engine_greedy, hf_greedy, scheduled
 from differential.hf_models import build_hf_model
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache
 from pagedkv.engine.loader import load_model
@@ -21,12 +22,6 @@ ATOL = 2e-4
 
 def _step(seqs: list[ScheduledRequest]) -> SchedulerOutput:
     return SchedulerOutput(0, seqs, sum(s.num_tokens for s in seqs))
-
-
-def _entry(rid: str, table: np.ndarray, bs: int, start: int, tokens: list[int]) -> ScheduledRequest:
-    pos = np.arange(start, start + len(tokens))
-    slots = (table[pos // bs] * bs + pos % bs).astype(np.int32)
-    return ScheduledRequest(rid, start, tokens, len(tokens), table, slots, start == 0, True)
 
 
 @pytest.mark.parametrize(
@@ -44,14 +39,14 @@ def test_prefill_and_each_decode_step_match_transformers(kind: str, tmp_path: Pa
     # a scattered block table, so a wrong gather cannot pass by luck
     table = np.array([9, 3, 17, 5, 30, 2, 11, 8], dtype=np.int32)
     tokens = list(prompt)
-    logits = runner.execute(_step([_entry("r", table, bs, 0, tokens)]))["r"]
+    logits = runner.execute(_step([scheduled("r", table, bs, 0, tokens)]))["r"]
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0, -1]
     torch.testing.assert_close(logits[0], ref, atol=ATOL, rtol=0)
     for _ in range(8):  # decode steps, each fed the greedy token
         nxt = int(logits[0].argmax())
         tokens.append(nxt)
-        logits = runner.execute(_step([_entry("r", table, bs, len(tokens) - 1, [nxt])]))["r"]
+        logits = runner.execute(_step([scheduled("r", table, bs, len(tokens) - 1, [nxt])]))["r"]
         with torch.no_grad():
             ref = hf(torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(logits[0], ref, atol=ATOL, rtol=0)
@@ -66,7 +61,6 @@ def test_greedy_generation_matches_transformers_generate(
     from pagedkv.engine import native
     from pagedkv.engine.engine_config import EngineConfig
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.engine.sampler import SamplingParams
 
     if kernel == "native" and not native.available():
         pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
@@ -76,22 +70,5 @@ def test_greedy_generation_matches_transformers_generate(
     assert engine.runner.uses_native_decode() == (kernel == "native")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (6, 13, 2)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    got: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = list(out.outputs[0].token_ids)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=12,
-                min_new_tokens=12,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        assert got[f"r{i}"] == ref[0, len(p) :].tolist()
+    got = engine_greedy(engine, prompts, 12)
+    assert got == [hf_greedy(hf, p, 12) for p in prompts]

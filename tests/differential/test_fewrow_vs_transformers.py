@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from differential.engine_runs import engine_greedy, hf_greedy, scheduled
 from differential.hf_models import build_hf_model
 from pagedkv.engine import fewrow
 from pagedkv.engine.engine_config import EngineConfig
@@ -21,8 +22,7 @@ from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.loader import load_model
 from pagedkv.engine.runner import ModelRunner
-from pagedkv.engine.sampler import SamplingParams
-from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
+from pagedkv.sched.output import SchedulerOutput
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not fewrow.available(), reason="no C compiler")
@@ -39,31 +39,8 @@ def test_greedy_generation_matches_transformers_with_the_few_row_kernel(
     engine = LLMEngine(load_model(tmp_path), None, cfg)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (6, 13, 2, 9)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    got: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = list(out.outputs[0].token_ids)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=12,
-                min_new_tokens=12,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        assert got[f"r{i}"] == ref[0, len(p) :].tolist()
-
-
-def _entry(rid: str, table: np.ndarray, bs: int, start: int, tokens: list[int]) -> ScheduledRequest:
-    pos = np.arange(start, start + len(tokens))
-    slots = (table[pos // bs] * bs + pos % bs).astype(np.int32)
-    return ScheduledRequest(rid, start, tokens, len(tokens), table, slots, start == 0, True)
+    got = engine_greedy(engine, prompts, 12)
+    assert got == [hf_greedy(hf, p, 12) for p in prompts]
 
 
 def _decode_logits(tmp_path: Path, companions: int, steps: int) -> list[torch.Tensor]:
@@ -84,12 +61,12 @@ def _decode_logits(tmp_path: Path, companions: int, steps: int) -> list[torch.Te
     last: dict[str, int] = {}
     for r in ids:
         out = runner.execute(
-            SchedulerOutput(0, [_entry(r, tables[r], bs, 0, tokens[r])], len(tokens[r]))
+            SchedulerOutput(0, [scheduled(r, tables[r], bs, 0, tokens[r])], len(tokens[r]))
         )
         last[r] = int(out[r][0].argmax())
     seen = []
     for _ in range(steps):
-        seqs = [_entry(r, tables[r], bs, len(tokens[r]), [last[r]]) for r in ids]
+        seqs = [scheduled(r, tables[r], bs, len(tokens[r]), [last[r]]) for r in ids]
         for r in ids:
             tokens[r].append(last[r])
         out = runner.execute(SchedulerOutput(0, seqs, len(seqs)))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from differential.engine_runs import scheduled
 from differential.hf_models import build_hf_model
 from pagedkv.engine import layer_ops
 from pagedkv.engine.attention import build_metadata
@@ -23,12 +24,6 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(
     not layer_ops.available(), reason=f"layer ops unavailable: {layer_ops.unavailable_reason()}"
 )
-
-
-def _entry(rid: str, table: np.ndarray, bs: int, start: int, tokens: list[int]) -> ScheduledRequest:
-    pos = np.arange(start, start + len(tokens))
-    slots = (table[pos // bs] * bs + pos % bs).astype(np.int32)
-    return ScheduledRequest(rid, start, tokens, len(tokens), table, slots, start == 0, True)
 
 
 @pytest.mark.parametrize(
@@ -81,12 +76,12 @@ def test_fused_forward_is_bit_identical_to_the_torch_ops(
     def tokens(k: int) -> list[int]:
         return torch.randint(0, cfg.vocab_size, (k,), generator=gen).tolist()
 
-    run([_entry("a", tables[0], bs, 0, tokens(9)), _entry("b", tables[1], bs, 0, tokens(5))])
-    run([_entry("a", tables[0], bs, 9, tokens(1)), _entry("b", tables[1], bs, 5, tokens(1)),
-         _entry("c", tables[2], bs, 0, tokens(7))])  # fmt: skip
+    run([scheduled("a", tables[0], bs, 0, tokens(9)), scheduled("b", tables[1], bs, 0, tokens(5))])
+    run([scheduled("a", tables[0], bs, 9, tokens(1)), scheduled("b", tables[1], bs, 5, tokens(1)),
+         scheduled("c", tables[2], bs, 0, tokens(7))])  # fmt: skip
     for step in range(4):
-        run([_entry("a", tables[0], bs, 10 + step, tokens(1)),
-             _entry("c", tables[2], bs, 7 + step, tokens(1))])  # fmt: skip
+        run([scheduled("a", tables[0], bs, 10 + step, tokens(1)),
+             scheduled("c", tables[2], bs, 7 + step, tokens(1))])  # fmt: skip
 
 
 def test_kept_step_buffers_follow_a_growing_cache_and_never_overwrite_an_output(
@@ -108,7 +103,7 @@ def test_kept_step_buffers_follow_a_growing_cache_and_never_overwrite_an_output(
 
     def run(start: int, n: int) -> None:
         toks = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
-        seq = _entry("a", table, bs, start, toks)
+        seq = scheduled("a", table, bs, start, toks)
         outs = {}
         for flag, cache in caches.items():
             model.fused_layer_ops = flag
@@ -140,7 +135,7 @@ def test_kept_step_buffers_do_not_keep_a_dropped_cache_alive(tmp_path: Path) -> 
     spec = KVCacheSpec(cfg.num_hidden_layers, 4, cfg.num_key_value_heads, cfg.head_dim)
     cache = PagedKVCache(spec, 8)
     table = np.array([3, 1], dtype=np.int32)
-    seq = _entry("a", table, 4, 0, [5, 6, 7])
+    seq = scheduled("a", table, 4, 0, [5, 6, 7])
     runner = ModelRunner(model, cache, decode_kernel="native")
     meta = build_metadata([seq], 4, model.device, native_decode=runner.uses_native_decode())
     model.forward(torch.tensor([5, 6, 7]), meta, cache)

@@ -1,0 +1,50 @@
+"""Shared pieces of the differential tests: a scheduled step entry built by hand, and greedy
+runs of pagedkv's engine and of transformers' ``generate`` on the same prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.sampler import SamplingParams
+from pagedkv.sched.output import ScheduledRequest
+
+
+def scheduled(
+    rid: str, table: np.ndarray, bs: int, start: int, tokens: list[int]
+) -> ScheduledRequest:
+    """``tokens`` at positions ``start..`` of request ``rid`` with block table ``table`` (block
+    size ``bs``): the slot mapping computed from the table, prefill when ``start`` is 0."""
+    pos = np.arange(start, start + len(tokens))
+    slots = (table[pos // bs] * bs + pos % bs).astype(np.int32)
+    return ScheduledRequest(rid, start, tokens, len(tokens), table, slots, start == 0, True)
+
+
+def engine_greedy(engine: LLMEngine, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Each prompt's ``new`` greedy tokens from ``engine``, the prompts decoding together."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def hf_greedy(hf: Any, prompt: list[int], new: int) -> list[int]:
+    """``prompt``'s ``new`` greedy tokens from transformers' ``generate`` (the reference)."""
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return list(ref[0, len(prompt) :].tolist())
