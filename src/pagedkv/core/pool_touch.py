@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.core.eviction import EvictionPolicy
 from pagedkv.core.hashing import BlockHash
-from pagedkv.core.pool_free import _gather
+from pagedkv.core.pool_free import gather
 from pagedkv.errors import RequestStateError
 
 
@@ -86,7 +86,7 @@ class TouchPathMixin:
         and a read-modify-write per block.
         """
         ref = self._ref
-        counts = _gather(ref, block_ids)
+        counts = gather(ref, block_ids)
         num = len(block_ids)
         top = counts[-1]
         if counts.count(top) == num:
@@ -120,7 +120,7 @@ class TouchPathMixin:
 
     def _check_hashed(self, taken: Sequence[int], num_taken: int) -> None:
         """Raise (before any change) if a free block to be taken holds no hash."""
-        flags = _gather(self._hashed, taken)
+        flags = gather(self._hashed, taken)
         if flags.count(1) != num_taken:
             b = taken[flags.index(0)]
             raise RequestStateError(f"block {b} is free and uncached; it cannot be shared")
