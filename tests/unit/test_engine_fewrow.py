@@ -128,6 +128,18 @@ def test_the_engine_switch_routes_decode_rows_and_refuses_bfloat16(tmp_path: Pat
     LLMEngine(model, None, EngineConfig(num_blocks=64))  # the default puts torch.mm back
     assert model.linear_kernel == "torch"
     assert not model._gate_up[0].few_rows  # type: ignore[union-attr]
+    model.set_linear_kernel("native")
+    with pytest.raises(InvalidRequestError, match="quantization='int8'"):
+        model.quantize("int8")  # its layers would leave the kernel without a word
+    assert model.quantization is None
+    assert model._gate_up[0].few_rows  # type: ignore[union-attr]
+    model.set_linear_kernel("torch")
+    model.quantize("int8")
+    with pytest.raises(InvalidRequestError, match="quantization='int8'"):
+        model.set_linear_kernel("native")
+    assert model.linear_kernel == "torch"
+    with pytest.raises(InvalidRequestError, match="quantization='int8'"):
+        EngineConfig(linear_kernel="native", quantization="int8")
     bf16 = load_model(tmp_path / "m", dtype="bfloat16")
     with pytest.raises(InvalidRequestError, match="float32"):
         bf16.set_linear_kernel("native")

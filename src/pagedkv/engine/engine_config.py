@@ -92,7 +92,7 @@ class EngineConfig:
         if self.dtype != "auto":
             parse_dtype(self.dtype)  # raises InvalidRequestError naming the choices
         check_quantization(self.quantization, self.dtype, self.device)
-        check_linear_kernel(self.linear_kernel, self.device)
+        check_linear_kernel(self.linear_kernel, self.device, self.quantization)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

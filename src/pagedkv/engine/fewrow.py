@@ -59,15 +59,21 @@ def available() -> bool:
     return _native.load() is not None
 
 
-def check_linear_kernel(kernel: str, device: str) -> None:
-    """Refuse an unknown choice, ``"native"`` off the CPU, or ``"native"`` when the library
-    cannot be built (``InvalidRequestError`` naming why)."""
+def check_linear_kernel(kernel: str, device: str, quantization: str | None = None) -> None:
+    """Refuse (``InvalidRequestError`` naming why) an unknown choice, or ``"native"`` off the
+    CPU or with a ``quantization``: quantized layers keep their own kernels, so the option
+    would be accepted and do nothing."""
     if kernel not in LINEAR_KERNEL_CHOICES:
         raise InvalidRequestError(
             f"linear_kernel must be one of {', '.join(LINEAR_KERNEL_CHOICES)}, got {kernel!r}"
         )
     if kernel == "native" and device != "cpu":
         raise InvalidRequestError(f"linear_kernel='native' runs on the CPU only, not {device!r}")
+    if kernel == "native" and quantization is not None:
+        raise InvalidRequestError(
+            f"linear_kernel='native' runs float32 weights; it cannot be combined with "
+            f"quantization={quantization!r} (whose layers have their own kernels)"
+        )
 
 
 def require_available() -> None:

@@ -181,6 +181,8 @@ class LlamaModel:
         check_quantization(method, str(self.dtype).removeprefix("torch."), self.device.type)
         if self.quantization is not None:
             raise InvalidRequestError(f"the model is already quantized ({self.quantization})")
+        if self.linear_kernel == "native":  # its layers would silently leave the kernel
+            fewrow.check_linear_kernel("native", self.device.type, method)
         if method in self.deferred_quantization:
             self.deferred_quantization[method](self)
             self.deferred_quantization.clear()
@@ -232,9 +234,10 @@ class LlamaModel:
         """``"native"``: the float32 linear layers and the float32 vocabulary projection take
         :mod:`pagedkv.engine.fewrow`'s kernel at 2..32 rows (batch-invariant bits, different
         from ``torch.mm``'s); ``"torch"``: ``torch.mm`` everywhere. Quantized layers keep
-        their own kernels. Refused (nothing changed) off the CPU, for a dtype other than
-        float32, or when the kernel cannot be built."""
-        fewrow.check_linear_kernel(kernel, self.device.type)
+        their own kernels, so ``"native"`` on a quantized model is refused. Refused (nothing
+        changed) off the CPU, for a dtype other than float32, or when the kernel cannot be
+        built."""
+        fewrow.check_linear_kernel(kernel, self.device.type, self.quantization)
         native = kernel == "native"
         if native:
             if self.dtype is not torch.float32:
