@@ -164,3 +164,27 @@ def test_llm_chat_template_replaces_the_checkpoints(tmp_path: Path) -> None:
             progress=False,
         )
         assert len(out[0].outputs[0].token_ids) >= 1
+
+
+def test_llm_chat_equals_generate_on_the_encoded_conversation(tmp_path: Path) -> None:
+    from pagedkv.engine.chat_encoding import encode_chat
+
+    model = write_tiny_model(tmp_path / "m")
+    convs = [
+        [{"role": "user", "content": "hello"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a <|end|> b"}],
+    ]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    with LLM(str(model), num_blocks=64) as llm:
+        tok = llm.tokenizer
+        want = llm.generate([encode_chat(tok, c) for c in convs], greedy, progress=False)
+        got = llm.chat(convs, greedy, progress=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert list(got[1].prompt_token_ids) == encode_chat(tok, convs[1])
+        one = llm.chat(convs[0], greedy, progress=False)  # one conversation, not a list
+        assert one[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+        parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+        with pytest.raises(InvalidRequestError, match="content parts"):
+            llm.chat(parts, greedy, progress=False)
+        with pytest.raises(InvalidRequestError, match="'role'"):
+            llm.chat([{"content": "no role"}], greedy, progress=False)

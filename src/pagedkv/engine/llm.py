@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from pagedkv.engine.chat_encoding import encode_chat
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import GenerationOutput
@@ -18,6 +19,7 @@ from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.tiers.config import TierConfig
 
 Prompt = str | Sequence[int]
+Conversation = Sequence[Mapping[str, Any]]  # chat messages: {"role": ..., "content": str}
 
 
 class LLM:
@@ -137,6 +139,40 @@ class LLM:
         else:
             self._drain(results, lambda: None)
         return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        progress: bool = True,
+    ) -> list[GenerationOutput]:
+        """Generate for one conversation or a list of them, as vLLM's ``LLM.chat``: each is
+        rendered by the model's chat template and tokenized as the server does
+        (:func:`~pagedkv.engine.chat_encoding.encode_chat`: a special token's text typed in a
+        content stays plain text), then generated as :meth:`generate` does. A message's
+        ``content`` must be a string (or None); content parts are refused by name, as is a
+        model without a tokenizer or a chat template."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError("chat needs a tokenizer; this model has none")
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts: list[Prompt] = []
+        for conv in convs:
+            for m in conv:
+                if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                    raise InvalidRequestError(f"a chat message is a mapping with a 'role': {m!r}")
+                if m.get("content") is not None and not isinstance(m["content"], str):
+                    raise InvalidRequestError(
+                        "LLM.chat takes a message 'content' as a string; content parts "
+                        f"({type(m['content']).__name__}) are not supported"
+                    )
+            prompts.append(
+                encode_chat(tok, conv, add_generation_prompt=add_generation_prompt, tools=tools)  # type: ignore[arg-type]
+            )
+        return self.generate(prompts, sampling, progress=progress)
 
     def _drain(self, results: dict[str, GenerationOutput], on_step: Any) -> None:
         engine = self.engine
