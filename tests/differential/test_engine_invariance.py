@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from differential.engine_runs import hf_greedy
 from differential.hf_models import build_hf_model
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
@@ -42,19 +43,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
     """The llama checkpoint and transformers' greedy continuation of every prompt."""
     path = tmp_path_factory.mktemp("llama")
     hf = build_hf_model("llama", path)
-    refs = []
-    for p in PROMPTS:
-        with torch.no_grad():
-            ids = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        refs.append(ids[0, len(p) :].tolist())
-    return path, refs
+    return path, [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
 
 
 def run_engine(

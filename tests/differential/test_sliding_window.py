@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from differential.engine_runs import hf_greedy
 from differential.hf_models import CONFIGS, build_hf_model
 from pagedkv.core.block_pool import NULL_BLOCK_ID
 from pagedkv.engine import native
@@ -39,16 +40,7 @@ def _prompts() -> list[list[int]]:
 def _hf_greedy(hf: Any, prompt: list[int], steps: int) -> list[int]:
     """transformers' greedy tokens (its sliding-window KV cache; checked against full
     forward passes over the whole sequence, which see the exact masks, for the first prompt)."""
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
+    return hf_greedy(hf, prompt, steps)
 
 
 def _hf_greedy_uncached(hf: Any, prompt: list[int], steps: int) -> list[int]:
