@@ -6,8 +6,9 @@
 - Special tokens a user types inside chat content stay text: only the template's markers are
   control tokens.
 - ``response_format={"type": "text"}``, ``best_of=1``, ``service_tier``, ``parallel_tool_calls``,
-  ``user``, ``n`` past 16 and the message fields ``name``/``tool_calls``/``tool_call_id`` are
-  accepted, and the message fields reach the template.
+  ``modalities=["text"]``, ``store=False``, ``metadata`` (validated, unused), ``user``, ``n``
+  past 16 and the message fields ``name``/``tool_calls``/``tool_call_id`` are accepted, and the
+  message fields reach the template.
 - A body over ``max_request_bytes`` gets 413 (declared or streamed); a long prompt is tokenized
   off the event loop (``/health`` answers meanwhile).
 - ``/metrics`` has vLLM's families and pagedkv's request outcomes.
@@ -148,6 +149,9 @@ def test_values_that_ask_for_the_default_are_accepted(oc: openai.OpenAI) -> None
         parallel_tool_calls=True,
         user="user-1",
         n=20,
+        metadata={"team": "search", "ticket": "T-1"},
+        modalities=["text"],
+        store=False,
     )
     assert len(chat.choices) == 20
     cmpl = oc.completions.create(

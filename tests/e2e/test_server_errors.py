@@ -114,6 +114,10 @@ BAD_BODIES = [
     ),
     ("chat/completions", _with(CHAT, tools=[{"type": "function"}]), "tools"),
     ("chat/completions", _with(CHAT, top_logprobs=3), "top_logprobs"),
+    ("chat/completions", _with(CHAT, modalities=["text", "audio"]), "modalities"),
+    ("chat/completions", _with(CHAT, metadata={f"k{i}": "v" for i in range(17)}), "metadata"),
+    ("chat/completions", _with(CHAT, metadata={"k": "v" * 513}), "metadata"),
+    ("chat/completions", _with(CHAT, metadata={"k": 1}), "metadata"),
     ("chat/completions", _with(CHAT, tool_choice="required"), "tool_choice"),
     (
         "chat/completions",

@@ -2,10 +2,11 @@
 
 Fields the server does not implement are accepted and ignored when absent, null or set to the
 value that asks for the default (``response_format={"type": "text"}``, ``best_of=1``,
-``service_tier="auto"``, ``parallel_tool_calls``), and rejected with a 400 naming the parameter
-otherwise, so a client never silently gets less than it asked for. vLLM's extra sampling fields
-(``min_tokens``, ``guided_json``, ...) come through the body, as the ``openai`` client's
-``extra_body`` sends them.
+``service_tier="auto"``, ``parallel_tool_calls``, ``modalities=["text"]``), and rejected with
+a 400 naming the parameter otherwise, so a client never silently gets less than it asked for.
+``metadata`` (OpenAI's tags for stored completions) is validated to OpenAI's limits and unused.
+vLLM's extra sampling fields (``min_tokens``, ``guided_json``, ...) come through the body, as
+the ``openai`` client's ``extra_body`` sends them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ _DEFAULT_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "logprobs": (False,),
     "store": (False,),
+    "modalities": (["text"],),
 }
+
+MAX_METADATA_KEYS = 16  # OpenAI's limits on ``metadata``: 16 pairs, keys 64 and values 512 chars
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 
 
 def _is_default(name: str, value: Any) -> bool:
@@ -73,6 +79,9 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's key-value tags for stored completions: validated, then unused (nothing is stored,
+    # and they never reach the model), so a client that tags every request is not refused
+    metadata: dict[str, str] | None = None
     # request features (OpenAI, then vLLM's extras)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -94,6 +103,21 @@ class _SamplingFields(BaseModel):
     def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA_KEYS:
+            raise ValueError(f"at most {MAX_METADATA_KEYS} metadata pairs")
+        for key, value in v.items():
+            if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+                raise ValueError(
+                    f"metadata keys are at most {MAX_METADATA_KEY} characters and values "
+                    f"at most {MAX_METADATA_VALUE}"
+                )
         return v
 
     def stop_strings(self) -> list[str]:
