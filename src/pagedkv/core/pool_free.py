@@ -49,33 +49,6 @@ def _first_repeat(items: Sequence[int]) -> int:
 _MAX_RUNS = 8  # more runs of one count than this take the general loop
 
 
-def runs_of(counts: tuple[int, ...]) -> list[tuple[int, int, int]] | None:
-    """Split ref counts into runs of one count each, in order: ``[(start, end, count), ...]``
-    covering ``counts``, ``counts[start:end]`` all ``count``, every count >= 1. None past
-    ``_MAX_RUNS`` runs or at a count <= 0 (the caller takes the general loop, which raises).
-
-    A table freed tail first reads its counts rising (a block is held by every request holding
-    a later block of its chain, and by the requests that stopped before it), so each run's end
-    is found by bisection from its start (O(log n) compares in C) and then verified by counting
-    that slice (``tuple.count`` matches equal small ints by identity: one fast C pass over the
-    run). Counts that do not rise give runs that fail the check, never wrong runs: every run
-    returned is verified, whatever the order.
-    """
-    runs: list[tuple[int, int, int]] = []
-    num = len(counts)
-    start = 0
-    while start < num:
-        v = counts[start]
-        if v <= 0 or len(runs) == _MAX_RUNS:
-            return None
-        end = bisect_right(counts, v, start)  # > start: counts[start] == v
-        if end - start > 1 and counts[start:end].count(v) != end - start:
-            return None
-        runs.append((start, end, v))
-        start = end
-    return runs
-
-
 class FreePathMixin:
     """``free``/``free_owned`` of ``BlockPool`` (which provides this state)."""
 
@@ -163,7 +136,7 @@ class FreePathMixin:
         M1). Ref counts are still checked, so a block not in use still raises and changes
         nothing. The counts are read in one C pass; exclusive blocks (all at 1) take the plain
         store loop of ``free``, shared ones (ref > 1) are dropped a run of one count at a time
-        (``runs_of``: a constant store per block), other shapes one read-modify-write each.
+        (``_drop_runs``: a constant store per block), other shapes one read-modify-write each.
 
         One Python frame does the usual free from end to end (the counters are kept inline, not
         through ``_set_free``): a request's free runs between other work, with cold caches,
@@ -182,28 +155,7 @@ class FreePathMixin:
             zeros: list[int] = block_ids if isinstance(block_ids, list) else list(block_ids)
             self._place_freed(zeros, check_repeats=False)
         else:
-            runs = runs_of(counts)
-            if runs is None:
-                zeros = self._decrement(block_ids)  # raises (changing nothing) at a count 0
-            else:
-                zeros = []
-                num_unshared = 0  # blocks going from 2 to 1
-                for start, end, v in runs:
-                    after = v - 1
-                    if end - start == 1:
-                        b = block_ids[start]
-                        ref[b] = after
-                        if not after:
-                            zeros.append(b)
-                    else:
-                        run = block_ids[start:end]
-                        for b in run:
-                            ref[b] = after
-                        if not after:
-                            zeros.extend(run)
-                    if after == 1:
-                        num_unshared += end - start
-                self._num_shared -= num_unshared
+            zeros = self._drop_runs(block_ids, counts)
             if not zeros:
                 return
             if len(zeros) == 1:  # a shared table's own tail
@@ -214,6 +166,52 @@ class FreePathMixin:
         self.version += 1
         self.num_free_blocks = num_free
         self.usage = (self.capacity_blocks - num_free) / self.capacity_blocks
+
+    def _drop_runs(self, block_ids: Sequence[int], counts: tuple[int, ...]) -> list[int]:
+        """Drop one reference from each of distinct blocks whose ref counts are ``counts``;
+        return those reaching 0, in order. All or nothing (a block not in use raises).
+
+        The counts are taken as runs of one count each, each a constant store per block
+        (``ref[b] = v - 1``, about half the cost of a read-modify-write). A table freed tail
+        first reads its counts rising (a block is held by every request holding a later block
+        of its chain), so a run's end is found by bisection from its start (O(log n) compares
+        in C) and then verified by counting that slice (``tuple.count`` matches equal small ints
+        by identity: one fast C pass). A run that fails the check (counts that do not rise), a
+        count <= 0 or more than ``_MAX_RUNS`` runs undo the stores made so far and take the
+        general loop, which raises for a block not in use: the runs stored are always verified.
+        """
+        ref = self._ref
+        num = len(counts)
+        zeros: list[int] = []
+        num_unshared = 0  # blocks going from 2 to 1
+        start = num_runs = 0
+        while start < num:
+            v = counts[start]
+            end = bisect_right(counts, v, start)  # > start: counts[start] == v
+            num_runs += 1
+            if v <= 0 or num_runs > _MAX_RUNS or (
+                end - start > 1 and counts[start:end].count(v) != end - start
+            ):
+                for b, r in zip(block_ids[:start], counts, strict=False):  # undo
+                    ref[b] = r
+                return self._decrement(block_ids)
+            after = v - 1
+            if end - start == 1:
+                b = block_ids[start]
+                ref[b] = after
+                if not after:
+                    zeros.append(b)
+            else:
+                run = block_ids[start:end]
+                for b in run:
+                    ref[b] = after
+                if not after:
+                    zeros.extend(run)
+            if after == 1:
+                num_unshared += end - start
+            start = end
+        self._num_shared -= num_unshared
+        return zeros
 
     def _free_checked(self, block_ids: Sequence[int]) -> None:
         """``free`` of in-range ids that may repeat: all at 1 take the store loop (a repeat is
