@@ -189,8 +189,10 @@ class FreePathMixin:
             v = counts[start]
             end = bisect_right(counts, v, start)  # > start: counts[start] == v
             num_runs += 1
-            if v <= 0 or num_runs > _MAX_RUNS or (
-                end - start > 1 and counts[start:end].count(v) != end - start
+            if (
+                v <= 0
+                or num_runs > _MAX_RUNS
+                or (end - start > 1 and counts[start:end].count(v) != end - start)
             ):
                 for b, r in zip(block_ids[:start], counts, strict=False):  # undo
                     ref[b] = r
