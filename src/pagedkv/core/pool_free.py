@@ -11,8 +11,13 @@ loop, one C pass reading the hashed flags and one push per block into the LRU. `
 and ``in`` match small ints by identity but compare every other element generically (as ``min``
 and ``max`` compare every pair), so each extra pass over the counts costs about as much as the
 store loop: the paths below use as few as they can. A table whose blocks are shared (a prefix
-held by other requests) is freed as runs of one count each (``_runs``: a ``count`` and an
-``index`` per run), each run a constant store per block rather than a read-modify-write.
+held by other requests) is freed as runs of one count each (``_drop_runs``: a bisection and a
+count of one slice per run, then a constant store per block) rather than a read-modify-write;
+a table shorter than ``_MIN_RUNS_TABLE`` takes the read-modify-write loop, cheaper there.
+
+A free ends every request and runs between other work, with cold caches, where each function
+entered costs about a microsecond: ``free_owned`` keeps the usual free in as few frames as it
+can (the counters inline, one freed block placed without a batch).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def _first_repeat(items: Sequence[int]) -> int:
 
 
 _MAX_RUNS = 8  # more runs of one count than this take the general loop
+_MIN_RUNS_TABLE = 32  # shorter shared tables take the general loop (cheaper than runs there)
 
 
 class FreePathMixin:
@@ -155,7 +161,10 @@ class FreePathMixin:
             zeros: list[int] = block_ids if isinstance(block_ids, list) else list(block_ids)
             self._place_freed(zeros, check_repeats=False)
         else:
-            zeros = self._drop_runs(block_ids, counts)
+            if num < _MIN_RUNS_TABLE:
+                zeros = self._decrement(block_ids)
+            else:
+                zeros = self._drop_runs(block_ids, counts)
             if not zeros:
                 return
             if len(zeros) == 1:  # a shared table's own tail
@@ -184,21 +193,19 @@ class FreePathMixin:
         num = len(counts)
         zeros: list[int] = []
         num_unshared = 0  # blocks going from 2 to 1
-        start = num_runs = 0
+        start = 0
+        num_runs = _MAX_RUNS
         while start < num:
             v = counts[start]
             end = bisect_right(counts, v, start)  # > start: counts[start] == v
-            num_runs += 1
-            if (
-                v <= 0
-                or num_runs > _MAX_RUNS
-                or (end - start > 1 and counts[start:end].count(v) != end - start)
-            ):
+            size = end - start
+            if v <= 0 or not num_runs or (size > 1 and counts[start:end].count(v) != size):
                 for b, r in zip(block_ids[:start], counts, strict=False):  # undo
                     ref[b] = r
                 return self._decrement(block_ids)
+            num_runs -= 1
             after = v - 1
-            if end - start == 1:
+            if size == 1:
                 b = block_ids[start]
                 ref[b] = after
                 if not after:
@@ -210,7 +217,7 @@ class FreePathMixin:
                 if not after:
                     zeros.extend(run)
             if after == 1:
-                num_unshared += end - start
+                num_unshared += size
             start = end
         self._num_shared -= num_unshared
         return zeros
