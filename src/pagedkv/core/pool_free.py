@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from itertools import compress
+from itertools import compress, islice
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -211,11 +211,10 @@ class FreePathMixin:
                 if not after:
                     zeros.append(b)
             else:
-                run = block_ids[start:end]
-                for b in run:
+                for b in islice(block_ids, start, end):
                     ref[b] = after
                 if not after:
-                    zeros.extend(run)
+                    zeros.extend(block_ids[start:end])
             if after == 1:
                 num_unshared += size
             start = end
