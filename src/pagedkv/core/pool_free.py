@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from itertools import compress, islice
+from itertools import compress
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -211,10 +211,11 @@ class FreePathMixin:
                 if not after:
                     zeros.append(b)
             else:
-                for b in islice(block_ids, start, end):
+                run = block_ids[start:end]
+                for b in run:
                     ref[b] = after
                 if not after:
-                    zeros.extend(block_ids[start:end])
+                    zeros.extend(run)
             if after == 1:
                 num_unshared += size
             start = end
