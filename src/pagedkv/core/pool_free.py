@@ -11,12 +11,18 @@ loop, one C pass reading the hashed flags and one push per block into the LRU. `
 and ``in`` match small ints by identity but compare every other element generically (as ``min``
 and ``max`` compare every pair), so each extra pass over the counts costs about as much as the
 store loop: the paths below use as few as they can. A table whose blocks are shared (a prefix
-held by other requests) is freed as runs of one count each (``_runs``: a ``count`` and an
-``index`` per run), each run a constant store per block rather than a read-modify-write.
+held by other requests) is freed as runs of one count each (``_drop_runs``: a bisection and a
+count of one slice per run, then a constant store per block) rather than a read-modify-write;
+a table shorter than ``_MIN_RUNS_TABLE`` takes the read-modify-write loop, cheaper there.
+
+A free ends every request and runs between other work, with cold caches, where each function
+entered costs about a microsecond: ``free_owned`` keeps the usual free in as few frames as it
+can (the counters inline, one freed block placed without a batch).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import compress
 from operator import itemgetter
@@ -45,41 +51,8 @@ def _first_repeat(items: Sequence[int]) -> int:
     return len(items)
 
 
-_MAX_RUNS = 4  # more distinct counts than this take the general loop
-_SHORT_TAIL = 8  # counts before the runs looked at one by one
-
-
-def _runs(counts: tuple[int, ...], head: int, num_head: int) -> list[tuple[int, int]] | None:
-    """Split ref counts read tail first into runs of one count each, from the head back:
-    ``[(start, count), ...]``, ``counts[start:end]`` all ``count`` (``end`` the previous
-    run's start), counts strictly falling run by run, every count >= 1; ``counts[:start]``
-    of the last run, fewer than ``_SHORT_TAIL``, are left to the caller, checked >= 1.
-    None if the counts are not so shaped (the caller takes the general loop).
-
-    Each run costs a ``tuple.count`` and a ``tuple.index`` in C: the count of a run's value
-    over the whole tuple equals the run's length only because every later (headward) run
-    holds a larger count, and the first occurrence then marks the run's start.
-    """
-    runs: list[tuple[int, int]] = []
-    end = len(counts)
-    top, num_top = head, num_head
-    while end >= _SHORT_TAIL:
-        start = end - num_top
-        if top <= 0 or start < 0 or counts.index(top) != start:
-            return None
-        runs.append((start, top))
-        if len(runs) > _MAX_RUNS:
-            return None
-        end = start
-        if end < _SHORT_TAIL:
-            break
-        nxt = counts[end - 1]
-        if nxt >= top:
-            return None
-        top, num_top = nxt, counts.count(nxt)
-    if 0 in counts[:end]:
-        return None
-    return runs
+_MAX_RUNS = 8  # more runs of one count than this take the general loop
+_MIN_RUNS_TABLE = 32  # shorter shared tables take the general loop (cheaper than runs there)
 
 
 class FreePathMixin:
@@ -92,9 +65,14 @@ class FreePathMixin:
     _free_uncached: list[int]
     _num_shared: int
     _copy_of: dict[int, BlockHash]
+    _copies: dict[BlockHash, int]
+    _more_copies: dict[BlockHash, list[int]]
     _watched_blocks: dict[int, int]
     watch_epoch: int
+    version: int
     num_free_blocks: int
+    capacity_blocks: int
+    usage: float
 
     if TYPE_CHECKING:  # provided by BlockPool and PrefixIndexMixin (no stubs at run time,
         # which would shadow the mixin that follows this one)
@@ -102,6 +80,8 @@ class FreePathMixin:
         def _set_free(self, num_free: int) -> None: ...
 
         def _drop_copies(self, uncached: list[int]) -> None: ...
+
+        def _drop_copy(self, b: int, block_hash: BlockHash) -> None: ...
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block, in the given order. All or nothing.
@@ -121,7 +101,7 @@ class FreePathMixin:
             return
         if min(block_ids) < self._reserved or max(block_ids) >= len(self._ref):  # C-level
             self._raise_not_in_use(block_ids, len(block_ids))
-        self._free(block_ids, distinct=False)
+        self._free_checked(block_ids)
 
     def _free_one(self, b: int) -> None:
         """``free([b])`` without the batch machinery (same checks, same placement)."""
@@ -142,8 +122,14 @@ class FreePathMixin:
         if self._hashed[b]:
             self._policy.push(b)
         else:
-            if self._copy_of:
-                self._drop_copies([b])
+            copy_of = self._copy_of
+            if copy_of:
+                h = copy_of.pop(b, None)
+                if h is not None:  # a copy: its hash is served elsewhere (I7)
+                    if self._more_copies:
+                        self._drop_copy(b, h)
+                    else:  # every hash has one copy at most: b is h's (``_pop_single_copies``)
+                        del self._copies[h]
             self._free_uncached.append(b)
         if self._watched_blocks and b in self._watched_blocks:
             self.watch_epoch += 1
@@ -154,71 +140,107 @@ class FreePathMixin:
         The same checks and all-or-nothing rule, less what such a table makes impossible: ids
         out of range, and a block listed twice (a table holds distinct blocks: the manager's
         M1). Ref counts are still checked, so a block not in use still raises and changes
-        nothing. Blocks shared with other requests (ref > 1) are decremented from the counts
-        read in C, a run of one count at a time (``_runs``), else in one read-modify-write
-        loop, not by the sequential validating pass of ``free``.
-        """
-        if block_ids:
-            self._free(block_ids, distinct=True)
+        nothing. The counts are read in one C pass; exclusive blocks (all at 1) take the plain
+        store loop of ``free``, shared ones (ref > 1) are dropped a run of one count at a time
+        (``_drop_runs``: a constant store per block), other shapes one read-modify-write each.
 
-    def _free(self, block_ids: Sequence[int], *, distinct: bool) -> None:
+        One Python frame does the usual free from end to end (the counters are kept inline, not
+        through ``_set_free``): a request's free runs between other work, with cold caches,
+        where each further function entered costs about as much as a few dozen blocks.
+        """
+        num = len(block_ids)
+        if num < 2:
+            if num:
+                self._free_one(block_ids[0])
+            return
+        ref = self._ref
+        counts: tuple[int, ...] = itemgetter(*block_ids)(ref)
+        if counts[-1] == 1 and counts.count(1) == num:  # every block exclusive: all reach 0
+            for b in block_ids:
+                ref[b] = 0
+            zeros: list[int] = block_ids if isinstance(block_ids, list) else list(block_ids)
+            self._place_freed(zeros, check_repeats=False)
+        else:
+            if num < _MIN_RUNS_TABLE:
+                zeros = self._decrement(block_ids)
+            else:
+                zeros = self._drop_runs(block_ids, counts)
+            if not zeros:
+                return
+            if len(zeros) == 1:  # a shared table's own tail
+                self._place_one(zeros[0])
+            else:
+                self._place_freed(zeros, check_repeats=False)
+        num_free = self.num_free_blocks + len(zeros)  # _set_free, inline
+        self.version += 1
+        self.num_free_blocks = num_free
+        self.usage = (self.capacity_blocks - num_free) / self.capacity_blocks
+
+    def _drop_runs(self, block_ids: Sequence[int], counts: tuple[int, ...]) -> list[int]:
+        """Drop one reference from each of distinct blocks whose ref counts are ``counts``;
+        return those reaching 0, in order. All or nothing (a block not in use raises).
+
+        The counts are taken as runs of one count each, each a constant store per block
+        (``ref[b] = v - 1``, about half the cost of a read-modify-write). A table freed tail
+        first reads its counts rising (a block is held by every request holding a later block
+        of its chain), so a run's end is found by bisection from its start (O(log n) compares
+        in C) and then verified by counting that slice (``tuple.count`` matches equal small ints
+        by identity: one fast C pass). A run that fails the check (counts that do not rise), a
+        count <= 0 or more than ``_MAX_RUNS`` runs undo the stores made so far and take the
+        general loop, which raises for a block not in use: the runs stored are always verified.
+        """
+        ref = self._ref
+        num = len(counts)
+        zeros: list[int] = []
+        num_unshared = 0  # blocks going from 2 to 1
+        start = 0
+        num_runs = _MAX_RUNS
+        while start < num:
+            v = counts[start]
+            end = bisect_right(counts, v, start)  # > start: counts[start] == v
+            size = end - start
+            if v <= 0 or not num_runs or (size > 1 and counts[start:end].count(v) != size):
+                for b, r in zip(block_ids[:start], counts, strict=False):  # undo
+                    ref[b] = r
+                return self._decrement(block_ids)
+            num_runs -= 1
+            after = v - 1
+            if size == 1:
+                b = block_ids[start]
+                ref[b] = after
+                if not after:
+                    zeros.append(b)
+            else:
+                run = block_ids[start:end]
+                for b in run:
+                    ref[b] = after
+                if not after:
+                    zeros.extend(run)
+            if after == 1:
+                num_unshared += size
+            start = end
+        self._num_shared -= num_unshared
+        return zeros
+
+    def _free_checked(self, block_ids: Sequence[int]) -> None:
+        """``free`` of in-range ids that may repeat: all at 1 take the store loop (a repeat is
+        caught before placement, undone and raised), else one validating pass decrements."""
         ref = self._ref
         counts = gather(ref, block_ids)
-        head = counts[-1]  # the most shared block of a table freed tail first
-        num_head = counts.count(head)  # the majority's count: matched by identity, fast
-        if head == 1 and num_head == len(block_ids):  # every block exclusive: all reach 0
+        if counts[-1] == 1 and counts.count(1) == len(block_ids):
             for b in block_ids:
                 ref[b] = 0
             zeros = block_ids if isinstance(block_ids, list) else list(block_ids)
-            if not self._place_freed(zeros, check_repeats=not distinct):
+            if not self._place_freed(zeros, check_repeats=True):
                 for b in block_ids:  # undo: a block was listed twice
                     ref[b] = 1
                 self._raise_not_in_use(block_ids, _first_repeat(block_ids))
-        elif distinct and (runs := _runs(counts, head, num_head)) is not None:
-            zeros = self._decrement_runs(block_ids, counts, runs)
-            if zeros:
-                self._place_freed(zeros, check_repeats=False)
         else:
             zeros = self._decrement(block_ids)
             if zeros:
                 self._place_freed(zeros, check_repeats=False)
         if zeros:
             self._set_free(self.num_free_blocks + len(zeros))
-
-    def _decrement_runs(
-        self, block_ids: Sequence[int], counts: tuple[int, ...], runs: list[tuple[int, int]]
-    ) -> list[int]:
-        """Drop one reference from each of distinct blocks whose ref counts ``counts`` are
-        runs (``_runs``'s answer, every count >= 1 checked); return those reaching 0, in order.
-
-        A run of one count is a constant store per block (``ref[b] = v - 1``), about half the
-        cost of the read-modify-write the general loop takes; the few blocks before the runs
-        (the tail: the request's own blocks) are done one by one.
-        """
-        ref = self._ref
-        zeros: list[int] = []
-        num_unshared = 0  # blocks going from 2 to 1
-        first = runs[-1][0] if runs else len(block_ids)
-        for i in range(first):  # the tail before the runs
-            b, r = block_ids[i], counts[i]
-            ref[b] = r - 1
-            if r == 1:
-                zeros.append(b)
-            elif r == 2:
-                num_unshared += 1
-        end = len(block_ids)
-        for start, v in runs:
-            after = v - 1
-            run = block_ids[start:end]
-            for b in run:
-                ref[b] = after
-            if after == 0:
-                zeros.extend(run)  # the runs strictly decrease: this one is the last
-            elif after == 1:
-                num_unshared += end - start
-            end = start
-        self._num_shared -= num_unshared
-        return zeros
 
     def _decrement(self, block_ids: Sequence[int]) -> list[int]:
         """Drop one reference per block (some shared, maybe listed twice); return those reaching

@@ -120,21 +120,25 @@ class PrefixIndexMixin:
         if len(uncached) > 8 and not self._more_copies:
             self._pop_single_copies(uncached)
             return
-        copy_of, copies, more = self._copy_of, self._copies, self._more_copies
+        pop = self._copy_of.pop
         for b in uncached:
-            h = copy_of.pop(b, None)
-            if h is None:
-                continue
-            if copies[h] == b:  # the first copy: the next one (if any) takes its place
-                if h in more:
-                    self._next_copy(h)
-                else:
-                    del copies[h]
+            h = pop(b, None)
+            if h is not None:
+                self._drop_copy(b, h)
+
+    def _drop_copy(self, b: int, block_hash: BlockHash) -> None:
+        """Forget ``b`` (just taken out of ``_copy_of``) among the copies of ``block_hash``."""
+        copies, more = self._copies, self._more_copies
+        if copies[block_hash] == b:  # the first copy: the next one (if any) takes its place
+            if block_hash in more:
+                self._next_copy(block_hash)
             else:
-                later = more[h]
-                later.remove(b)
-                if not later:
-                    del more[h]
+                del copies[block_hash]
+        else:
+            later = more[block_hash]
+            later.remove(b)
+            if not later:
+                del more[block_hash]
 
     def _pop_single_copies(self, uncached: list[int]) -> None:
         """The C passes of ``_drop_copies`` (every hash has one copy at most)."""
