@@ -13,7 +13,9 @@ computes in float32, the KV cache is bf16).
 Rows: 1..``MAX_ROWS`` (a decode step) run the kernel, which streams each weight once for all
 rows, with columns shared among torch's intra-op threads (``native.run_ranges``) from
 ``_MIN_MACS_PER_THREAD`` multiply-adds per thread. More rows (prefill, compute bound) widen the
-weight once into a float32 copy and call ``torch.mm``.
+weight once into a float32 copy and call ``torch.mm`` (:func:`linear`), or run the kernel on
+``MAX_ROWS`` rows at a time (:func:`linear_nt`, the vocabulary projection, which sees many
+rows only when many sequences sample at once).
 
 **Exactness.** Each output of the kernel is a float32 sum of the exact products in an order
 fixed by the weight's shape (csrc/bf16_linear.c states it): within ``(in + 2) * 2^-24 *
@@ -161,22 +163,23 @@ def linear_nt(
     portable: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T`` in float32 for a bf16 ``weight [out, in]`` (the vocabulary
-    projection's embedding as stored)."""
+    projection's embedding as stored); any number of rows, ``MAX_ROWS`` per kernel call (the
+    same bits for a row in any batch)."""
     cols, in_dim = weight.shape
     _check(x, weight, in_dim, "linear_nt")
-    rows = x.shape[0]
-    y = _output(out, rows, cols)
-    if rows > MAX_ROWS:
-        return torch.mm(x, weight.float().t(), out=y)
+    y = _output(out, x.shape[0], cols)
     lib = _library()
     fn = lib.pagedkv_bf16_nt_portable if portable else lib.pagedkv_bf16_nt
-    head = (x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0))
-    tail = (y.data_ptr(), y.stride(0), rows, in_dim, cols)
+    for r0 in range(0, x.shape[0], MAX_ROWS):  # more rows: each chunk streams the weight
+        rows = min(MAX_ROWS, x.shape[0] - r0)
+        head = (x.data_ptr() + r0 * x.stride(0) * 4, x.stride(0), weight.data_ptr(),
+                weight.stride(0))  # fmt: skip
+        tail = (y.data_ptr() + r0 * y.stride(0) * 4, y.stride(0), rows, in_dim, cols)
 
-    def run(a: int, b: int) -> int:
-        return int(fn(*head, *tail, a, b))
+        def run(a: int, b: int, head: tuple[int, ...] = head, tail: tuple[int, ...] = tail) -> int:
+            return int(fn(*head, *tail, a, b))
 
-    _run_split(run, cols, rows * in_dim, threads)
+        _run_split(run, cols, rows * in_dim, threads)
     return y
 
 

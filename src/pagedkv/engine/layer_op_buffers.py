@@ -168,7 +168,8 @@ class StepBuffers:
         positions: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        """The step's inputs: ``h`` = the embedding rows of ``input_ids``, ``cos``/``sin``
+        """The step's inputs: ``h`` = the embedding rows of ``input_ids`` (as float32),
+        ``cos``/``sin``
         = the tables' rows at ``positions``, ``slots`` = the K/V slots (``[tokens]``
         int64 each); and a new ``out`` for the final norm."""
         n = self.h.shape[0]
@@ -177,7 +178,10 @@ class StepBuffers:
                 f"native layer ops: ids{tuple(input_ids.shape)} positions"
                 f"{tuple(positions.shape)} slots{tuple(slots.shape)} for a {n}-token step"
             )
-        torch.index_select(embed, 0, input_ids, out=self.h)
+        if embed.dtype is torch.float32:
+            torch.index_select(embed, 0, input_ids, out=self.h)
+        else:  # bf16 weights (models.llama): the rows widen exactly
+            self.h.copy_(embed.index_select(0, input_ids))
         torch.index_select(cos_table, 0, positions, out=self.cos)
         torch.index_select(sin_table, 0, positions, out=self.sin)
         self.slots.copy_(slots)
