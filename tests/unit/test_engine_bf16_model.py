@@ -79,3 +79,16 @@ def test_bfloat16_keeps_bf16_weights_and_a_bf16_kv_cache(model_dir: Path) -> Non
     diff = max(abs(a - b) for r, s in zip(ours, ref, strict=True)
                for (_, a), (_, b) in zip(r, s, strict=True))  # fmt: skip
     assert diff < 0.05, diff
+
+
+def test_the_fused_layer_ops_write_a_bf16_cache_as_the_torch_ops_do(model_dir: Path) -> None:
+    """RoPE + the K/V write in C round k and v to bf16 as ``PagedKVCache.write``'s cast does
+    (nearest even), so the fused forward over a bf16 cache gives the torch forward's bits."""
+    cfg = EngineConfig(num_blocks=64, dtype="bfloat16")
+    fused = LLMEngine.from_model_dir(str(model_dir), cfg)
+    assert fused.model.fused_layer_ops
+    plain = LLMEngine.from_model_dir(str(model_dir), cfg)
+    plain.model.fused_layer_ops = False
+    assert _run(fused, 5) == _run(plain, 5)
+    k = fused.runner.kv_cache.k[0]
+    assert bool((k != 0).any())  # the fused path did write the cache

@@ -345,7 +345,7 @@ class LlamaModel:
             self.fused_layer_ops
             and self._layer_ops is not None
             and input_ids.numel()
-            and cache.spec.dtype is torch.float32
+            and cache.spec.dtype in layer_op_buffers.KV_DTYPES
         ):
             return self._forward_fused(input_ids, meta, cache)
         w = self.weights
