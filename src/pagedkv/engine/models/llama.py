@@ -262,7 +262,8 @@ class LlamaModel:
         if native:
             if self.dtype is not torch.float32:
                 raise InvalidRequestError(
-                    f"linear_kernel='native' needs a float32 model, not {self.dtype}"
+                    f"linear_kernel='native' needs a float32 model, not {self.dtype} (a "
+                    "bfloat16 model on a CPU runs its own bf16 kernel: bf16_linear)"
                 )
             fewrow.require_available()
         for group in (self._qkv, self._o, self._gate_up, self._down):
