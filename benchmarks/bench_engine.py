@@ -39,15 +39,19 @@ interleaved), so the ratio column shows what the layer ops buy; and, float32, wi
 ``linear_kernel="native"`` (``pagedkv native-linear``: the batch-invariant few-row kernel of
 ``pagedkv.engine.fewrow`` for the linears and the head at 2..32 rows). The footer gives each
 decode fixture's limit in the same run: batch tokens per step, a step reading every linear
-weight and the vocabulary projection once at the bandwidth of a 256 MiB copy, and each pagedkv
-row's share of it.
+weight and the vocabulary projection once (at the dtype each row's engine stores them in: bf16
+counts 2 bytes; the KV cache is not counted) at the bandwidth of a 256 MiB copy, and each
+pagedkv row's share of it. ``--dtype bfloat16`` runs pagedkv with bf16 weights and float32
+compute (``engine/dtype.py``) and adds ``pagedkv float32``, a float32 engine on the same file,
+interleaved; ``--reference-dtype float32`` keeps transformers in float32 (its CPU bf16 is
+torch's slow bf16 path).
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,20 +119,19 @@ def _hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> int:
 
 def decode_cases(
     model_dir: Path, hf: Any, batch: int, quick: bool, kernel: str, dtype: str = "float32"
-) -> tuple[list[Case], dict[str, int], int]:
-    """The fixture's cases, the tokens each generated (filled in as they run) and the bytes of
-    weights a decode step reads (every linear and the vocabulary projection)."""
+) -> tuple[list[Case], dict[str, int], dict[str, int]]:
+    """The fixture's cases, the tokens each generated (filled in as they run) and, per pagedkv
+    row, the bytes of weights a decode step reads (every linear and the vocabulary
+    projection, at their stored dtype)."""
     from bench_qlinear import weight_bytes_per_token
 
-    engine = LLMEngine.from_model_dir(
-        str(model_dir),
-        EngineConfig(
-            block_size=16,
-            num_blocks=512,
-            enable_prefix_caching=False,
-            decode_kernel=kernel,
-            dtype=dtype,
-        ),
+    cfg = EngineConfig(
+        block_size=16, num_blocks=512, enable_prefix_caching=False, decode_kernel=kernel,
+        dtype=dtype,
+    )  # fmt: skip
+    engine = LLMEngine.from_model_dir(str(model_dir), cfg)
+    step_bytes = dict.fromkeys(
+        ("pagedkv", "pagedkv torch-ops"), weight_bytes_per_token(engine.model)
     )
     fused = engine.model.fused_layer_ops
     gen = torch.Generator().manual_seed(0)
@@ -160,6 +163,15 @@ def decode_cases(
     def theirs() -> None:
         counts["transformers"] = _hf_generate(hf, prompts, new)
 
+    fp32 = None
+    if dtype != "float32":  # the float32 engine on the same file, interleaved
+        fp32 = LLMEngine.from_model_dir(str(model_dir), replace(cfg, dtype="float32"))
+        step_bytes["pagedkv float32"] = weight_bytes_per_token(fp32.model)
+
+    def ours_fp32() -> None:
+        assert fp32 is not None
+        counts["pagedkv float32"] = _run(fp32, prompts, params)
+
     rounds = 2 if quick else 5  # interleaved rounds; the median of 5 steadies a noisy host
     common: dict[str, Any] = {"ops": total, "rounds": rounds, "warmup": 1, "interleave": name}
     cases = [Case(name, case, "pagedkv", "token", ours, **common)]
@@ -167,8 +179,11 @@ def decode_cases(
         cases.append(Case(name, case, "pagedkv torch-ops", "token", torch_ops, **common))
     if dtype == "float32" and fewrow.available():
         cases.append(Case(name, case, "pagedkv native-linear", "token", native_linear, **common))
+        step_bytes["pagedkv native-linear"] = step_bytes["pagedkv"]
+    if fp32 is not None:
+        cases.append(Case(name, case, "pagedkv float32", "token", ours_fp32, **common))
     cases.append(Case(name, case, "transformers", "token", theirs, **common))
-    return cases, counts, weight_bytes_per_token(engine.model)
+    return cases, counts, step_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,23 +330,24 @@ def _reference_model(model: Path, dtype: str = "float32") -> Any:
     return hf.eval()
 
 
-def _decode_limit(res: list[Result], batch: int, step_bytes: int) -> str:
+def _decode_limit(res: list[Result], batch: int, step_bytes: dict[str, int]) -> str:
     """The decode limit of the same run: ``batch`` tokens per step, a step reading every
-    linear weight and the vocabulary projection once, at the bandwidth of a 256 MiB copy
-    (read + write bytes, as bench_qlinear's ``copy``) measured now; each pagedkv row's share."""
+    linear weight and the vocabulary projection once (``step_bytes``: per pagedkv row, at its
+    weights' dtype; the KV cache is not counted), at the bandwidth of a 256 MiB copy (read +
+    write bytes, as bench_qlinear's ``copy``) measured now; each pagedkv row's share."""
     from bench_qlinear import copy_gbs
 
     gbs = copy_gbs()
-    limit = batch * gbs * 1e9 / step_bytes
-    shares = ", ".join(
-        f"{r.impl} {1 / r.timing.median_s:.0f} tok/s = {100 / r.timing.median_s / limit:.0f}%"
-        for r in res
-        if r.impl.startswith("pagedkv")
-    )
-    return (
-        f"decode{batch}: limit {limit:.0f} tok/s ({step_bytes / 1e6:.0f} MB per step at "
-        f"{gbs:.1f} GB/s copy); {shares}"
-    )
+    shares = []
+    for r in res:
+        if r.impl in step_bytes:
+            limit = batch * gbs * 1e9 / step_bytes[r.impl]
+            shares.append(
+                f"{r.impl} {1 / r.timing.median_s:.0f} tok/s = "
+                f"{100 / r.timing.median_s / limit:.0f}% of {limit:.0f} "
+                f"({step_bytes[r.impl] / 1e6:.0f} MB per step)"
+            )
+    return f"decode{batch}: limits at {gbs:.1f} GB/s copy: {'; '.join(shares)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,7 +377,16 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype",
         default="float32",
         choices=("float32", "bfloat16"),
-        help="compute dtype of both implementations' decode runs (the TTFT rows stay float32)",
+        help="pagedkv's decode runs (the TTFT rows stay float32); bfloat16 adds a 'pagedkv "
+        "float32' row on the same file, interleaved (on a CPU bfloat16 is bf16 weights with "
+        "float32 compute: engine/dtype.py)",
+    )
+    parser.add_argument(
+        "--reference-dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="transformers' dtype (default: --dtype; its CPU bf16 runs torch's bf16 ops, ~6x "
+        "slower than float32 on a CPU without bf16 arithmetic)",
     )
     args = parser.parse_args(argv)
     set_clock(args.clock)
@@ -371,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     footer: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or write_tiny_model(Path(tmp) / "bench-llama", **MODEL)
-        hf = _reference_model(model_dir, args.dtype)
+        hf = _reference_model(model_dir, args.reference_dtype or args.dtype)
         for batch in (1, 16):
             if f"decode{batch}" not in only:
                 continue

@@ -9,11 +9,31 @@ transformers 5) on CUDA, and picks **float32 on a CPU**, whatever the checkpoint
   2-core VM, so noisy): SmolLM2-135M shapes (30 layers, hidden 576) with random weights decoded
   at batch 1 in 36.7 ms/step in float32 against 202-225 ms/step in bfloat16 (6x slower), and
   at batch 8 in 181-307 ms/step against 5.0-6.0 s/step (over 15x): without bf16 instructions
-  torch converts on every matmul. CPUs with AMX or AVX512-BF16 may run bf16 faster (not
-  measured: none here); ``--dtype bfloat16`` asks for it explicitly.
+  torch converts on every matmul. (That was torch's bf16 path, before ``bfloat16`` on a CPU
+  became bf16 storage with float32 compute: below.)
 - This differs from vLLM on purpose: its CPU backend (``vllm/platforms/cpu.py``, the version
   read) keeps the checkpoint's dtype for ``auto`` and casts float16 to bfloat16 only with an
   FP8 KV cache.
+
+**``bfloat16`` on a CPU is bf16 storage, float32 compute** (issue 15): where the native bf16
+kernel builds (``engine/bf16_linear.py``), the linear layers and the vocabulary projection keep
+bf16 weights (widened exactly inside the kernel), the KV cache is bf16 (widened on load by the
+native decode kernel), and every activation, norm and sum is float32 (``LlamaModel.
+compute_dtype``). vLLM's ``--dtype`` names the dtype of "weights and activations"; here, on a
+CPU without bf16 arithmetic, only the stored tensors are bf16 and the activations are more
+precise than bf16, not less. For a bf16 checkpoint the linears compute the float32 model's
+arithmetic on the same weights (only the summation order differs); other checkpoints are
+rounded to bf16 once at load. Without a C compiler ``bfloat16`` is torch's bf16 ops, as before
+(a warning says so). Quantization with it is refused (``UnsupportedQuantizationError``).
+
+Why ``auto`` still picks float32 on a CPU, measured on SmolLM2-135M (the Q4_1 GGUF, 1 thread,
+the same 2-core VM under load average 5-9 from other jobs, so noisy; benchmarks/RESULTS.md,
+"Issue 15: bf16 weights"): bfloat16 decoded 1.18x faster than float32 at batch 1 (98.5 against
+115.9 ms per token) and 1.25x at 16 concurrent (31.0 against 38.8 ms), with run-to-run spreads
+of 12-42%; a 512-token prefill pays ~0.1 s of widening (of ~3 s); quality: 128 of 128 greedy
+tokens equal, mean log-likelihood -2.4e-4 nats from float32. A gain of ~1.2x inside the noise
+does not outweigh the default's guarantee (float32 on a CPU is token-identical to
+transformers), so ``bfloat16`` stays one explicit flag away.
 
 An explicit ``float16`` on a CPU is refused (:class:`UnsupportedDtypeError`) unless a probe
 finds torch can run the operations the model needs in float16 on this CPU.

@@ -20,6 +20,7 @@ QKNorm = tuple[torch.Tensor, torch.Tensor]  # per-head q and k RMSNorm weights (
 _MAX_KEPT_ROWS = 64  # ModelLayerOps keeps the buffers of steps up to this many tokens ...
 _MAX_KEPT = 8  # ... for this many row counts (the oldest is dropped first)
 _V, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches rope_write writes (bf16: rounded)
 
 
 def _raw(lib: ctypes.CDLL, name: str) -> Callable[..., int]:
@@ -69,6 +70,7 @@ class ModelLayerOps:
         self.raw_norm = _raw(self.lib, "pagedkv_rms_norm_f32")
         self.raw_add_norm = _raw(self.lib, "pagedkv_add_rms_norm_f32")
         self.raw_rope = _raw(self.lib, "pagedkv_rope_write_f32")
+        self.raw_rope_bf16kv = _raw(self.lib, "pagedkv_rope_write_bf16kv")  # a bf16 KV cache
         self._kept: dict[int, StepBuffers] = {}  # rows -> the last step's buffers
 
     def step(
@@ -98,9 +100,10 @@ class StepBuffers:
     ``slots`` the step's RoPE rows and K/V slots (``load`` fills them).
 
     Invariants: every buffer is contiguous float32 (``slots`` int64) on the CPU with this
-    step's shapes; the prebuilt arguments point at these buffers, the norm weights and the
-    pools of ``cache`` as they were when built (``fits`` says whether they still are); a
-    projection output that is not the step's own buffer (a quantized layer's) is checked
+    step's shapes (the cache's pools are float32, or bfloat16: K/V rounded as torch
+    casts); the prebuilt arguments point at these buffers, the norm weights and the pools of
+    ``cache`` as they were when built (``fits`` says whether they still are); a projection
+    output that is not the step's own buffer (a quantized layer's) is checked
     and converted on each call. ``out`` is new on every ``load``: a caller may keep it."""
 
     def __init__(
@@ -113,8 +116,8 @@ class StepBuffers:
     ) -> None:
         n, hd, hidden = num_tokens, ops.head_dim, ops.hidden
         nkv = cache.spec.num_kv_heads
-        layer_ops.check_tensors((cache.k[0], cache.v[0]))
-        if cache.k[0].shape[3] != hd or cache.spec.dtype is not torch.float32:
+        pools_ok = all(t.is_contiguous() and t.device.type == "cpu" for t in cache.kv)
+        if not pools_ok or cache.k[0].shape[3] != hd or cache.spec.dtype not in KV_DTYPES:
             raise InvalidRequestError(
                 f"native layer ops: pool {tuple(cache.k[0].shape)} {cache.spec.dtype} does "
                 f"not fit head_dim {hd}"
@@ -152,6 +155,8 @@ class StepBuffers:
             for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True))
         ]
         self._final = self._next[-1]  # into out (load gives each step its own)
+        bf16_cache = cache.spec.dtype is torch.bfloat16
+        self._raw_rope = ops.raw_rope_bf16kv if bf16_cache else ops.raw_rope
 
     def fits(self, cache: PagedKVCache, num_heads: int, intermediate_size: int) -> bool:
         """Whether these buffers serve a step over ``cache`` as it is now."""
@@ -168,7 +173,8 @@ class StepBuffers:
         positions: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        """The step's inputs: ``h`` = the embedding rows of ``input_ids``, ``cos``/``sin``
+        """The step's inputs: ``h`` = the embedding rows of ``input_ids`` (as float32),
+        ``cos``/``sin``
         = the tables' rows at ``positions``, ``slots`` = the K/V slots (``[tokens]``
         int64 each); and a new ``out`` for the final norm."""
         n = self.h.shape[0]
@@ -177,7 +183,10 @@ class StepBuffers:
                 f"native layer ops: ids{tuple(input_ids.shape)} positions"
                 f"{tuple(positions.shape)} slots{tuple(slots.shape)} for a {n}-token step"
             )
-        torch.index_select(embed, 0, input_ids, out=self.h)
+        if embed.dtype is torch.float32:
+            torch.index_select(embed, 0, input_ids, out=self.h)
+        else:  # bf16 weights (models.llama): the rows widen exactly
+            self.h.copy_(embed.index_select(0, input_ids))
         torch.index_select(cos_table, 0, positions, out=self.cos)
         torch.index_select(sin_table, 0, positions, out=self.sin)
         self.slots.copy_(slots)
@@ -216,14 +225,15 @@ class StepBuffers:
 
     def rope_write(self, layer: int, qkv: torch.Tensor) -> None:
         """RoPE (after the per-head norms when the model has them) on ``qkv``'s q and k,
-        q into ``self.q``, k and v into layer ``layer``'s pools at the step's slots."""
+        q into ``self.q``, k and v into layer ``layer``'s pools at the step's slots (rounded
+        to nearest even for a bf16 cache, as ``PagedKVCache.write``'s cast)."""
         if qkv is self.qkv:
-            code = self.ops.raw_rope(*self._rope[layer])
+            code = self._raw_rope(*self._rope[layer])
         else:
             layer_ops.check_tensors((qkv,))
             if qkv.shape != self._qkv_shape:
                 raise InvalidRequestError(f"a qkv projection of shape {tuple(qkv.shape)}")
-            code = self.ops.raw_rope(_V(qkv.data_ptr()), *self._rope[layer][1:])
+            code = self._raw_rope(_V(qkv.data_ptr()), *self._rope[layer][1:])
         if code:
             raise InvalidRequestError(
                 f"rope_write: a slot is outside [0, {self._dims[-1]}) (the cache's slots)"

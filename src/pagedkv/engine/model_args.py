@@ -62,7 +62,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="the model folder or GGUF file (instead of MODEL)"
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="compute dtype")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="compute dtype (on a CPU bfloat16 is bf16 weights and KV cache with float32 "
+        "compute: pagedkv.engine.dtype)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--max-model-len", type=_positive, default=None)
     parser.add_argument("--block-size", type=_positive, default=16)

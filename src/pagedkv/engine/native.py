@@ -44,10 +44,10 @@ _FLAG_SETS = FLAG_SETS  # -O3 -march=native -ffast-math (compile only: native_bu
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    fn = lib.pagedkv_decode_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float]
-    fn.restype = ctypes.c_int
+    for fn in (lib.pagedkv_decode_f32, lib.pagedkv_decode_bf16kv):
+        fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float]
+        fn.restype = ctypes.c_int
 
 
 _KERNEL = LazyLibrary(_SOURCE, _bind, "native decode kernel", "using torch's")
@@ -69,14 +69,16 @@ def add_decode_kernel_argument(parser: argparse.ArgumentParser) -> None:
 
 # The C kernel's fixed limits (its stack buffers).
 MAX_GROUP, MAX_BLOCK_SIZE, MAX_HEAD_DIM = 64, 256, 512
+POOL_DTYPES = (torch.float32, torch.bfloat16)  # the pools it reads; q and out are float32
 
 
 def supports(
     num_heads: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
 ) -> bool:
-    """Whether the kernel handles this shape and dtype (it does not build anything)."""
+    """Whether the kernel handles this shape and KV pool dtype (float32, or bfloat16 widened
+    on load; it does not build anything)."""
     return (
-        dtype is torch.float32
+        dtype in POOL_DTYPES
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= MAX_GROUP
         and block_size <= MAX_BLOCK_SIZE
@@ -107,7 +109,8 @@ def decode_attention(
     """Attention of one query token per sequence over its paged context.
 
     ``q``: ``[seqs, heads, head_dim]`` float32; ``k_pool``/``v_pool``: one layer's
-    ``[kv_heads, blocks, block_size, head_dim]`` float32, contiguous; ``tables``:
+    ``[kv_heads, blocks, block_size, head_dim]`` float32 or bfloat16 (widened as read:
+    the float32 result on the widened pools, bit for bit), contiguous, one dtype; ``tables``:
     ``[seqs, >= ceil(max(lens) / block_size)]`` int64 block ids; ``lens``: ``[seqs]`` int64
     context lengths. ``starts`` (``[seqs]`` int64, optional): per row, how many leading
     positions of its first block are not attended (a sliding window that begins inside that
@@ -154,11 +157,11 @@ class PreparedDecode:
         num_kv, num_blocks, block_size, head_dim = k_pool.shape
         seqs = int(lens.shape[0]) if lens.dim() == 1 else -1
         if (
-            k_pool.dtype is not torch.float32
+            k_pool.dtype not in POOL_DTYPES
             or k_pool.device.type != "cpu"
             or num_heads % num_kv
             or v_pool.shape != k_pool.shape
-            or v_pool.dtype is not torch.float32
+            or v_pool.dtype is not k_pool.dtype
             or tables.dtype is not torch.int64
             or lens.dtype is not torch.int64
             or tables.dim() != 2
@@ -176,8 +179,10 @@ class PreparedDecode:
         self._tables = tables.contiguous()  # kept alive: the kernel reads their memory
         self._lens = lens.contiguous()
         self._starts = None if starts is None else starts.contiguous()
-        self._pool_shape = k_pool.shape
-        self._fn = lib.pagedkv_decode_f32
+        self._pool_shape, self._pool_dtype = k_pool.shape, k_pool.dtype
+        self._fn = (
+            lib.pagedkv_decode_f32 if k_pool.dtype is torch.float32 else lib.pagedkv_decode_bf16kv
+        )
         self._seqs, self._heads, self._head_dim = seqs, num_heads, head_dim
         self._dims = (self._tables.shape[1], num_heads, num_kv, num_blocks, block_size, head_dim)
         self._scale = scale
@@ -215,7 +220,7 @@ class PreparedDecode:
         if any(codes):
             raise InvalidRequestError(
                 "native decode kernel rejected its inputs: a block id, a length or a start out "
-                "of range"
+                f"of range (codes {sorted(set(codes))}; -3: no memory for the bf16 scratch)"
             )
 
     def _check_call(
@@ -230,12 +235,14 @@ class PreparedDecode:
             or not out.is_contiguous()
             or k_pool.shape != self._pool_shape
             or v_pool.shape != self._pool_shape
+            or k_pool.dtype is not self._pool_dtype
+            or v_pool.dtype is not self._pool_dtype
             or not (k_pool.is_contiguous() and v_pool.is_contiguous())
         ):
             raise InvalidRequestError(
                 f"native decode kernel: q{tuple(q.shape)} / out{tuple(out.shape)} / pool "
-                f"{tuple(k_pool.shape)} do not match the prepared {shape} over "
-                f"{tuple(self._pool_shape)}"
+                f"{tuple(k_pool.shape)} {k_pool.dtype} do not match the prepared {shape} over "
+                f"{tuple(self._pool_shape)} {self._pool_dtype}"
             )
 
     def bind(
@@ -261,19 +268,22 @@ class _BoundDecode:
     """``PreparedDecode.bind``'s per-layer call. Holds the prepared call and both buffers,
     whose memory the kernel reads and writes."""
 
-    __slots__ = ("_fn", "_io", "_keep", "_pool_shape", "_rest")
+    __slots__ = ("_fn", "_io", "_keep", "_pool_dtype", "_pool_shape", "_rest")
 
     def __init__(
         self, prepared: PreparedDecode, q: torch.Tensor, out: torch.Tensor, rest: tuple[object, ...]
     ) -> None:
         self._keep = (prepared, q, out)
         self._fn, self._pool_shape = prepared._fn, prepared._pool_shape
+        self._pool_dtype = prepared._pool_dtype
         self._io, self._rest = (q.data_ptr(), out.data_ptr()), rest
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if (
             k.shape != self._pool_shape
             or v.shape != self._pool_shape
+            or k.dtype is not self._pool_dtype
+            or v.dtype is not self._pool_dtype
             or not (k.is_contiguous() and v.is_contiguous())
         ):
             raise InvalidRequestError(

@@ -62,7 +62,8 @@ class ModelRunner:
         if decode_kernel == "torch":
             return False
         cfg, spec = self.model.config, self.kv_cache.spec
-        fits = self.device.type == "cpu" and native.supports(
+        fits = self.device.type == "cpu" and self.model.compute_dtype is torch.float32
+        fits = fits and native.supports(
             cfg.num_attention_heads, cfg.num_key_value_heads, spec.block_size, spec.head_dim,
             spec.dtype,
         )  # fmt: skip

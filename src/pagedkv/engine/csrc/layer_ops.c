@@ -141,25 +141,38 @@ static inline void rope_head(const float *restrict x, const float *restrict c,
     }
 }
 
+/* dst[i] = src[i] rounded to bfloat16, to nearest even (NaN: a quiet NaN), as torch's
+ * float -> bfloat16 conversion (c10::BFloat16's round_to_nearest_even) does. */
+static inline void to_bf16(const float *restrict src, uint16_t *restrict dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        dst[i] = src[i] != src[i] ? (uint16_t)0x7FC0
+                                  : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
 /* RoPE on the q and k heads of each token's fused projection row, then the K/V write.
  *
  *   qkv      [rows, nh + 2 * nkv, hd]: q heads, k heads, v heads
  *   cos, sin [rows, hd]
  *   slots    [rows] destination slots, 0 <= slot < num_slots (checked before any write)
  *   q_out    [rows, nh, hd]
- *   k_pool, v_pool: one layer's [nkv, num_slots, hd] (a [nkv, blocks, block_size, hd] pool)
+ *   k_pool, v_pool: one layer's [nkv, num_slots, hd] (a [nkv, blocks, block_size, hd] pool),
+ *            float32 (pagedkv_rope_write_f32) or bfloat16 (pagedkv_rope_write_bf16kv: k and
+ *            v computed in float32, then rounded as torch's cast rounds)
  *   q_norm, k_norm: NULL, or per-head RMSNorm weights [hd] applied before RoPE (Qwen3)
  */
-int pagedkv_rope_write_f32(const float *qkv, const float *cos_, const float *sin_,
-                           const int64_t *slots, float *q_out, float *k_pool, float *v_pool,
-                           int64_t rows, int64_t nh, int64_t nkv, int64_t hd,
-                           int64_t num_slots, const float *q_norm, const float *k_norm,
-                           float eps, int64_t vw) {
+static int rope_write(const float *qkv, const float *cos_, const float *sin_,
+                      const int64_t *slots, float *q_out, void *k_pool, void *v_pool,
+                      int bf16, int64_t rows, int64_t nh, int64_t nkv, int64_t hd,
+                      int64_t num_slots, const float *q_norm, const float *k_norm, float eps,
+                      int64_t vw) {
     if (rows < 0 || nh < 1 || nkv < 1 || hd < 2 || hd % 2 || hd > 4096) return -1;
     if ((q_norm || k_norm) && bad_shape(rows, hd, vw)) return -1;
     for (int64_t r = 0; r < rows; ++r)
         if (slots[r] < 0 || slots[r] >= num_slots) return -1;
-    float normed[4096];
+    float normed[4096], roped[4096];
     const int64_t row_elems = (nh + 2 * nkv) * hd;
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = qkv + r * row_elems;
@@ -178,12 +191,37 @@ int pagedkv_rope_write_f32(const float *qkv, const float *cos_, const float *sin
                 norm_row(x, k_norm, normed, hd, eps, vw);
                 x = normed;
             }
-            rope_head(x, c, s, k_pool + (h * num_slots + slots[r]) * hd, hd);
-            memcpy(v_pool + (h * num_slots + slots[r]) * hd, row + (nh + nkv + h) * hd,
-                   sizeof(float) * hd);
+            const int64_t at = (h * num_slots + slots[r]) * hd;
+            const float *v = row + (nh + nkv + h) * hd;
+            if (bf16) {
+                rope_head(x, c, s, roped, hd);
+                to_bf16(roped, (uint16_t *)k_pool + at, hd);
+                to_bf16(v, (uint16_t *)v_pool + at, hd);
+            } else {
+                rope_head(x, c, s, (float *)k_pool + at, hd);
+                memcpy((float *)v_pool + at, v, sizeof(float) * hd);
+            }
         }
     }
     return 0;
+}
+
+int pagedkv_rope_write_f32(const float *qkv, const float *cos_, const float *sin_,
+                           const int64_t *slots, float *q_out, float *k_pool, float *v_pool,
+                           int64_t rows, int64_t nh, int64_t nkv, int64_t hd,
+                           int64_t num_slots, const float *q_norm, const float *k_norm,
+                           float eps, int64_t vw) {
+    return rope_write(qkv, cos_, sin_, slots, q_out, k_pool, v_pool, 0, rows, nh, nkv, hd,
+                      num_slots, q_norm, k_norm, eps, vw);
+}
+
+int pagedkv_rope_write_bf16kv(const float *qkv, const float *cos_, const float *sin_,
+                              const int64_t *slots, float *q_out, uint16_t *k_pool,
+                              uint16_t *v_pool, int64_t rows, int64_t nh, int64_t nkv,
+                              int64_t hd, int64_t num_slots, const float *q_norm,
+                              const float *k_norm, float eps, int64_t vw) {
+    return rope_write(qkv, cos_, sin_, slots, q_out, k_pool, v_pool, 1, rows, nh, nkv, hd,
+                      num_slots, q_norm, k_norm, eps, vw);
 }
 
 /* torch.argmax(x, dim=-1) of a [rows, cols] float32 matrix (row stride `stride`) into

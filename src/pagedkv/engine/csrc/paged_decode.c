@@ -18,7 +18,7 @@
  * tiles are plain loops. Only the order of the float additions differs from a dot product per
  * position (the tests compare with a float64 reference).
  *
- * Layouts (float32, contiguous):
+ * Layouts (contiguous; float32, or bf16 pools for pagedkv_decode_bf16kv):
  *   q, out     [num_seqs, num_heads, head_dim]
  *   k_pool     [num_kv_heads, num_blocks, block_size, head_dim]   (v_pool the same)
  *   tables     [num_seqs, table_stride] block ids; row s holds ceil(lens[s] / block_size) ids
@@ -27,15 +27,21 @@
  *              window that begins inside it; 0 <= starts[s] < min(lens[s], block_size)).
  *              The table then begins at the window's first block and lens counts from it.
  *
+ * bfloat16 pools (pagedkv_decode_bf16kv, q and out still float32): each block's K and V rows
+ * are widened into float32 scratch as they are read (exact: a bf16 value is the top half of a
+ * float32), then the same float32 tiles run, so the result is bit for bit the float32 entry's
+ * on the widened pools while the pool bytes read halve.
+ *
  * Returns 0, -1 when a block id is out of range, a length is not positive or a start is out
- * of range, or -2 when a shape is above the kernel's limits (nothing meaningful is written
- * then; the caller raises). Compiled (not linked) with -ffast-math for vectorised expf: the
+ * of range, -2 when a shape is above the kernel's limits, or -3 when the bf16 scratch cannot
+ * be allocated (nothing meaningful is written then; the caller raises). Compiled (not linked) with -ffast-math for vectorised expf: the
  * code never produces infinities or NaNs for finite inputs (the running max starts at
  * -FLT_MAX, not -inf).
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -224,15 +230,33 @@ static inline void block_softmax(float *restrict sc, int64_t j0, int64_t n, floa
     *run_max = new_max;
 }
 
-int pagedkv_decode_f32(const float *restrict q, float *restrict out,
-                       const float *restrict k_pool, const float *restrict v_pool,
-                       const int64_t *restrict tables, const int64_t *restrict lens,
-                       const int64_t *restrict starts, int64_t num_seqs, int64_t table_stride, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                       int64_t head_dim, float scale) {
+/* dst[i] = the float32 value of the bf16 src[i], i < n (exact). */
+static void widen_rows(const uint16_t *restrict src, float *restrict dst, int64_t n) {
+    int64_t i = 0;
+#ifdef PAGEDKV_AVX2
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+#endif
+    for (; i < n; ++i) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
+/* Both entry points: pools of float32 (elem 4) or bf16 (elem 2, widened through kbuf/vbuf,
+ * block_size * head_dim floats each). */
+static int decode(const float *restrict q, float *restrict out, const char *restrict k_pool,
+                  const char *restrict v_pool, const int64_t elem, float *restrict kbuf,
+                  float *restrict vbuf, const int64_t *restrict tables,
+                  const int64_t *restrict lens, const int64_t *restrict starts,
+                  int64_t num_seqs, int64_t table_stride, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                  int64_t head_dim, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t d = head_dim;
-    if (group > MAX_GROUP || block_size > MAX_BLOCK || d > MAX_HEAD_DIM) return -2;
     float scores[MAX_GROUP * MAX_BLOCK];
     float acc[MAX_GROUP * MAX_HEAD_DIM];
     float run_max[MAX_GROUP], run_sum[MAX_GROUP];
@@ -247,26 +271,32 @@ int pagedkv_decode_f32(const float *restrict q, float *restrict out,
             if (table[b] < 0 || table[b] >= num_blocks) return -1;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
             const float *qh = q + (s * num_heads + h * group) * d;
-            const float *kh = k_pool + h * num_blocks * block_elems;
-            const float *vh = v_pool + h * num_blocks * block_elems;
+            const char *kh = k_pool + h * num_blocks * block_elems * elem;
+            const char *vh = v_pool + h * num_blocks * block_elems * elem;
             for (int64_t i = 0; i < group; ++i) {
                 run_max[i] = -FLT_MAX;
                 run_sum[i] = 0.0f;
             }
             memset(acc, 0, sizeof(float) * group * d);
             for (int64_t b = 0; b < nblk; ++b) {
-                const float *kb = kh + table[b] * block_elems;
-                const float *vb = vh + table[b] * block_elems;
+                const float *kb = (const float *)(kh + table[b] * block_elems * elem);
+                const float *vb = (const float *)(vh + table[b] * block_elems * elem);
                 if (b + 1 < nblk) { /* the next block is elsewhere: start fetching it */
-                    const float *kn = kh + table[b + 1] * block_elems;
-                    const float *vn = vh + table[b + 1] * block_elems;
-                    for (int64_t off = 0; off < block_elems; off += 16) {
+                    const char *kn = kh + table[b + 1] * block_elems * elem;
+                    const char *vn = vh + table[b + 1] * block_elems * elem;
+                    for (int64_t off = 0; off < block_elems * elem; off += 64) {
                         __builtin_prefetch(kn + off);
                         __builtin_prefetch(vn + off);
                     }
                 }
                 const int64_t n = (b + 1 < nblk) ? block_size : len - b * block_size;
                 const int64_t j0 = b ? 0 : first; /* rows before the window are skipped */
+                if (elem == 2) { /* bf16: rows j0..n-1 widened; the tiles read the scratch */
+                    widen_rows((const uint16_t *)kb + j0 * d, kbuf + j0 * d, (n - j0) * d);
+                    widen_rows((const uint16_t *)vb + j0 * d, vbuf + j0 * d, (n - j0) * d);
+                    kb = kbuf;
+                    vb = vbuf;
+                }
                 block_scores(qh, group, kb, j0, n, d, scale, scores, block_size);
                 for (int64_t i = 0; i < group; ++i)
                     block_softmax(scores + i * block_size, j0, n, acc + i * d, d, run_max + i,
@@ -281,4 +311,38 @@ int pagedkv_decode_f32(const float *restrict q, float *restrict out,
         }
     }
     return 0;
+}
+
+int pagedkv_decode_f32(const float *restrict q, float *restrict out,
+                       const float *restrict k_pool, const float *restrict v_pool,
+                       const int64_t *restrict tables, const int64_t *restrict lens,
+                       const int64_t *restrict starts, int64_t num_seqs, int64_t table_stride,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                       int64_t block_size, int64_t head_dim, float scale) {
+    if (num_heads / num_kv_heads > MAX_GROUP || block_size > MAX_BLOCK ||
+        head_dim > MAX_HEAD_DIM)
+        return -2;
+    return decode(q, out, (const char *)k_pool, (const char *)v_pool, 4, NULL, NULL, tables,
+                  lens, starts, num_seqs, table_stride, num_heads, num_kv_heads, num_blocks,
+                  block_size, head_dim, scale);
+}
+
+int pagedkv_decode_bf16kv(const float *restrict q, float *restrict out,
+                          const uint16_t *restrict k_pool, const uint16_t *restrict v_pool,
+                          const int64_t *restrict tables, const int64_t *restrict lens,
+                          const int64_t *restrict starts, int64_t num_seqs,
+                          int64_t table_stride, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t num_blocks, int64_t block_size, int64_t head_dim,
+                          float scale) {
+    if (num_heads / num_kv_heads > MAX_GROUP || block_size > MAX_BLOCK ||
+        head_dim > MAX_HEAD_DIM)
+        return -2;
+    float *scratch = malloc(sizeof(float) * 2 * (size_t)(block_size * head_dim));
+    if (!scratch) return -3;
+    const int code = decode(q, out, (const char *)k_pool, (const char *)v_pool, 2, scratch,
+                            scratch + block_size * head_dim, tables, lens, starts, num_seqs,
+                            table_stride, num_heads, num_kv_heads, num_blocks, block_size,
+                            head_dim, scale);
+    free(scratch);
+    return code;
 }

@@ -12,6 +12,14 @@ reference, transformers' formulas), and, by default where ``layer_ops`` builds a
 check, a layer as four matmuls, two native norm calls (each after a residual add), one native
 RoPE + K/V write, attention, SiLU and a multiply into buffers allocated once per step
 (``_forward_fused``: 10 calls per layer instead of ~50).
+
+**bf16 weights, float32 compute** (a bfloat16 model on a CPU, where ``bf16_linear`` builds):
+the linear layers and the vocabulary projection keep their bf16 weights and run
+:mod:`pagedkv.engine.bf16_linear`'s kernel, the embedding rows widen on lookup, the norm
+weights and biases widen once at load, and every activation is float32 (``compute_dtype``):
+for a bf16 checkpoint the float32 model's arithmetic on the same weights, with half the weight
+bytes. ``dtype`` stays the weights' dtype (bfloat16), and so the KV cache's. Without the
+kernel a bfloat16 model computes in bfloat16 with torch's ops, as before.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pagedkv.engine import fewrow, layer_op_buffers, layer_ops
+from pagedkv.engine import bf16_linear, fewrow, layer_op_buffers, layer_ops
 from pagedkv.engine.attention import (
     AttentionMetadata,
     attend,
@@ -98,14 +106,20 @@ class LlamaModel:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors: {shown}")
         w = self.weights
         self.embed = w["model.embed_tokens.weight"]
-        self.dtype = self.embed.dtype
+        self.dtype = self.embed.dtype  # the weights' (and the KV cache's) dtype
+        # the activations' dtype: float32 for bf16 weights on a CPU (module docstring)
+        self.compute_dtype = self.dtype
+        if self.device.type == "cpu" and self.dtype is torch.bfloat16 and bf16_linear.available():
+            self.compute_dtype = torch.float32
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
-        self.final_norm = w["model.norm.weight"]
+        self.final_norm = self._widened(w["model.norm.weight"])
         self.scale = config.head_dim**-0.5
         self._layer_windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
         inv = rope_inv_freq(config.rope, config.head_dim)
         self._inv_freq = inv.to(torch.float32).to(self.device)
-        self._rope_cos = torch.empty(0, config.head_dim, dtype=self.dtype, device=self.device)
+        self._rope_cos = torch.empty(
+            0, config.head_dim, dtype=self.compute_dtype, device=self.device
+        )
         self._rope_sin = torch.empty_like(self._rope_cos)  # _rope's tables, grown on demand
         self.quantization: str | None = None
         self._lm_head_q: Linear | None = None
@@ -116,17 +130,18 @@ class LlamaModel:
         self._gate_up: list[Linear] = []
         self._down: list[Linear] = []
         layers = [f"model.layers.{i}." for i in range(config.num_hidden_layers)]
-        self._in_norm = [w[p + "input_layernorm.weight"] for p in layers]
-        self._post_norm = [w[p + "post_attention_layernorm.weight"] for p in layers]
+        self._in_norm = [self._widened(w[p + "input_layernorm.weight"]) for p in layers]
+        self._post_norm = [self._widened(w[p + "post_attention_layernorm.weight"]) for p in layers]
         qk_norms = None
         if config.qk_norm:
-            qk_norms = [(w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"])
-                        for p in layers]  # fmt: skip
+            a = "self_attn."
+            qk_norms = [(self._widened(w[p + a + "q_norm.weight"]),
+                         self._widened(w[p + a + "k_norm.weight"])) for p in layers]  # fmt: skip
         # the native layer ops (module docstring); fused_layer_ops = False forces the torch ops
         self._layer_ops: layer_op_buffers.ModelLayerOps | None = None
         if (
             self.device.type == "cpu"
-            and self.dtype is torch.float32
+            and self.compute_dtype is torch.float32
             and layer_ops.supports(config.hidden_size, config.head_dim)
         ):
             try:
@@ -143,6 +158,10 @@ class LlamaModel:
             self._o.append(self._project([a + "o_proj"]))
             self._gate_up.append(self._project([m + "gate_proj", m + "up_proj"]))
             self._down.append(self._project([m + "down_proj"]))
+
+    def _widened(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in the compute dtype (a float32 copy of a small bf16 tensor, or ``t``)."""
+        return t if t.dtype is self.compute_dtype else t.to(self.compute_dtype)
 
     def _project(self, prefixes: list[str]) -> Projection:
         """One projection for the named linears that read the same input (q/k/v; gate/up):
@@ -167,6 +186,7 @@ class LlamaModel:
                 size = self.weights[n].shape[0]
                 self.weights[n] = bias[start : start + size]
                 start += size
+            bias = self._widened(bias)
         return Projection(wt, bias)
 
     def quantize(self, method: str) -> None:
@@ -242,7 +262,8 @@ class LlamaModel:
         if native:
             if self.dtype is not torch.float32:
                 raise InvalidRequestError(
-                    f"linear_kernel='native' needs a float32 model, not {self.dtype}"
+                    f"linear_kernel='native' needs a float32 model, not {self.dtype} (a "
+                    "bfloat16 model on a CPU runs its own bf16 kernel: bf16_linear)"
                 )
             fewrow.require_available()
         for group in (self._qkv, self._o, self._gate_up, self._down):
@@ -275,7 +296,7 @@ class LlamaModel:
         """cos and sin (``[positions, head_dim]``, the model dtype) by transformers' formula."""
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return emb.cos().to(self.compute_dtype), emb.sin().to(self.compute_dtype)
 
     def _grow_rope_table(self, num_positions: int) -> None:
         """Extend the cos/sin table to cover positions below ``num_positions`` (at least
@@ -325,7 +346,7 @@ class LlamaModel:
             self.fused_layer_ops
             and self._layer_ops is not None
             and input_ids.numel()
-            and cache.spec.dtype is torch.float32
+            and cache.spec.dtype in layer_op_buffers.KV_DTYPES
         ):
             return self._forward_fused(input_ids, meta, cache)
         w = self.weights
@@ -333,7 +354,7 @@ class LlamaModel:
         n = input_ids.shape[0]
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cos, sin = self._rope(meta)
-        h = F.embedding(input_ids, self.embed)
+        h = self._widened(F.embedding(input_ids, self.embed))
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             x = _rms_norm(h, self._in_norm[i], eps)
@@ -400,4 +421,8 @@ class LlamaModel:
             return self._lm_head_q(hidden)
         if self.linear_kernel == "native" and fewrow.accepts(hidden) and unit_stride(self.lm_head):
             return fewrow.linear_nt(hidden, self.lm_head)
+        if self.lm_head.dtype is torch.bfloat16 and hidden.dtype is torch.float32:
+            if self.lm_head.stride(1) == 1 and hidden.stride(1) == 1:  # bf16 weights
+                return bf16_linear.linear_nt(hidden, self.lm_head)
+            return F.linear(hidden, self.lm_head.float())
         return F.linear(hidden, self.lm_head).float()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.engine import fewrow
+from pagedkv.engine import bf16_linear, fewrow
 from pagedkv.engine.qlinear import QuantizedProjection
 from pagedkv.errors import InvalidRequestError
 
@@ -18,13 +18,17 @@ from pagedkv.errors import InvalidRequestError
 class Projection:
     """A linear layer with its weight stored transposed (``[in, out]``) and an optional bias.
     ``few_rows``: calls of 2..32 rows take :mod:`pagedkv.engine.fewrow`'s kernel
-    (``EngineConfig.linear_kernel="native"``), the others ``torch.mm``."""
+    (``EngineConfig.linear_kernel="native"``), the others ``torch.mm``. A bfloat16 weight
+    with float32 inputs (and a float32 bias) runs :mod:`pagedkv.engine.bf16_linear`: bf16
+    storage, float32 compute."""
 
     weight_t: torch.Tensor
     bias: torch.Tensor | None
     few_rows: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t.dtype is torch.bfloat16 and x.dtype is torch.float32:
+            return bf16_linear.linear(x, self.weight_t, self.bias)
         if self.few_rows and fewrow.accepts(x):
             return fewrow.linear(x, self.weight_t, self.bias)
         if self.bias is None:
@@ -33,6 +37,8 @@ class Projection:
 
     def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``self(x)`` written into ``out`` (the same kernel, so the same bits)."""
+        if self.weight_t.dtype is torch.bfloat16 and x.dtype is torch.float32:
+            return bf16_linear.linear(x, self.weight_t, self.bias, out)
         if self.few_rows and fewrow.accepts(x):
             return fewrow.linear(x, self.weight_t, self.bias, out)
         if self.bias is None:

@@ -1,0 +1,378 @@
+/* Linear layers with bfloat16 weights and float32 activations ("bf16 storage, fp32
+ * compute"), for 1..32 rows (decode steps), reading each weight from memory once for all the
+ * rows.
+ *
+ * A bfloat16 value is the top 16 bits of a float32, so widening one is exact: zero-extend to
+ * 32 bits and shift left by 16. Every product here is then an ordinary float32 product of the
+ * activation and the exactly widened weight, summed in float32: for a bf16 checkpoint the
+ * same arithmetic as computing in float32 from upcast weights, with half the weight bytes.
+ *
+ * pagedkv_bf16_nn: y[r, j] = sum_k x[r, k] * w[k, j] (+ bias[j]) for w [in, out] bf16 (row
+ *   stride ldw elements; a Projection's layout), columns [j_begin, j_end). Order: for every
+ *   (r, j) one fused multiply-add per k, in increasing k, from 0; the bias after the sum.
+ * pagedkv_bf16_nt: y[r, j] = sum_k x[r, k] * e[j, k] for e [out, in] bf16 (row stride lde; the
+ *   tied vocabulary projection's embedding as stored), columns [j_begin, j_end). Order: 8 lane
+ *   sums (lane l takes k = l, l + 8, ... below in - in % 8, one FMA each in increasing k),
+ *   added as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the last in % 8 products
+ *   by FMA in increasing k.
+ * Neither order depends on the row count or on the split of columns among threads, so a row's
+ * output is the same bits alone or in any batch (batch invariance).
+ *
+ * Blocking (nn): columns in blocks of JB (the rows' partial sums of a block stay in L1/L2),
+ * the weight in chunks of KC rows; for each 16-column panel of a chunk every 6-row block runs
+ * over it with 12 ymm accumulators loaded from and stored to y between chunks (exact: y is the
+ * accumulator), so a chunk's panel comes from memory once and from L1 for the other row
+ * blocks. One or two rows take 64- or 32-column panels (8 accumulators: 8 independent FMA
+ * chains) and blocks of JB_WIDE columns, so whole weight rows are read in order: measured on
+ * the development machine (loaded, noisy) 1.3-1.7x the bandwidth of JB = 256 at one row, and
+ * JB = 256 the best at 16 rows. nt keeps 4 rows x 3 embedding rows of lane sums in registers.
+ *
+ * Builds: with AVX2 + FMA (gcc -march=native on such a CPU) the vector paths widen 8 weights
+ * with vpmovzxwd + vpslld; otherwise the portable loops run (fmaf: the same single rounding
+ * as a vector FMA), and the *_portable entry points always run them, so tests can check both
+ * give the same bits. An AVX512-BF16 variant (vdpbf16ps) would change the arithmetic (it
+ * rounds the activations to bf16 and pairs products), so it would need its own stated order;
+ * it is not written here because no CPU this was developed on has it.
+ * Returns 0, or -1 for a bad range or stride.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define BF_AVX2 1
+#else
+#define BF_AVX2 0
+#endif
+
+#ifndef JB
+#define JB 256 /* columns per block (nn), 3+ rows: their partial sums stay in L1/L2 */
+#endif
+#ifndef JB_WIDE
+#define JB_WIDE 4096 /* columns per block (nn), 1-2 rows: whole weight rows, read in order */
+#endif
+#ifndef KC
+#define KC 16 /* weight rows per chunk (nn) */
+#endif
+#define PANEL 16 /* columns per panel (nn): 2 vectors of 8 */
+#define RB 6     /* rows per register block (nn) */
+#define RB_NT 4  /* rows per register block (nt) */
+
+static inline float widen(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Columns [j0, j1) of rows [0, nr), weight rows [k0, k1), one scalar FMA at a time. */
+static void nn_scalar(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
+                      int64_t ldy, int64_t nr, int64_t k0, int64_t k1, int64_t j0, int64_t j1) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t j = j0; j < j1; j++) {
+            float acc = k0 ? y[r * ldy + j] : 0.0f;
+            for (int64_t k = k0; k < k1; k++)
+                acc = fmaf(x[r * ldx + k], widen(w[k * ldw + j]), acc);
+            y[r * ldy + j] = acc;
+        }
+}
+
+#if BF_AVX2
+/* 8 bf16 at p as 8 float32 (exact). */
+static inline __m256 load8(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+#define NN_LOAD(r, v) c##r##v = first ? z : _mm256_loadu_ps(y + (r) * ldy + 8 * (v))
+#define NN_FMA(r)                                               \
+    if (NR > r) {                                               \
+        __m256 xv = _mm256_broadcast_ss(x + (r) * ldx + k);     \
+        c##r##0 = _mm256_fmadd_ps(xv, w0, c##r##0);             \
+        if (NV > 1) c##r##1 = _mm256_fmadd_ps(xv, w1, c##r##1); \
+    }
+#define NN_ROW_LOAD(r)           \
+    if (NR > r) {                \
+        NN_LOAD(r, 0);           \
+        if (NV > 1) NN_LOAD(r, 1); \
+    }
+#define NN_ROW_STORE(r)                                           \
+    if (NR > r) {                                                 \
+        _mm256_storeu_ps(y + (r) * ldy, c##r##0);                 \
+        if (NV > 1) _mm256_storeu_ps(y + (r) * ldy + 8, c##r##1); \
+    }
+/* NR rows x NV vectors (constants after inlining) over weight rows [k0, k1) of the panel at
+ * w: named accumulators so they stay in registers (12 + 2 weights + a broadcast). */
+static inline __attribute__((always_inline)) void nn_block(
+    const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+    const int NR, const int NV, int64_t k0, int64_t k1) {
+    __m256 z = _mm256_setzero_ps();
+    const int first = k0 == 0;
+    __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z;
+    __m256 c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+    NN_ROW_LOAD(0) NN_ROW_LOAD(1) NN_ROW_LOAD(2) NN_ROW_LOAD(3) NN_ROW_LOAD(4) NN_ROW_LOAD(5)
+    for (int64_t k = k0; k < k1; k++) {
+        const uint16_t *wk = w + k * ldw;
+        __m256 w0 = load8(wk);
+        __m256 w1 = NV > 1 ? load8(wk + 8) : z;
+        NN_FMA(0) NN_FMA(1) NN_FMA(2) NN_FMA(3) NN_FMA(4) NN_FMA(5)
+    }
+    NN_ROW_STORE(0) NN_ROW_STORE(1) NN_ROW_STORE(2) NN_ROW_STORE(3) NN_ROW_STORE(4)
+    NN_ROW_STORE(5)
+}
+
+#define NN_CASE(nr, nv) nn_block(xr, ldx, wp, ldw, yr, ldy, nr, nv, k0, k1)
+static void nn_rows(const float *x, int64_t ldx, const uint16_t *wp, int64_t ldw, float *y,
+                    int64_t ldy, int64_t rows, int nv, int64_t k0, int64_t k1) {
+    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+        int64_t nr = rows - r0 < RB ? rows - r0 : RB;
+        const float *xr = x + r0 * ldx;
+        float *yr = y + r0 * ldy;
+        switch (nr * 2 + nv - 1) { /* nv is 1 or 2 */
+            case 2: NN_CASE(1, 1); break;
+            case 3: NN_CASE(1, 2); break;
+            case 4: NN_CASE(2, 1); break;
+            case 5: NN_CASE(2, 2); break;
+            case 6: NN_CASE(3, 1); break;
+            case 7: NN_CASE(3, 2); break;
+            case 8: NN_CASE(4, 1); break;
+            case 9: NN_CASE(4, 2); break;
+            case 10: NN_CASE(5, 1); break;
+            case 11: NN_CASE(5, 2); break;
+            case 12: NN_CASE(6, 1); break;
+            default: NN_CASE(6, 2);
+        }
+    }
+}
+
+/* One row over a 64-column panel, or two rows over a 32-column one: 8 accumulators, so 8
+ * independent FMA chains hide the FMA latency (the 6 x 16 block has 2 chains per row when it
+ * runs 1 or 2 rows). The same order per output as every other path. */
+#define W_ACC(i) __m256 a##i = first ? z : _mm256_loadu_ps(y0 + 8 * (i))
+#define W_FMA(i) a##i = _mm256_fmadd_ps(xv, load8(wk + 8 * (i)), a##i)
+#define W_ST(i) _mm256_storeu_ps(y0 + 8 * (i), a##i)
+static void nn_wide1(const float *x, const uint16_t *w, int64_t ldw, float *y0, int64_t k0,
+                     int64_t k1) {
+    __m256 z = _mm256_setzero_ps();
+    const int first = k0 == 0;
+    W_ACC(0); W_ACC(1); W_ACC(2); W_ACC(3); W_ACC(4); W_ACC(5); W_ACC(6); W_ACC(7);
+    for (int64_t k = k0; k < k1; k++) {
+        const uint16_t *wk = w + k * ldw;
+        __m256 xv = _mm256_broadcast_ss(x + k);
+        W_FMA(0); W_FMA(1); W_FMA(2); W_FMA(3); W_FMA(4); W_FMA(5); W_FMA(6); W_FMA(7);
+    }
+    W_ST(0); W_ST(1); W_ST(2); W_ST(3); W_ST(4); W_ST(5); W_ST(6); W_ST(7);
+}
+
+#define W2_ACC(r, i) __m256 b##r##i = first ? z : _mm256_loadu_ps(y + (r) * ldy + 8 * (i))
+#define W2_ST(r, i) _mm256_storeu_ps(y + (r) * ldy + 8 * (i), b##r##i)
+static void nn_wide2(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
+                     int64_t ldy, int64_t k0, int64_t k1) {
+    __m256 z = _mm256_setzero_ps();
+    const int first = k0 == 0;
+    W2_ACC(0, 0); W2_ACC(0, 1); W2_ACC(0, 2); W2_ACC(0, 3);
+    W2_ACC(1, 0); W2_ACC(1, 1); W2_ACC(1, 2); W2_ACC(1, 3);
+    for (int64_t k = k0; k < k1; k++) {
+        const uint16_t *wk = w + k * ldw;
+        __m256 w0 = load8(wk), w1 = load8(wk + 8), w2 = load8(wk + 16), w3 = load8(wk + 24);
+        __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + ldx + k);
+        b00 = _mm256_fmadd_ps(x0, w0, b00); b01 = _mm256_fmadd_ps(x0, w1, b01);
+        b02 = _mm256_fmadd_ps(x0, w2, b02); b03 = _mm256_fmadd_ps(x0, w3, b03);
+        b10 = _mm256_fmadd_ps(x1, w0, b10); b11 = _mm256_fmadd_ps(x1, w1, b11);
+        b12 = _mm256_fmadd_ps(x1, w2, b12); b13 = _mm256_fmadd_ps(x1, w3, b13);
+    }
+    W2_ST(0, 0); W2_ST(0, 1); W2_ST(0, 2); W2_ST(0, 3);
+    W2_ST(1, 0); W2_ST(1, 1); W2_ST(1, 2); W2_ST(1, 3);
+}
+
+/* Weight rows [k0, k1) over the vector columns [jb, jb_end) of a column block. */
+static void nn_panels(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
+                      int64_t ldy, int64_t rows, int64_t jb, int64_t jb_end, int64_t k0,
+                      int64_t k1) {
+    int64_t j = jb;
+    if (rows == 1)
+        for (; j + 64 <= jb_end; j += 64) nn_wide1(x, w + j, ldw, y + j, k0, k1);
+    if (rows == 2)
+        for (; j + 32 <= jb_end; j += 32) nn_wide2(x, ldx, w + j, ldw, y + j, ldy, k0, k1);
+    for (; j < jb_end; j += PANEL) {
+        int nv = jb_end - j < PANEL ? 1 : 2;
+        nn_rows(x, ldx, w + j, ldw, y + j, ldy, rows, nv, k0, k1);
+    }
+}
+#endif
+
+static void add_bias(const float *bias, float *y, int64_t ldy, int64_t rows, int64_t j0,
+                     int64_t j1) {
+    if (!bias) return;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = j0; j < j1; j++) y[r * ldy + j] += bias[j];
+}
+
+static int nn_bad(int64_t rows, int64_t in, int64_t out, int64_t j_begin, int64_t j_end,
+                  int64_t ldx, int64_t ldw, int64_t ldy) {
+    return rows < 0 || in < 0 || j_begin < 0 || j_end > out || j_begin > j_end || ldx < in ||
+           ldw < out || ldy < out;
+}
+
+static void zero_cols(float *y, int64_t ldy, int64_t rows, int64_t j0, int64_t j1) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = j0; j < j1; j++) y[r * ldy + j] = 0.0f;
+}
+
+int pagedkv_bf16_nn(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                    const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
+                    int64_t out, int64_t j_begin, int64_t j_end) {
+    if (nn_bad(rows, in, out, j_begin, j_end, ldx, ldw, ldy)) return -1;
+    if (in == 0) zero_cols(y, ldy, rows, j_begin, j_end);
+    int64_t vec_end = j_begin; /* vector columns [j_begin, vec_end) */
+#if BF_AVX2
+    vec_end = j_begin + (j_end - j_begin) / 8 * 8;
+    const int64_t jbs = rows <= 2 ? JB_WIDE : JB;
+    for (int64_t jb = j_begin; jb < vec_end; jb += jbs) {
+        int64_t jb_end = vec_end - jb < jbs ? vec_end : jb + jbs;
+        for (int64_t k0 = 0; k0 < in; k0 += KC) {
+            int64_t k1 = in - k0 < KC ? in : k0 + KC;
+            nn_panels(x, ldx, w, ldw, y, ldy, rows, jb, jb_end, k0, k1);
+        }
+    }
+#endif
+    for (int64_t k0 = 0; k0 < in; k0 += KC) {
+        int64_t k1 = in - k0 < KC ? in : k0 + KC;
+        nn_scalar(x, ldx, w, ldw, y, ldy, rows, k0, k1, vec_end, j_end);
+    }
+    add_bias(bias, y, ldy, rows, j_begin, j_end);
+    return 0;
+}
+
+/* The products past the last full 8 (k >= k8), added to s in increasing k. */
+static inline float nt_tail(float s, const float *xr, const uint16_t *ej, int64_t k8,
+                            int64_t in) {
+    for (int64_t k = k8; k < in; k++) s = fmaf(xr[k], widen(ej[k]), s);
+    return s;
+}
+
+static void nt_scalar(const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y,
+                      int64_t ldy, int64_t rows, int64_t in, int64_t j0, int64_t j1) {
+    int64_t k8 = in / 8 * 8;
+    for (int64_t j = j0; j < j1; j++)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * ldx;
+            const uint16_t *ej = e + j * lde;
+            float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t k = 0; k < k8; k += 8)
+                for (int t = 0; t < 8; t++) l[t] = fmaf(xr[k + t], widen(ej[k + t]), l[t]);
+            float s = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+            y[r * ldy + j] = nt_tail(s, xr, ej, k8, in);
+        }
+}
+
+#if BF_AVX2
+/* The portable tree in registers: (l0+l4, l1+l5, l2+l6, l3+l7), then (.0+.2, .1+.3), then
+ * .0 + .1. */
+static inline float hsum(__m256 v) {
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+#define NT_FMA(r)                                               \
+    if (NR > r) {                                               \
+        __m256 xv = _mm256_loadu_ps(x + (r) * ldx + k);         \
+        c##r##0 = _mm256_fmadd_ps(xv, e0, c##r##0);             \
+        if (NC > 1) c##r##1 = _mm256_fmadd_ps(xv, e1, c##r##1); \
+        if (NC > 2) c##r##2 = _mm256_fmadd_ps(xv, e2, c##r##2); \
+    }
+#define NT_OUT1(r, v) \
+    y[(r) * ldy + (v)] = nt_tail(hsum(c##r##v), x + (r) * ldx, e + (v) * lde, k8, in);
+#define NT_OUT(r)                      \
+    if (NR > r) {                      \
+        NT_OUT1(r, 0)                  \
+        if (NC > 1) { NT_OUT1(r, 1) }  \
+        if (NC > 2) { NT_OUT1(r, 2) }  \
+    }
+/* NR rows x NC embedding rows (output columns); y and e offset to the block's first. */
+static inline __attribute__((always_inline)) void nt_block(
+    const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y, int64_t ldy,
+    const int NR, const int NC, int64_t in) {
+    __m256 z = _mm256_setzero_ps();
+    __m256 c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z;
+    __m256 c20 = z, c21 = z, c22 = z, c30 = z, c31 = z, c32 = z;
+    int64_t k8 = in / 8 * 8;
+    for (int64_t k = 0; k < k8; k += 8) {
+        __m256 e0 = load8(e + k);
+        __m256 e1 = NC > 1 ? load8(e + lde + k) : z;
+        __m256 e2 = NC > 2 ? load8(e + 2 * lde + k) : z;
+        NT_FMA(0) NT_FMA(1) NT_FMA(2) NT_FMA(3)
+    }
+    NT_OUT(0) NT_OUT(1) NT_OUT(2) NT_OUT(3)
+}
+
+#define NT_CASE(nr, nc) nt_block(xr, ldx, ej, lde, yr, ldy, nr, nc, in)
+static void nt_rows(const float *x, int64_t ldx, const uint16_t *ej, int64_t lde, float *y,
+                    int64_t ldy, int64_t rows, int nc, int64_t in) {
+    for (int64_t r0 = 0; r0 < rows; r0 += RB_NT) {
+        int64_t nr = rows - r0 < RB_NT ? rows - r0 : RB_NT;
+        const float *xr = x + r0 * ldx;
+        float *yr = y + r0 * ldy;
+        switch (nr * 4 + nc) {
+            case 5: NT_CASE(1, 1); break;
+            case 6: NT_CASE(1, 2); break;
+            case 7: NT_CASE(1, 3); break;
+            case 9: NT_CASE(2, 1); break;
+            case 10: NT_CASE(2, 2); break;
+            case 11: NT_CASE(2, 3); break;
+            case 13: NT_CASE(3, 1); break;
+            case 14: NT_CASE(3, 2); break;
+            case 15: NT_CASE(3, 3); break;
+            case 17: NT_CASE(4, 1); break;
+            case 18: NT_CASE(4, 2); break;
+            default: NT_CASE(4, 3);
+        }
+    }
+}
+#endif
+
+static int nt_bad(int64_t rows, int64_t in, int64_t out, int64_t j_begin, int64_t j_end,
+                  int64_t ldx, int64_t lde, int64_t ldy) {
+    return rows < 0 || in < 0 || j_begin < 0 || j_end > out || j_begin > j_end || ldx < in ||
+           lde < in || ldy < out;
+}
+
+int pagedkv_bf16_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y,
+                    int64_t ldy, int64_t rows, int64_t in, int64_t out, int64_t j_begin,
+                    int64_t j_end) {
+    if (nt_bad(rows, in, out, j_begin, j_end, ldx, lde, ldy)) return -1;
+#if BF_AVX2
+    for (int64_t j = j_begin; j < j_end; j += 3) {
+        int nc = (int)(j_end - j < 3 ? j_end - j : 3);
+        nt_rows(x, ldx, e + j * lde, lde, y + j, ldy, rows, nc, in);
+    }
+#else
+    nt_scalar(x, ldx, e, lde, y, ldy, rows, in, j_begin, j_end);
+#endif
+    return 0;
+}
+
+/* The portable paths, exported so tests can check they give the vector paths' bits. */
+int pagedkv_bf16_nn_portable(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                             const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
+                             int64_t out, int64_t j_begin, int64_t j_end) {
+    if (nn_bad(rows, in, out, j_begin, j_end, ldx, ldw, ldy)) return -1;
+    zero_cols(y, ldy, rows, j_begin, j_end);
+    if (in > 0) nn_scalar(x, ldx, w, ldw, y, ldy, rows, 0, in, j_begin, j_end);
+    add_bias(bias, y, ldy, rows, j_begin, j_end);
+    return 0;
+}
+
+int pagedkv_bf16_nt_portable(const float *x, int64_t ldx, const uint16_t *e, int64_t lde,
+                             float *y, int64_t ldy, int64_t rows, int64_t in, int64_t out,
+                             int64_t j_begin, int64_t j_end) {
+    if (nt_bad(rows, in, out, j_begin, j_end, ldx, lde, ldy)) return -1;
+    nt_scalar(x, ldx, e, lde, y, ldy, rows, in, j_begin, j_end);
+    return 0;
+}
+
+/* 1 when this build runs the AVX2 paths (the wrapper reports it). */
+int pagedkv_bf16_vector_build(void) { return BF_AVX2; }

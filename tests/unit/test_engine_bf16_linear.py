@@ -1,0 +1,135 @@
+"""The bf16-weight linear kernel (engine/bf16_linear.py, csrc/bf16_linear.c): accuracy against
+float64, batch invariance, the same bits as the float32 few-row kernel over the widened
+weights, both builds (AVX2 and portable) and the thread split giving the same bits, refusals."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import pytest
+import torch
+
+from pagedkv.engine import bf16_linear, fewrow, native
+from pagedkv.errors import InvalidRequestError
+
+pytestmark = pytest.mark.skipif(not bf16_linear.available(), reason="no C compiler")
+
+EPS = 2.0**-24  # float32's unit roundoff
+
+
+def _bf16(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+
+def _bound(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A float32 sum of ``in`` exact-input products (one rounding each, FMA or not, in any
+    order) is within ``(in + 1) * eps * sum |x_k w_k|`` of the exact sum; the bias adds one
+    more rounding. The bf16 weights widen exactly, so the reference uses them as they are."""
+    mag = x.double().abs() @ w_t.double().abs()
+    if bias is not None:
+        mag = mag + bias.double().abs()
+    return (x.shape[1] + 2) * EPS * mag + 1e-30
+
+
+@pytest.mark.parametrize("in_dim", [1, 7, 8, 13, 77, 300])
+@pytest.mark.parametrize("out_dim", [1, 5, 16, 17, 203])
+def test_linear_is_within_the_float32_bound_of_float64(in_dim: int, out_dim: int) -> None:
+    gen = torch.Generator().manual_seed(in_dim * 1000 + out_dim)
+    w_t = _bf16(in_dim, out_dim, gen=gen)
+    bias = torch.randn(out_dim, generator=gen)
+    e = _bf16(out_dim, in_dim, gen=gen)
+    for rows in (1, 2, 3, 5, 6, 7, 12, 16, 31, 32, 33):  # 33: the widened torch.mm path
+        x = torch.randn(rows, in_dim, generator=gen)
+        ref = x.double() @ w_t.double() + bias.double()
+        err = (bf16_linear.linear(x, w_t, bias).double() - ref).abs()
+        assert bool((err <= _bound(x, w_t, bias)).all()), (rows, float(err.max()))
+        ref_nt = x.double() @ e.double().t()
+        err_nt = (bf16_linear.linear_nt(x, e).double() - ref_nt).abs()
+        assert bool((err_nt <= _bound(x, e.t(), None)).all()), (rows, float(err_nt.max()))
+
+
+def test_a_rows_bits_do_not_depend_on_the_batch() -> None:
+    gen = torch.Generator().manual_seed(7)
+    w_t = _bf16(77, 203, gen=gen)
+    bias = torch.randn(203, generator=gen)
+    e = _bf16(203, 77, gen=gen)
+    x = torch.randn(32, 77, generator=gen)
+    alone = torch.cat([bf16_linear.linear(x[r : r + 1], w_t, bias) for r in range(32)])
+    alone_nt = torch.cat([bf16_linear.linear_nt(x[r : r + 1], e) for r in range(32)])
+    for rows in range(2, 33):
+        for start in (0, 32 - rows):  # each row at a different place in its register block
+            part = x[start : start + rows]
+            assert torch.equal(bf16_linear.linear(part, w_t, bias), alone[start : start + rows])
+            assert torch.equal(bf16_linear.linear_nt(part, e), alone_nt[start : start + rows])
+
+
+def test_the_bits_are_the_float32_few_row_kernels_over_the_widened_weights() -> None:
+    """The same summation order as csrc/fewrow.c, and the widening is exact: a bf16 model
+    computes what a float32 model loaded from the same bf16 checkpoint computes with
+    ``linear_kernel='native'``."""
+    gen = torch.Generator().manual_seed(11)
+    w_t = _bf16(131, 203, gen=gen)
+    e = _bf16(203, 131, gen=gen)
+    bias = torch.randn(203, generator=gen)
+    for rows in (2, 5, 16, 32):
+        x = torch.randn(rows, 131, generator=gen)
+        assert torch.equal(bf16_linear.linear(x, w_t, bias), fewrow.linear(x, w_t.float(), bias))
+        assert torch.equal(bf16_linear.linear_nt(x, e), fewrow.linear_nt(x, e.float()))
+
+
+def _portable_build() -> Any:
+    lib = native.compile_library(bf16_linear._SOURCE, bf16_linear.PORTABLE_FLAGS)
+    assert not bf16_linear.bind(lib)  # no -march=native: the plain loops
+    return lib
+
+
+def test_builds_threads_and_the_portable_path_give_the_same_bits() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w_t = _bf16(576, 1030, gen=gen)  # 8 rows x 576 x 1030: enough for 2 threads
+    e = _bf16(1030, 579, gen=gen)
+    x = torch.randn(8, 576, generator=gen)
+    xe = torch.randn(8, 579, generator=gen)
+    one = bf16_linear.linear(x, w_t, threads=1)
+    assert torch.equal(bf16_linear.linear(x, w_t, threads=2), one)
+    assert torch.equal(bf16_linear.linear(x, w_t, threads=1, portable=True), one)
+    one_nt = bf16_linear.linear_nt(xe, e, threads=1)
+    assert torch.equal(bf16_linear.linear_nt(xe, e, threads=2), one_nt)
+    assert torch.equal(bf16_linear.linear_nt(xe, e, threads=1, portable=True), one_nt)
+    lib = _portable_build()
+    y, ye = torch.empty_like(one), torch.empty_like(one_nt)
+    ptr = ctypes.c_void_p
+    assert lib.pagedkv_bf16_nn(x.data_ptr(), 576, w_t.data_ptr(), 1030, ptr(None),
+                               y.data_ptr(), 1030, 8, 576, 1030, 0, 1030) == 0  # fmt: skip
+    assert lib.pagedkv_bf16_nt(xe.data_ptr(), 579, e.data_ptr(), 579, ye.data_ptr(), 1030, 8,
+                               579, 1030, 0, 1030) == 0  # fmt: skip
+    assert torch.equal(y, one)
+    assert torch.equal(ye, one_nt)
+
+
+def test_strided_input_and_output_views() -> None:
+    gen = torch.Generator().manual_seed(5)
+    w_t = _bf16(40, 24, gen=gen)
+    big = torch.randn(6, 50, generator=gen)
+    x = big[:, 3:43]  # row stride 50
+    out = torch.full((6, 30), 7.0)
+    bf16_linear.linear(x, w_t, None, out[:, 2:26])
+    assert torch.equal(out[:, 2:26], bf16_linear.linear(x.contiguous(), w_t))
+    assert bool((out[:, :2] == 7).all())
+    assert bool((out[:, 26:] == 7).all())
+
+
+def test_bad_inputs_are_refused() -> None:
+    w_t = torch.randn(8, 4).to(torch.bfloat16)
+    with pytest.raises(InvalidRequestError, match="bf16 linear"):
+        bf16_linear.linear(torch.randn(2, 9), w_t)
+    with pytest.raises(InvalidRequestError, match="bf16 linear"):
+        bf16_linear.linear(torch.randn(2, 8), w_t.float())  # a float32 weight
+    with pytest.raises(InvalidRequestError, match="bf16 linear"):
+        bf16_linear.linear(torch.randn(2, 8, dtype=torch.bfloat16), w_t)
+    with pytest.raises(InvalidRequestError, match="bias"):
+        bf16_linear.linear(torch.randn(2, 8), w_t, torch.randn(5))
+    with pytest.raises(InvalidRequestError, match="output"):
+        bf16_linear.linear(torch.randn(2, 8), w_t, None, torch.empty(3, 4))
+    with pytest.raises(InvalidRequestError, match="bf16 linear_nt"):
+        bf16_linear.linear_nt(torch.randn(2, 4), w_t.t())  # column stride 4

@@ -1,0 +1,94 @@
+"""A bfloat16 model on a CPU: bf16 weights, float32 compute (models/llama.py, bf16_linear.py).
+
+The property pinned: with the same KV cache dtype, a bf16-weight model computes the float32
+model's arithmetic on the same (exactly widened) weights. The float32 model with
+``linear_kernel='native'`` sums every 2..32-row matmul in the bf16 kernel's order, so the two
+give bit-identical log-probabilities on steps of 2..32 rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv.engine import bf16_linear
+from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.loader import load_model
+from pagedkv.engine.models.llama import LlamaModel
+from pagedkv.engine.models.projection import Projection
+from pagedkv.engine.sampler import SamplingParams
+from pagedkv.engine.tiny import write_tiny_model
+
+pytestmark = pytest.mark.skipif(not bf16_linear.available(), reason="no C compiler")
+
+PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 2, 8, 8, 31], [17, 11, 4, 29, 6, 12, 2]]  # 18 rows
+
+
+def _run(engine: LLMEngine, new: int) -> list[list[tuple[int, float]]]:
+    """Each prompt's greedy tokens with their log-probabilities, the prompts together."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=3)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, params)
+    got: dict[str, list[tuple[int, float]]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                lps = out.outputs[0].logprobs
+                assert lps is not None
+                got[out.request_id] = [(t.token_id, t.logprob) for t in lps]
+    return [got[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(
+        tmp_path_factory.mktemp("bf16") / "m", hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, eos_token_id=None,
+    )  # fmt: skip
+
+
+def test_bf16_weights_compute_the_float32_models_arithmetic(model_dir: Path) -> None:
+    bf16 = load_model(model_dir, dtype="bfloat16")
+    assert bf16.dtype is torch.bfloat16
+    assert bf16.compute_dtype is torch.float32
+    fp32 = LlamaModel(bf16.config, {n: t.float() for n, t in bf16.weights.items()})
+    cfg = EngineConfig(num_blocks=64, dtype="float32")  # both KV caches float32
+    ours = _run(LLMEngine(bf16, None, cfg), 6)
+    ref = _run(LLMEngine(fp32, None, EngineConfig(num_blocks=64, linear_kernel="native")), 6)
+    assert ours == ref  # token ids and log-probabilities, bit for bit
+
+
+def test_bfloat16_keeps_bf16_weights_and_a_bf16_kv_cache(model_dir: Path) -> None:
+    engine = LLMEngine.from_model_dir(str(model_dir), EngineConfig(num_blocks=64, dtype="bfloat16"))
+    model = engine.model
+    assert engine.runner.kv_cache.k[0].dtype is torch.bfloat16
+    for group in (model._qkv, model._o, model._gate_up, model._down):
+        for p in group:
+            assert isinstance(p, Projection)
+            assert p.weight_t.dtype is torch.bfloat16  # half the float32 bytes
+            assert p.bias is None or p.bias.dtype is torch.float32
+    assert model.lm_head.dtype is torch.bfloat16
+    ours = _run(engine, 6)
+    # against the float32 model on the same weights: the KV cache rounding to bf16 is the only
+    # difference, so on this tiny model the greedy tokens agree and log-probs stay close
+    fp32 = LlamaModel(model.config, {n: t.float() for n, t in model.weights.items()})
+    ref = _run(LLMEngine(fp32, None, EngineConfig(num_blocks=64)), 6)
+    assert [[t for t, _ in r] for r in ours] == [[t for t, _ in r] for r in ref]
+    diff = max(abs(a - b) for r, s in zip(ours, ref, strict=True)
+               for (_, a), (_, b) in zip(r, s, strict=True))  # fmt: skip
+    assert diff < 0.05, diff
+
+
+def test_the_fused_layer_ops_write_a_bf16_cache_as_the_torch_ops_do(model_dir: Path) -> None:
+    """RoPE + the K/V write in C round k and v to bf16 as ``PagedKVCache.write``'s cast does
+    (nearest even), so the fused forward over a bf16 cache gives the torch forward's bits."""
+    cfg = EngineConfig(num_blocks=64, dtype="bfloat16")
+    fused = LLMEngine.from_model_dir(str(model_dir), cfg)
+    assert fused.model.fused_layer_ops
+    plain = LLMEngine.from_model_dir(str(model_dir), cfg)
+    plain.model.fused_layer_ops = False
+    assert _run(fused, 5) == _run(plain, 5)
+    k = fused.runner.kv_cache.k[0]
+    assert bool((k != 0).any())  # the fused path did write the cache
