@@ -208,3 +208,34 @@ def test_batched_block_reads_equal_one_by_one_reads(dtype: torch.dtype) -> None:
     assert read_blocks(kv, []) == []
     with pytest.raises(InvalidRequestError):
         read_blocks(kv, [1, 10])
+
+
+def test_a_quantized_engine_never_loads_a_float32_engines_blocks(
+    checkpoint: tuple[Path, list[list[int]]], tmp_path: Path
+) -> None:
+    """Two engines of one checkpoint over one disk folder: the int8 one computes with other
+    weights, so it is in another namespace and loads none of the float32 engine's blocks,
+    while a second float32 engine (a restart) loads them."""
+    path, refs = checkpoint
+    tiers = TierConfig(disk_dir=str(tmp_path / "kv"), disk_bytes=64 << 20)
+
+    def run(**kw: Any) -> tuple[list[list[int]], int, str]:
+        engine = _engine(path, tiers, "tiny", block_size=4, **kw)
+        tio = engine.tier_io
+        assert tio is not None
+        tio.measure_recompute = False
+        try:
+            tokens = _first_tokens(engine, PROMPTS)
+            assert tio.offload.flush(10.0)
+            return tokens, engine.scheduler.num_loaded_blocks, engine.config.model_id
+        finally:
+            engine.close()
+
+    tokens, loaded, namespace = run()
+    assert (tokens, loaded, namespace) == (refs, 0, "tiny")
+    _, loaded_q, namespace_q = run(quantization="int8")
+    assert loaded_q == 0  # the float32 blocks are on disk, under another namespace
+    assert namespace_q == "tiny+quant=int8"
+    again, loaded_again, _ = run()
+    assert again == refs
+    assert loaded_again > 0  # the float32 restart finds them

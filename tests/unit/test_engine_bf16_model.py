@@ -92,3 +92,14 @@ def test_the_fused_layer_ops_write_a_bf16_cache_as_the_torch_ops_do(model_dir: P
     assert _run(fused, 5) == _run(plain, 5)
     k = fused.runner.kv_cache.k[0]
     assert bool((k != 0).any())  # the fused path did write the cache
+
+
+def test_float32_compute_over_bf16_weights_is_its_own_cache_namespace(model_dir: Path) -> None:
+    """Torch's bf16 ops (where the kernel does not build) write other bf16 KV than float32
+    compute over the same weights: the two never share a hash root or a tier key."""
+    bf16 = load_model(model_dir, dtype="bfloat16")
+    engine = LLMEngine(bf16, None, EngineConfig(num_blocks=16, model_id="m"))
+    assert engine.config.model_id == "m+compute=float32"
+    assert engine.scheduler.manager.config.model_id == "m+compute=float32"
+    fp32 = LLMEngine(load_model(model_dir), None, EngineConfig(num_blocks=16, model_id="m"))
+    assert fp32.config.model_id == "m"

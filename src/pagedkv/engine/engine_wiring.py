@@ -104,6 +104,31 @@ def build_sections(config: EngineConfig, mcfg: ModelConfig, max_len: int) -> Eng
     return EngineSections(spec, cache_cfg, sched_cfg, layout, num_blocks)
 
 
+def cache_namespace(model_id: str, model: LlamaModel) -> str:
+    """The prefix-hash root and the tiers' namespace: ``model_id`` (the checkpoint's
+    fingerprint unless the user named one), plus what else decides the KV a block holds:
+
+    - a weight quantization (``int8``, ``gguf``) computes with other weights than the
+      checkpoint's, so its KV is another model's;
+    - a compute dtype other than the weights' (bf16 weights widened and computed in float32,
+      against torch's bf16 ops where the kernel does not build) writes other values into a
+      cache of the same dtype.
+
+    Engines differing in either never share a hash chain or a tier key, so a block one of them
+    stored is never served to the other. Kernel choices that change only float32 summation
+    order (``linear_kernel``, the decode kernel) keep the namespace: their KV agree to within
+    float32 rounding. An unnamed engine (``""``, built from a model) stays unnamed unless there
+    is a suffix to add."""
+    suffix = []
+    if model.quantization is not None:
+        suffix.append(f"quant={model.quantization}")
+    if model.compute_dtype is not model.dtype:
+        suffix.append(f"compute={str(model.compute_dtype).removeprefix('torch.')}")
+    if not suffix:
+        return model_id
+    return "+".join([model_id or "model", *suffix])
+
+
 def eos_token_ids(mcfg: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
     """The model's end-of-sequence ids and the tokenizer's, sorted."""
     eos = set(mcfg.eos_token_ids)

@@ -90,12 +90,14 @@ class LLMEngine:
         mcfg = model.config
         if config.dtype == "auto":  # built from a model directly: compute in the model's dtype
             config = replace(config, dtype=str(model.dtype).removeprefix("torch."))
-        self.config = config
         max_len = engine_wiring.check_max_model_len(config, mcfg)
         if config.quantization is not None and model.quantization != config.quantization:
             model.quantize(config.quantization)  # here, so every loader's model gets it
         if config.linear_kernel != model.linear_kernel:
             model.set_linear_kernel(config.linear_kernel)
+        # what decides the KV content besides the checkpoint joins its id (cache_namespace)
+        config = replace(config, model_id=engine_wiring.cache_namespace(config.model_id, model))
+        self.config = config
         sections = engine_wiring.build_sections(config, mcfg, max_len)
         self.tier_io = TierIO.try_build(config.tiers, sections.layout, offload)  # see close()
         tier_index = None if self.tier_io is None else self.tier_io.offload
