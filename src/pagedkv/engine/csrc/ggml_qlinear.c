@@ -228,68 +228,64 @@ STREAM(GQ_Q4_0)
 STREAM(GQ_Q4_1)
 
 /* Few-row path (3..64 rows, FMA bound): dequantize a panel of PANEL_J outputs (PANEL_J x in
- * float32, <= 18 KB for in <= 1536: stays in L1) once, then run every row over it with
- * FR_NR rows x PANEL_J outputs of lane sums in registers (12 accumulators, 3 panel loads and
- * 4 activation loads per 12 FMAs). The float32 values and the per-output order are the
- * streaming path's, so a row's output is the same bits on either path. */
-#define PANEL_J 3
-#define FR_NR 4
-#define FR_FMA(r)                                                                            \
+ * float32: 14 KB at in = 576, 36 KB at 1536) once, then run every row over it with FR_NR rows
+ * x PANEL_J outputs of lane sums in registers (12 accumulators; per 12 FMAs 6 panel loads from
+ * L1/L2 and 2 activation loads). Each activation vector is loaded once per panel and used by 6
+ * outputs: a 4-row x 3-output block (the fewrow.c shape) re-read the activations from L2 twice
+ * as often and measured slower than the int8 kernel. The float32 values and the per-output
+ * order are the streaming path's, so a row's output is the same bits on either path. */
+#define PANEL_J 6
+#define FR_NR 2
+#define FR_E(c) __m256 e##c = NC > c ? _mm256_load_ps(e + (c) * in + k) : z;
+#define FR_FMA(r, c) if (NR > r && NC > c) a##r##c = _mm256_fmadd_ps(x##r, e##c, a##r##c);
+#define FR_ROW(r)                                                                            \
     if (NR > r) {                                                                            \
-        __m256 xv = _mm256_loadu_ps(x + (r) * ldx + k);                                      \
-        a##r##0 = _mm256_fmadd_ps(xv, e0, a##r##0);                                          \
-        if (NC > 1) a##r##1 = _mm256_fmadd_ps(xv, e1, a##r##1);                              \
-        if (NC > 2) a##r##2 = _mm256_fmadd_ps(xv, e2, a##r##2);                              \
+        __m256 x##r = _mm256_loadu_ps(x + (r) * ldx + k);                                    \
+        FR_FMA(r, 0) FR_FMA(r, 1) FR_FMA(r, 2) FR_FMA(r, 3) FR_FMA(r, 4) FR_FMA(r, 5)        \
     }
-#define FR_OUT1(r, c) y[(r) * ldy + (c)] = hsum(a##r##c) + (bias ? bias[c] : 0.0f);
-#define FR_OUT(r)                                                                            \
-    if (NR > r) {                                                                            \
-        FR_OUT1(r, 0)                                                                        \
-        if (NC > 1) { FR_OUT1(r, 1) }                                                        \
-        if (NC > 2) { FR_OUT1(r, 2) }                                                        \
-    }
+#define FR_OUT(r, c) if (NR > r && NC > c) y[(r) * ldy + (c)] = hsum(a##r##c) + (bias ? bias[c] : 0.0f);
 static inline __attribute__((always_inline)) void panel_block(
     const float *x, int64_t ldx, const float *e, int64_t in, const float *bias, float *y,
     int64_t ldy, const int NR, const int NC) {
     __m256 z = _mm256_setzero_ps();
-    __m256 a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z;
-    __m256 a20 = z, a21 = z, a22 = z, a30 = z, a31 = z, a32 = z;
+    __m256 a00 = z, a01 = z, a02 = z, a03 = z, a04 = z, a05 = z;
+    __m256 a10 = z, a11 = z, a12 = z, a13 = z, a14 = z, a15 = z;
     for (int64_t k = 0; k < in; k += 8) {
-        __m256 e0 = _mm256_load_ps(e + k);
-        __m256 e1 = NC > 1 ? _mm256_load_ps(e + in + k) : z;
-        __m256 e2 = NC > 2 ? _mm256_load_ps(e + 2 * in + k) : z;
-        FR_FMA(0) FR_FMA(1) FR_FMA(2) FR_FMA(3)
+        FR_E(0) FR_E(1) FR_E(2) FR_E(3) FR_E(4) FR_E(5)
+        FR_ROW(0) FR_ROW(1)
     }
-    FR_OUT(0) FR_OUT(1) FR_OUT(2) FR_OUT(3)
+    FR_OUT(0, 0) FR_OUT(0, 1) FR_OUT(0, 2) FR_OUT(0, 3) FR_OUT(0, 4) FR_OUT(0, 5)
+    FR_OUT(1, 0) FR_OUT(1, 1) FR_OUT(1, 2) FR_OUT(1, 3) FR_OUT(1, 4) FR_OUT(1, 5)
 }
+#undef FR_E
 #undef FR_FMA
-#undef FR_OUT1
+#undef FR_ROW
 #undef FR_OUT
 
 #define FR_CASE(nr, nc) panel_block(xr, ldx, e, in, bias, yr, ldy, nr, nc)
+#define FR_NC(nr)                                                                            \
+    switch (nc) {                                                                            \
+        case 1: FR_CASE(nr, 1); break;                                                       \
+        case 2: FR_CASE(nr, 2); break;                                                       \
+        case 3: FR_CASE(nr, 3); break;                                                       \
+        case 4: FR_CASE(nr, 4); break;                                                       \
+        case 5: FR_CASE(nr, 5); break;                                                       \
+        default: FR_CASE(nr, 6);                                                             \
+    }
 static void panel_rows(const float *x, int64_t ldx, const float *e, int64_t in,
                        const float *bias, float *y, int64_t ldy, int64_t rows, int nc) {
     for (int64_t r0 = 0; r0 < rows; r0 += FR_NR) {
-        int64_t nr = rows - r0 < FR_NR ? rows - r0 : FR_NR;
         const float *xr = x + r0 * ldx;
         float *yr = y + r0 * ldy;
-        switch (nr * 4 + nc) {
-            case 5: FR_CASE(1, 1); break;
-            case 6: FR_CASE(1, 2); break;
-            case 7: FR_CASE(1, 3); break;
-            case 9: FR_CASE(2, 1); break;
-            case 10: FR_CASE(2, 2); break;
-            case 11: FR_CASE(2, 3); break;
-            case 13: FR_CASE(3, 1); break;
-            case 14: FR_CASE(3, 2); break;
-            case 15: FR_CASE(3, 3); break;
-            case 17: FR_CASE(4, 1); break;
-            case 18: FR_CASE(4, 2); break;
-            default: FR_CASE(4, 3);
+        if (rows - r0 >= 2) {
+            FR_NC(2)
+        } else {
+            FR_NC(1)
         }
     }
 }
 #undef FR_CASE
+#undef FR_NC
 
 #define FEWROW(T)                                                                            \
     static void fewrow_##T(const float *x, int64_t ldx, const uint8_t *w, const float *bias, \
