@@ -80,10 +80,17 @@ def build(fmt: str, seed: int = 0) -> tuple[list[object], int]:
     return mats, total
 
 
-def api_pass(fmt: str, mats: list[object], threads: int, few: bool) -> Pass:
+def _input(i: int, num_mats: int, x: torch.Tensor, xd: torch.Tensor) -> torch.Tensor:
+    """The activations matrix ``i`` reads: ``xd`` (1536 wide) for each layer's down projection."""
+    return xd if i % 4 == 3 and i < num_mats - 1 else x
+
+
+def api_pass(mats: list[object], threads: int, few: bool) -> Pass:
+    """The pass through each format's Python API, as the engine calls it (thread split too)."""
+
     def run(x: torch.Tensor, xd: torch.Tensor) -> None:
         for i, m in enumerate(mats):
-            xi = xd if i % 4 == 3 and i < len(mats) - 1 else x
+            xi = _input(i, len(mats), x, xd)
             if isinstance(m, QuantizedProjection | GGUFProjection):
                 m.native(xi, threads)
             elif not isinstance(m, torch.Tensor):
@@ -96,39 +103,38 @@ def api_pass(fmt: str, mats: list[object], threads: int, few: bool) -> Pass:
     return run
 
 
-def direct_pass(fmt: str, mats: list[object]) -> Pass:
-    """One ctypes call per matrix (1 thread), outputs preallocated."""
+def direct_pass(mats: list[object], x: torch.Tensor, xd: torch.Tensor) -> Pass:
+    """One ctypes call per quantized matrix on one thread, arguments and outputs prepared
+    here for ``x``/``xd`` (the pass must be called with them)."""
+    rows = x.shape[0]
+    calls: list[tuple[Callable[..., int], tuple[object, ...]]] = []
+    keep: list[torch.Tensor] = []  # the outputs, alive as long as the pass
+    for i, m in enumerate(mats):
+        xi = _input(i, len(mats), x, xd)
+        if isinstance(m, QuantizedProjection):
+            lib = qlinear._native.load()
+            assert lib is not None
+            tiles, in_dim, _ = m.packed.shape
+            out = m.scale.shape[0]
+            keep.append(torch.empty(rows, out))
+            head = (xi.data_ptr(), in_dim, m.packed.data_ptr(), m.scale.data_ptr(), None)
+            args = (*head, keep[-1].data_ptr(), out, rows, in_dim, out, 0, tiles)
+            calls.append((lib.pagedkv_qlinear_i8, args))
+        elif isinstance(m, GGUFProjection):
+            lib = gguf_qlinear._native.load()
+            assert lib is not None
+            keep.append(torch.empty(rows, m.out_dim))
+            code = gguf_qlinear.KEPT_TYPES.index(m.type_name)
+            head = (code, xi.data_ptr(), m.in_dim, m.blocks.data_ptr(), None, keep[-1].data_ptr())
+            calls.append((lib.pagedkv_ggml_qlinear, (*head, m.out_dim, rows, m.in_dim, m.out_dim,
+                                                     0, m.out_dim, 0)))  # fmt: skip
 
-    def run(x: torch.Tensor, xd: torch.Tensor) -> None:
-        for call in calls[(x.data_ptr(), x.shape[0])]:
-            call()
+    def run(x_: torch.Tensor, xd_: torch.Tensor) -> None:
+        if x_.data_ptr() != x.data_ptr() or xd_.data_ptr() != xd.data_ptr() or not keep:
+            raise ValueError("a direct pass runs on the inputs it was prepared for")
+        for fn, args in calls:
+            fn(*args)
 
-    calls: dict[tuple[int, int], list[Callable[[], object]]] = {}
-
-    def prepare(x: torch.Tensor, xd: torch.Tensor) -> None:
-        rows, out = x.shape[0], []
-        for i, m in enumerate(mats):
-            xi = xd if i % 4 == 3 and i < len(mats) - 1 else x
-            if isinstance(m, QuantizedProjection):
-                lib = qlinear._native.load()
-                assert lib is not None
-                tiles, in_dim, _ = m.packed.shape
-                o = m.scale.shape[0]
-                y = torch.empty(rows, o)
-                a = (xi.data_ptr(), in_dim, m.packed.data_ptr(), m.scale.data_ptr(), None)
-                args = (*a, y.data_ptr(), o, rows, in_dim, o, 0, tiles)
-                out.append(lambda f=lib.pagedkv_qlinear_i8, a=args, y=y: f(*a))
-            elif isinstance(m, GGUFProjection):
-                lib = gguf_qlinear._native.load()
-                assert lib is not None
-                y = torch.empty(rows, m.out_dim)
-                code = gguf_qlinear.KEPT_TYPES.index(m.type_name)
-                args = (code, xi.data_ptr(), m.in_dim, m.blocks.data_ptr(), None, y.data_ptr())
-                args2 = (*args, m.out_dim, rows, m.in_dim, m.out_dim, 0, m.out_dim, 0)
-                out.append(lambda f=lib.pagedkv_ggml_qlinear, a=args2, y=y: f(*a))
-        calls[(x.data_ptr(), rows)] = out
-
-    run.prepare = prepare  # type: ignore[attr-defined]
     return run
 
 
@@ -151,19 +157,23 @@ def main() -> None:
     args = ap.parse_args()
     built = {f: build(f) for f in args.formats}
     g = torch.Generator().manual_seed(1)
-    inputs = {r: (torch.randn(r, 576, generator=g), torch.randn(r, 1536, generator=g)) for r in args.rows}
+    inputs = {r: (torch.randn(r, 576, generator=g), torch.randn(r, 1536, generator=g))
+              for r in args.rows}  # fmt: skip
     cases: dict[str, tuple[Pass, int, int, int]] = {}  # name -> (pass, rows, threads, bytes)
     for rows in args.rows:
         for t in args.threads:
             for f, (mats, nbytes) in built.items():
-                cases[f"{f} r{rows} t{t}"] = (api_pass(f, mats, t, False), rows, t, nbytes)
+                cases[f"{f} r{rows} t{t}"] = (api_pass(mats, t, False), rows, t, nbytes)
                 if f == "fp32" and rows > 1:
-                    cases[f"fp32 fewrow r{rows} t{t}"] = (api_pass(f, mats, t, True), rows, t, nbytes)
+                    cases[f"fp32 fewrow r{rows} t{t}"] = (api_pass(mats, t, True), rows, t, nbytes)
         for f, (mats, nbytes) in built.items():
             if f != "fp32":
-                d = direct_pass(f, mats)
-                d.prepare(*inputs[rows])  # type: ignore[attr-defined]
-                cases[f"{f} direct r{rows} t1"] = (d, rows, 1, nbytes)
+                cases[f"{f} direct r{rows} t1"] = (
+                    direct_pass(mats, *inputs[rows]),
+                    rows,
+                    1,
+                    nbytes,
+                )
     times: dict[str, list[float]] = {k: [] for k in cases}
     copies: list[float] = []
     for _ in range(args.rounds):
@@ -175,19 +185,30 @@ def main() -> None:
             fn(*inputs[rows])
             times[name].append(time.perf_counter() - start)
     torch.set_num_threads(1)
-    copy = statistics.median(copies)
+    _report(times, cases, statistics.median(copies), args)
+
+
+def _report(
+    times: dict[str, list[float]],
+    cases: dict[str, tuple[Pass, int, int, int]],
+    copy: float,
+    args: argparse.Namespace,
+) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
-    table = Table(title=f"one pass of SmolLM2-135M's linears, out of cache (median of {args.rounds}; copy {copy:.1f} GB/s)")
+    load = os.getloadavg()[0]
+    title = f"one pass of SmolLM2-135M's linears, out of cache: median of {args.rounds} rounds"
+    table = Table(title=f"{title}; copy {copy:.1f} GB/s; load average {load:.1f}")
     for col in ("case", "MB", "ms", "GB/s", "% of copy", "spread"):
         table.add_column(col, justify="right")
     for name, (_, _, _, nbytes) in cases.items():
         s = med[name]
-        spread = (max(times[name]) - min(times[name])) / s
         gbs = nbytes / s / 1e9
-        table.add_row(name, f"{nbytes / 1e6:.0f}", f"{1e3 * s:.2f}", f"{gbs:.1f}", f"{100 * gbs / copy:.0f}%", f"{100 * spread:.0f}%")
+        spread = f"{100 * (max(times[name]) - min(times[name])) / s:.0f}%"
+        row = (f"{nbytes / 1e6:.0f}", f"{1e3 * s:.2f}", f"{gbs:.1f}", f"{100 * gbs / copy:.0f}%")
+        table.add_row(name, *row, spread)
     Console().print(table)
     if args.json:
-        print(json.dumps({"copy_gbs": copy, "median_s": med, "load_avg": os.getloadavg()}, indent=2))
+        print(json.dumps({"copy_gbs": copy, "median_s": med, "load_avg": load}, indent=2))
 
 
 if __name__ == "__main__":

@@ -158,7 +158,10 @@ class GGUFProjection:
         dims = (out, rows, self.in_dim, out)
 
         def run(a: int, b: int) -> int:  # outputs a..b-1; ctypes releases the GIL
-            return int(fn(*head, *dims, a, b, int(portable)))
+            code = int(fn(*head, *dims, a, b, int(portable)))
+            if code == -2:  # the few-row path's panel buffer
+                raise MemoryError(f"GGUF kernel: no memory for a 6 x {self.in_dim} panel")
+            return code
 
         nthreads = torch.get_num_threads() if threads is None else threads
         cuts = _split(out, self.in_dim, rows, nthreads)

@@ -20,13 +20,20 @@
  * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + bias[j]. The portable path
  * (fmaf, scalar) does exactly these operations, so it is bit-identical to the AVX2 one.
  *
- * Why this shape: at batch 1..~8 a linear layer is bound by reading its weights; a tile of
- * NJ outputs x NR rows of accumulators stays in registers while k walks the blocks, each
- * block is dequantized once per row block and used by every row of it, and the blocks of the
- * NJ rows stream sequentially. Row blocks after the first re-read the tile (NJ rows of
- * in/32 blocks, < 4 KB for SmolLM2) from L1.
+ * Why this shape (measured: benchmarks/RESULTS.md, "Issue 15: quantized kernels streaming"):
+ *   1-2 rows (stream_*): bound by reading the weights, or at Q4 by the ~20 vector operations a
+ *   block of 32 costs to dequantize and multiply. A tile of 8 outputs (4 at two rows) keeps
+ *   its lane sums in registers while k walks the blocks, so 8 FMA chains hide the FMA latency
+ *   (the first version's 4 outputs x 3 rows tile ran at ~5 GB/s), each block is dequantized
+ *   once for both rows, and the 8 rows of blocks stream with a software prefetch ahead.
+ *   3..64 rows (fewrow_*): bound by the FMAs. A panel of 6 outputs is dequantized once into an
+ *   aligned float32 buffer (L1/L2), then every pair of rows runs over it with 2 x 6 lane sums
+ *   in registers, so a block is dequantized once per call instead of once per 3 rows (the
+ *   first version: 16 rows 1.4x slower than this), and each activation vector is loaded once
+ *   per 6 outputs.
  *
- * Returns 0, or -1 for a bad argument (unknown type, in not a multiple of 32, a bad range).
+ * Returns 0, -1 for a bad argument (unknown type, in not a multiple of 32, a bad range), or -2
+ * when the few-row panel (6 x in floats) cannot be allocated.
  */
 #pragma GCC optimize("no-fast-math") /* the stated summation order, kept as written */
 #include <math.h>

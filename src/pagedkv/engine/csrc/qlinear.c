@@ -7,7 +7,9 @@
  * at ~2 GB/s. scale [out] float32 (one per output channel, symmetric), x [rows, ldx] and
  * y [rows, ldy] float32. Columns [t_begin*TILE_J, min(t_end*TILE_J, out)) are computed.
  *
- * Why this shape: at batch 1..~32 a linear layer is bound by reading its weights, so the loop
+ * Why this shape: at 1-2 rows a linear layer is bound by reading its weights (tiles_avx2: 4
+ * tiles side by side at one row, so 8 FMA chains and 4 prefetched streams), from ~4 rows by the
+ * float32 FMAs (AVX2 has no int8 x float dot product). The loop
  * order keeps a tile of TILE_J columns x up to ROW_BLOCK rows of accumulators in registers and
  * walks k; each int8 weight is converted to float once per row block and used by every row
  * of the block. Row blocks after the first re-read the tile (in x TILE_J bytes, 9-25 KB for
