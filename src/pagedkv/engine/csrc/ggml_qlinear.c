@@ -25,7 +25,7 @@
  *   block of 32 costs to dequantize and multiply. A tile of 8 outputs (4 at two rows) keeps
  *   its lane sums in registers while k walks the blocks, so 8 FMA chains hide the FMA latency
  *   (the first version's 4 outputs x 3 rows tile ran at ~5 GB/s), each block is dequantized
- *   once for both rows, and the 8 rows of blocks stream with a software prefetch ahead.
+ *   once for both rows, and the 8 rows of blocks stream with a software prefetch of the next tile.
  *   3..64 rows (fewrow_*): bound by the FMAs. A panel of 6 outputs is dequantized once into an
  *   aligned float32 buffer (L1/L2), then every pair of rows runs over it with 2 x 6 lane sums
  *   in registers, so a block is dequantized once per call instead of once per 3 rows (the
@@ -173,14 +173,15 @@ static inline float hsum(__m256 v) {
  * each block dequantized in registers once and used by both rows. At one row NJ = 8 gives 8
  * independent FMA chains, enough to hide the FMA latency (the 4-output tile of the first
  * version waited on it: 5 GB/s). The accumulators are named variables, not an array (an array
- * made GCC 12 keep them in memory). Prefetching PF bytes ahead along each output's row. */
-#define PF 512
+ * made GCC 12 keep them in memory). Each output's row prefetches the same block of the row NJ
+ * ahead (the next tile), measured 20-30% faster out of cache than prefetching 512 or 2048
+ * bytes ahead along the row (a prefetch past the weight's end never faults). */
 #define ST_FMA(j, r, c, ch)                                                                  \
     if (NR > r) a##j##r = _mm256_fmadd_ps(_mm256_loadu_ps(x + (r) * ldx + k + 8 * c), ch, a##j##r);
 #define ST_J(j)                                                                              \
     if (NJ > j) {                                                                            \
         const uint8_t *blk = w + (j) * row_bytes + b * ts;                                   \
-        _mm_prefetch((const char *)blk + PF, _MM_HINT_T0);                                   \
+        _mm_prefetch((const char *)((uintptr_t)blk + NJ * row_bytes), _MM_HINT_T0);          \
         __m256 q0, q1, q2, q3;                                                               \
         block_avx2(type, blk, &q0, &q1, &q2, &q3);                                           \
         ST_FMA(j, 0, 0, q0) ST_FMA(j, 1, 0, q0) ST_FMA(j, 0, 1, q1) ST_FMA(j, 1, 1, q1)      \
