@@ -17,11 +17,13 @@
  * The per-channel scale is applied once per output, after the sum.
  *
  * Summation order: for every (r, j) the products are added in increasing k (AVX2: one fused
- * multiply-add each), whatever the row count or the split of tiles among threads, so a row's
- * output does not depend on the other rows of the call.
+ * multiply-add each), whatever the row count or the split of tiles among threads, then
+ * fmaf(sum, scale[j], bias[j]) (sum * scale[j] without a bias), so a row's output does not
+ * depend on the other rows of the call.
  *
  * Returns 0, or -1 for a bad range.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -35,12 +37,14 @@
 #define TILE_J 16
 #define ROW_BLOCK 6 /* tile_avx2 names 6 rows of accumulators */
 
+/* The scale and the bias: one explicit fused multiply-add (fmaf), so the result does not depend
+ * on whether the compiler contracts a product and a sum (GCC's default -ffp-contract=fast did
+ * so in one inlined copy of `v = acc * scale; v + bias` and not in another: the one-row and the
+ * multi-row outputs with a bias differed in the last bit before). */
 static inline void finish(const float *acc, const float *scale, const float *bias, float *y,
                           int64_t j0, int64_t nj) {
-    for (int64_t j = 0; j < nj; j++) {
-        float v = acc[j] * scale[j0 + j];
-        y[j0 + j] = bias ? v + bias[j0 + j] : v;
-    }
+    for (int64_t j = 0; j < nj; j++)
+        y[j0 + j] = bias ? fmaf(acc[j], scale[j0 + j], bias[j0 + j]) : acc[j] * scale[j0 + j];
 }
 
 #if !QL_AVX2
