@@ -94,7 +94,7 @@ def api_pass(mats: list[object], threads: int, few: bool) -> Pass:
         for i, m in enumerate(mats):
             xi = _input(i, len(mats), x, xd)
             if isinstance(m, QuantizedProjection | GGUFProjection):
-                m.native(xi, threads)
+                m(xi)  # the engine's call: torch's thread count (set per case) splits it
             elif not isinstance(m, torch.Tensor):
                 raise TypeError(type(m))
             elif i == len(mats) - 1:
