@@ -209,3 +209,20 @@ def test_generate_cli_runs_int8_and_says_so(
     captured = capsys.readouterr()
     assert "[0] " in captured.out
     assert "dtype float32, int8 weights |" in captured.err
+
+
+@needs_kernel
+def test_the_call_fast_path_is_the_kernel_and_a_copy_reads_its_own_tensors() -> None:
+    """``proj(x)`` (one kernel call, pointers read per call) gives ``native``'s bits, and a
+    deep copy computes with its own tensors after the original's are overwritten."""
+    import copy
+
+    g = torch.Generator().manual_seed(5)
+    proj = QuantizedProjection.from_float(torch.randn(96, 40, generator=g), torch.randn(40))
+    x = torch.randn(3, 96, generator=g)
+    want = proj.native(x, 1)
+    assert torch.equal(proj(x), want)
+    twin = copy.deepcopy(proj)
+    proj.packed.zero_()
+    assert torch.equal(twin(x), want)
+    assert not torch.equal(proj(x), want)

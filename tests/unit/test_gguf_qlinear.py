@@ -221,3 +221,18 @@ def test_a_build_without_avx2_computes_the_same_bits(
         args = (x.data_ptr(), 320, p.blocks.data_ptr(), None, y.data_ptr(), 37, 5, 320, 37)
         assert lib.pagedkv_ggml_qlinear(code, *args, 0, 37, 0) == 0
         assert torch.equal(y, p.native(x, 1)), type_name
+
+
+@needs_kernel
+def test_a_copy_of_a_projection_reads_its_own_blocks() -> None:
+    """The call's fast path reads the tensors' pointers per call: a deep copy computes with
+    its own blocks after the original's are overwritten."""
+    import copy
+
+    p = random_projection("Q4_1", 20, 64, seed=8)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
+    want = p(x)
+    twin = copy.deepcopy(p)
+    p.blocks.zero_()
+    assert torch.equal(twin(x), want)
+    assert not torch.equal(p(x), want)

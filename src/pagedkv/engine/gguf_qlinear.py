@@ -84,8 +84,7 @@ class GGUFProjection:
     blocks: torch.Tensor
     in_dim: int
     bias: torch.Tensor | None = None
-    # (type code, blocks ptr, bias ptr): the one-call fast path's constants
-    _fixed: tuple[int, int, int | None] = field(init=False, repr=False, compare=False)
+    _code: int = field(init=False, repr=False, compare=False)  # the C type code (KEPT_TYPES)
 
     def __post_init__(self) -> None:
         if self.type_name not in KEPT_TYPES:
@@ -114,9 +113,7 @@ class GGUFProjection:
                 f"{self.in_dim} (needs uint8 [out, {row_bytes}], in_dim a multiple of 32), "
                 f"bias {None if bias is None else tuple(bias.shape)}"
             )
-        code = KEPT_TYPES.index(self.type_name)
-        fixed = (code, b.data_ptr(), None if bias is None else bias.data_ptr())
-        object.__setattr__(self, "_fixed", fixed)
+        object.__setattr__(self, "_code", KEPT_TYPES.index(self.type_name))
 
     @property
     def out_dim(self) -> int:
@@ -140,9 +137,10 @@ class GGUFProjection:
             and x.is_contiguous()
             and (rows * out * in_dim < 2 * _MIN_MACS_PER_THREAD or torch.get_num_threads() == 1)
         ):
-            code, blocks, bias = self._fixed
+            bias = None if self.bias is None else self.bias.data_ptr()
             y = torch.empty(rows, out, dtype=torch.float32)
-            args = (code, x.data_ptr(), in_dim, blocks, bias, y.data_ptr(), out, rows, in_dim, out)
+            w = (self.blocks.data_ptr(), bias, y.data_ptr())
+            args = (self._code, x.data_ptr(), in_dim, *w, out, rows, in_dim, out)
             if lib.pagedkv_ggml_qlinear(*args, 0, out, 0) == -2:
                 raise MemoryError(f"GGUF kernel: no memory for a 6 x {in_dim} panel")
             return y

@@ -132,10 +132,9 @@ class QuantizedProjection:
     packed: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
-    # (in, out, tiles, packed ptr, scale ptr, bias ptr): the one-call fast path's constants
-    _fixed: tuple[int, int, int, int, int, int | None] = field(
-        init=False, repr=False, compare=False
-    )
+    # (in, out, tiles): the one-call fast path's constants (the pointers are read per call, so
+    # a copy of the projection never points into another one's tensors)
+    _dims: tuple[int, int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p, s, b = self.packed, self.scale, self.bias
@@ -156,9 +155,7 @@ class QuantizedProjection:
                 f"int8 weight: unsupported packed {tuple(p.shape)} {p.dtype}, scale "
                 f"{tuple(s.shape)} {s.dtype}, bias {None if b is None else tuple(b.shape)}"
             )
-        bias_ptr = None if b is None else b.data_ptr()
-        fixed = (p.shape[1], s.shape[0], p.shape[0], p.data_ptr(), s.data_ptr(), bias_ptr)
-        object.__setattr__(self, "_fixed", fixed)
+        object.__setattr__(self, "_dims", (p.shape[1], s.shape[0], p.shape[0]))
 
     @classmethod
     def from_float(cls, weight_t: torch.Tensor, bias: torch.Tensor | None) -> QuantizedProjection:
@@ -173,7 +170,7 @@ class QuantizedProjection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        in_dim, out_dim, tiles, *ptrs = self._fixed
+        in_dim, out_dim, tiles = self._dims
         lib = _native.lib
         if (  # one kernel call, nothing to split: the wrapper's ~15 µs of checks cut to ~5
             lib is not None
@@ -188,7 +185,9 @@ class QuantizedProjection:
         ):  # fmt: skip
             y = torch.empty(rows, out_dim, dtype=torch.float32)
             fn = lib.pagedkv_qlinear_i8
-            fn(x.data_ptr(), in_dim, *ptrs, y.data_ptr(), out_dim, rows, in_dim, out_dim, 0, tiles)
+            b = None if self.bias is None else self.bias.data_ptr()
+            w = (self.packed.data_ptr(), self.scale.data_ptr(), b, y.data_ptr())
+            fn(x.data_ptr(), in_dim, *w, out_dim, rows, in_dim, out_dim, 0, tiles)
             return y
         if rows <= MAX_KERNEL_ROWS and _native.load() is not None:
             return self.native(x)
