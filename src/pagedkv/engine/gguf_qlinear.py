@@ -12,7 +12,12 @@ the float32 activations in a fixed order (8 lanes over ``k``, a fixed final tree
 file's header), so one row's output does not depend on the other rows of the call or on the
 split of outputs among threads, and the portable C path is bit-identical to the AVX2 one.
 Against the float32 model (the same dequantized weights, ``torch.mm``) the only difference
-is the summation order: within ``in * 2**-24 * (|x| @ |W|.T)`` per output.
+is the summation order: within ``in * 2**-24 * (|x| @ |W|.T)`` per output. Two paths, the
+same bits: 1-2 rows dequantize in registers (weight bound at Q8_0, bound by the
+dequantization's vector operations at Q4: ~6 GB/s per core), 3-64 rows dequantize a panel of
+6 outputs once into float32 and run every row over it (FMA bound; 16 rows measured 1.4-1.6x
+faster than ``torch.mm`` on the float32 weights: benchmarks/RESULTS.md, "Issue 15: quantized
+kernels streaming").
 
 Above ``MAX_KERNEL_ROWS`` rows (prefill), a call dequantizes ``_TILE_OUT`` output rows at a
 time in C and multiplies them with ``torch.mm`` (compute bound there). Without a C compiler

@@ -7,11 +7,14 @@ Each weight is quantized per output channel, symmetrically: ``scale[j] = max_k |
 and ``q[k, j] = round(W[k, j] / scale[j])`` in ``[-127, 127]``, kept as int8 in the transposed
 ``[in, out]`` layout the model uses, with float32 scales; ``y = (x @ q) * scale (+ bias)``.
 At batch 1..~4 rows a linear layer is bound by reading its weights, so reading one byte
-per weight instead of four is the speed-up; from ~8 rows it is bound by the fp32 FMAs (AVX2,
-no int8 dot product on the activations, which stay float32), where the kernel runs about at
-``torch.mm``'s fp32 speed or faster (it reads a quarter of the bytes). The native kernel
+per weight instead of four is the speed-up (one row: 83% of a same-run copy's bandwidth over
+SmolLM2's layers); from ~8 rows it is bound by the fp32 FMAs (AVX2, no int8 dot product on the
+activations, which stay float32), where the kernel measured 1.84x ``torch.mm``'s fp32 time at
+16 rows (benchmarks/RESULTS.md, "Issue 15: quantized kernels streaming"). The native kernel
 (``csrc/qlinear.c``, built by :func:`pagedkv.engine.native.compile_library`) dequantizes in
-registers and reads each weight byte from memory about once for all the rows.
+registers and reads each weight byte from memory about once for all the rows. A call that
+needs one kernel call (one thread, or too little work to split) takes a fast path whose
+checks cost a few microseconds.
 
 Above ``MAX_KERNEL_ROWS`` rows (prefill) a call dequantizes the weight to float32 and uses
 ``torch.mm`` (measured faster there: benchmarks/RESULTS.md, int8 section). Without a C
