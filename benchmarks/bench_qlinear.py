@@ -1,7 +1,8 @@
 """Weight-only quantized linears on the real model (SmolLM2-135M-Instruct) against float32:
 decode speed, bytes, bandwidth, the kernel, and quality. ``--quantization int8`` (default):
 int8 per-channel weights of any checkpoint; ``--quantization gguf``: the GGUF file's own Q4_1
-blocks kept quantized (``pagedkv.engine.gguf_qlinear``).
+blocks kept quantized (``pagedkv.engine.gguf_qlinear``); ``--quantization int8 gguf``: both,
+interleaved with fp32 in one run (the model is then the GGUF file for all three).
 
 What it prints (wall clock; the kernels use more than one thread, so the CPU clock of the
 calling thread would undercount):
@@ -207,7 +208,7 @@ def _quality(method: str, ckpt: Path, engines: dict[str, LLMEngine]) -> dict[str
 def _model_path(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return Path(args.model)
-    if args.quantization == "int8":
+    if args.quantization == ["int8"]:
         return smollm2_checkpoint(args.checkpoint)
     path = gguf_path()
     if path is None:
@@ -217,7 +218,7 @@ def _model_path(args: argparse.Namespace) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quantization", choices=("int8", "gguf"), default="int8")
+    ap.add_argument("--quantization", choices=("int8", "gguf"), nargs="+", default=["int8"])
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/pagedkv-smollm2-f32"))
     ap.add_argument(
         "--model",
@@ -231,16 +232,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    method = args.quantization
+    methods: list[str] = list(dict.fromkeys(args.quantization))
     ckpt = _model_path(args)
     cfg = EngineConfig(num_blocks=256, max_model_len=512, enable_prefix_caching=False)
-    engines = {
-        "fp32": LLMEngine.from_model_dir(str(ckpt), cfg),
-        method: LLMEngine.from_model_dir(str(ckpt), replace(cfg, quantization=method)),
-    }
+    engines = {"fp32": LLMEngine.from_model_dir(str(ckpt), cfg)}
+    for m in methods:
+        engines[m] = LLMEngine.from_model_dir(str(ckpt), replace(cfg, quantization=m))
     nbytes = {k: weight_bytes_per_token(e.runner.model) for k, e in engines.items()}
     g = torch.Generator().manual_seed(0)
-    dense, kept = _kernels(method, engines, g)
+    kernels = {m: _kernels(m, engines, g) for m in methods}
     rows: dict[str, list[float]] = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -253,32 +253,36 @@ def main() -> None:
                 rows.setdefault(f"{name} x16 tok/s t{threads}", []).append(
                     decode_tok_s(engine, args.tokens // 2, batch=16)
                 )
-            for r in (1, 16):
-                x = torch.randn(r, 576, generator=g)
-                rows.setdefault(f"mm{r} fp32 ms t{threads}", []).append(
-                    1e3 * _median_s(lambda x=x: dense(x), 20)
-                )
-                rows.setdefault(f"mm{r} {method} ms t{threads}", []).append(
-                    1e3 * _median_s(lambda x=x: kept(x), 20)
-                )
+            for method, (dense, kept) in kernels.items():
+                for r in (1, 16):
+                    x = torch.randn(r, 576, generator=g)
+                    rows.setdefault(f"mm{r} fp32 {method} ms t{threads}", []).append(
+                        1e3 * _median_s(lambda x=x, f=dense: f(x), 20)
+                    )
+                    rows.setdefault(f"mm{r} {method} ms t{threads}", []).append(
+                        1e3 * _median_s(lambda x=x, f=kept: f(x), 20)
+                    )
     torch.set_num_threads(1)
-    agree = [greedy(e, 32) for e in engines.values()]
-    same_tokens = sum(
-        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
-        for x, y in zip(*agree, strict=True)
-    )
     med = {k: statistics.median(v) for k, v in rows.items()}
-    result = {
-        "quantization": method,
-        "median": med,
-        "bytes_per_token": nbytes,
-        "greedy_tokens_before_divergence": [same_tokens, 32 * len(PROMPTS)],
-        "identical_requests": [sum(a == b for a, b in zip(*agree, strict=True)), len(PROMPTS)],
-        **_quality(method, ckpt, engines),
-    }
-    if args.json:
-        print(json.dumps(result, indent=2))
-    _print(med, nbytes, args.threads, result, method)
+    ref = greedy(engines["fp32"], 32)
+    for method in methods:
+        got = greedy(engines[method], 32)
+        same_tokens = sum(
+            next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+            for x, y in zip(ref, got, strict=True)
+        )
+        two = {"fp32": engines["fp32"], method: engines[method]}
+        result = {
+            "quantization": method,
+            "median": med,
+            "bytes_per_token": nbytes,
+            "greedy_tokens_before_divergence": [same_tokens, 32 * len(PROMPTS)],
+            "identical_requests": [sum(a == b for a, b in zip(ref, got, strict=True)), len(ref)],
+            **_quality(method, ckpt, two),
+        }
+        if args.json:
+            print(json.dumps(result, indent=2))
+        _print(med, nbytes, args.threads, result, method)
 
 
 def _print(
@@ -321,7 +325,7 @@ def _print(
         kt.add_column(col, justify="right")
     for t in threads:
         for r in (1, 16):
-            a, b = med[f"mm{r} fp32 ms t{t}"], med[f"mm{r} {method} ms t{t}"]
+            a, b = med[f"mm{r} fp32 {method} ms t{t}"], med[f"mm{r} {method} ms t{t}"]
             kt.add_row(str(t), str(r), f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x")
     console.print(kt)
     max_abs = result.get(f"loglik_{method}_minus_fp32_max_abs")

@@ -79,12 +79,14 @@ def test_threads_and_batch_neighbours_do_not_change_a_rows_output(rows: int) -> 
     x = torch.randn(rows, 1500, generator=g)
     q, scale = quantize_int8(torch.randn(1500, 333, generator=g))
     packed = pack(q)
-    one = int8_linear(x, packed, scale, None, threads=1)
-    assert torch.equal(one, int8_linear(x, packed, scale, None, threads=2))
     assert len(qlinear._split(packed.shape[0], 1500, rows, 2)) == 3  # really split in two
-    for r in range(rows):
-        assert torch.equal(one[r : r + 1], int8_linear(x[r : r + 1], packed, scale, None))
-    assert torch.equal(one[2:5], int8_linear(x[2:5], packed, scale, None))
+    for bias in (None, torch.randn(333, generator=g)):  # the bias once failed this (contraction)
+        one = int8_linear(x, packed, scale, bias, threads=1)
+        assert torch.equal(one, int8_linear(x, packed, scale, bias, threads=2))
+        for r in range(rows):
+            assert torch.equal(one[r : r + 1], int8_linear(x[r : r + 1], packed, scale, bias))
+        assert torch.equal(one[2:5], int8_linear(x[2:5], packed, scale, bias))
+        assert torch.equal(one[:2], int8_linear(x[:2], packed, scale, bias))  # the 2-row path
 
 
 def test_quantization_error_is_at_most_half_a_step_and_zero_columns_stay_zero() -> None:
@@ -207,3 +209,20 @@ def test_generate_cli_runs_int8_and_says_so(
     captured = capsys.readouterr()
     assert "[0] " in captured.out
     assert "dtype float32, int8 weights |" in captured.err
+
+
+@needs_kernel
+def test_the_call_fast_path_is_the_kernel_and_a_copy_reads_its_own_tensors() -> None:
+    """``proj(x)`` (one kernel call, pointers read per call) gives ``native``'s bits, and a
+    deep copy computes with its own tensors after the original's are overwritten."""
+    import copy
+
+    g = torch.Generator().manual_seed(5)
+    proj = QuantizedProjection.from_float(torch.randn(96, 40, generator=g), torch.randn(40))
+    x = torch.randn(3, 96, generator=g)
+    want = proj.native(x, 1)
+    assert torch.equal(proj(x), want)
+    twin = copy.deepcopy(proj)
+    proj.packed.zero_()
+    assert torch.equal(twin(x), want)
+    assert not torch.equal(proj(x), want)

@@ -133,6 +133,23 @@ def test_portable_path_is_bit_identical_to_the_avx2_one(type_name: str) -> None:
 
 
 @needs_kernel
+@pytest.mark.skipif(not gguf_qlinear.has_avx2(), reason="this CPU build has no AVX2 path")
+@pytest.mark.parametrize("type_name", KEPT_TYPES)
+def test_avx2_paths_dequantize_every_float16_scale_as_the_reference(type_name: str) -> None:
+    """Any finite float16 scale (subnormals and zeros included), on the streaming (1-2 rows)
+    and the few-row (3+ rows, dequantized panel) paths: the portable path dequantizes with
+    the reference ``dequant_block``, so equal bits mean the in-register dequantization
+    (Q4_0 as ``fma(d, q, -8d)``, Q4_1 as ``fma(d, q, m)``) gives the reference values."""
+    p = random_projection(type_name, 53, 256, seed=11, any_f16=True)
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 2, 3, 16):
+        x = torch.randn(rows, 256, generator=g)
+        y = p.native(x, 1)
+        assert bool(torch.isfinite(y).all()), rows  # the test's premise: no inf - inf
+        assert torch.equal(y, p.native(x, 1, portable=True)), rows
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [5, 20])
 def test_threads_and_batch_neighbours_do_not_change_a_rows_output(rows: int) -> None:
     """Large enough that two threads split the outputs (333: not a multiple of the 4-output
@@ -204,3 +221,18 @@ def test_a_build_without_avx2_computes_the_same_bits(
         args = (x.data_ptr(), 320, p.blocks.data_ptr(), None, y.data_ptr(), 37, 5, 320, 37)
         assert lib.pagedkv_ggml_qlinear(code, *args, 0, 37, 0) == 0
         assert torch.equal(y, p.native(x, 1)), type_name
+
+
+@needs_kernel
+def test_a_copy_of_a_projection_reads_its_own_blocks() -> None:
+    """The call's fast path reads the tensors' pointers per call: a deep copy computes with
+    its own blocks after the original's are overwritten."""
+    import copy
+
+    p = random_projection("Q4_1", 20, 64, seed=8)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
+    want = p(x)
+    twin = copy.deepcopy(p)
+    p.blocks.zero_()
+    assert torch.equal(twin(x), want)
+    assert not torch.equal(p(x), want)

@@ -12,7 +12,12 @@ the float32 activations in a fixed order (8 lanes over ``k``, a fixed final tree
 file's header), so one row's output does not depend on the other rows of the call or on the
 split of outputs among threads, and the portable C path is bit-identical to the AVX2 one.
 Against the float32 model (the same dequantized weights, ``torch.mm``) the only difference
-is the summation order: within ``in * 2**-24 * (|x| @ |W|.T)`` per output.
+is the summation order: within ``in * 2**-24 * (|x| @ |W|.T)`` per output. Two paths, the
+same bits: 1-2 rows dequantize in registers (weight bound at Q8_0, bound by the
+dequantization's vector operations at Q4: ~6 GB/s per core), 3-64 rows dequantize a panel of
+6 outputs once into float32 and run every row over it (FMA bound; 16 rows measured 1.4-1.6x
+faster than ``torch.mm`` on the float32 weights: benchmarks/RESULTS.md, "Issue 15: quantized
+kernels streaming").
 
 Above ``MAX_KERNEL_ROWS`` rows (prefill), a call dequantizes ``_TILE_OUT`` output rows at a
 time in C and multiplies them with ``torch.mm`` (compute bound there). Without a C compiler
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +89,7 @@ class GGUFProjection:
     blocks: torch.Tensor
     in_dim: int
     bias: torch.Tensor | None = None
+    _code: int = field(init=False, repr=False, compare=False)  # the C type code (KEPT_TYPES)
 
     def __post_init__(self) -> None:
         if self.type_name not in KEPT_TYPES:
@@ -112,6 +118,7 @@ class GGUFProjection:
                 f"{self.in_dim} (needs uint8 [out, {row_bytes}], in_dim a multiple of 32), "
                 f"bias {None if bias is None else tuple(bias.shape)}"
             )
+        object.__setattr__(self, "_code", KEPT_TYPES.index(self.type_name))
 
     @property
     def out_dim(self) -> int:
@@ -123,7 +130,26 @@ class GGUFProjection:
         return self.blocks.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_KERNEL_ROWS and _native.load() is not None:
+        rows, in_dim, out = x.shape[0], self.in_dim, self.blocks.shape[0]
+        lib = _native.lib
+        if (  # one kernel call, nothing to split: the wrapper's ~15 µs of checks cut to ~5
+            lib is not None
+            and rows <= MAX_KERNEL_ROWS
+            and x.dtype is torch.float32
+            and x.is_cpu
+            and x.dim() == 2
+            and x.shape[1] == in_dim
+            and x.is_contiguous()
+            and (rows * out * in_dim < 2 * _MIN_MACS_PER_THREAD or torch.get_num_threads() == 1)
+        ):
+            bias = None if self.bias is None else self.bias.data_ptr()
+            y = torch.empty(rows, out, dtype=torch.float32)
+            w = (self.blocks.data_ptr(), bias, y.data_ptr())
+            args = (self._code, x.data_ptr(), in_dim, *w, out, rows, in_dim, out)
+            if lib.pagedkv_ggml_qlinear(*args, 0, out, 0) == -2:
+                raise MemoryError(f"GGUF kernel: no memory for a 6 x {in_dim} panel")
+            return y
+        if rows <= MAX_KERNEL_ROWS and _native.load() is not None:
             return self.native(x)
         return self.tiled_mm(x)
 
@@ -158,7 +184,10 @@ class GGUFProjection:
         dims = (out, rows, self.in_dim, out)
 
         def run(a: int, b: int) -> int:  # outputs a..b-1; ctypes releases the GIL
-            return int(fn(*head, *dims, a, b, int(portable)))
+            code = int(fn(*head, *dims, a, b, int(portable)))
+            if code == -2:  # the few-row path's panel buffer
+                raise MemoryError(f"GGUF kernel: no memory for a 6 x {self.in_dim} panel")
+            return code
 
         nthreads = torch.get_num_threads() if threads is None else threads
         cuts = _split(out, self.in_dim, rows, nthreads)

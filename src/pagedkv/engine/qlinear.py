@@ -7,11 +7,14 @@ Each weight is quantized per output channel, symmetrically: ``scale[j] = max_k |
 and ``q[k, j] = round(W[k, j] / scale[j])`` in ``[-127, 127]``, kept as int8 in the transposed
 ``[in, out]`` layout the model uses, with float32 scales; ``y = (x @ q) * scale (+ bias)``.
 At batch 1..~4 rows a linear layer is bound by reading its weights, so reading one byte
-per weight instead of four is the speed-up; from ~8 rows it is bound by the fp32 FMAs (AVX2,
-no int8 dot product on the activations, which stay float32), where the kernel runs about at
-``torch.mm``'s fp32 speed or faster (it reads a quarter of the bytes). The native kernel
+per weight instead of four is the speed-up (one row: 83% of a same-run copy's bandwidth over
+SmolLM2's layers); from ~8 rows it is bound by the fp32 FMAs (AVX2, no int8 dot product on the
+activations, which stay float32), where the kernel measured 1.84x ``torch.mm``'s fp32 time at
+16 rows (benchmarks/RESULTS.md, "Issue 15: quantized kernels streaming"). The native kernel
 (``csrc/qlinear.c``, built by :func:`pagedkv.engine.native.compile_library`) dequantizes in
-registers and reads each weight byte from memory about once for all the rows.
+registers and reads each weight byte from memory about once for all the rows. A call that
+needs one kernel call (one thread, or too little work to split) takes a fast path whose
+checks cost a few microseconds.
 
 Above ``MAX_KERNEL_ROWS`` rows (prefill) a call dequantizes the weight to float32 and uses
 ``torch.mm`` (measured faster there: benchmarks/RESULTS.md, int8 section). Without a C
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -132,6 +135,9 @@ class QuantizedProjection:
     packed: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
+    # (in, out, tiles): the one-call fast path's constants (the pointers are read per call, so
+    # a copy of the projection never points into another one's tensors)
+    _dims: tuple[int, int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p, s, b = self.packed, self.scale, self.bias
@@ -152,6 +158,7 @@ class QuantizedProjection:
                 f"int8 weight: unsupported packed {tuple(p.shape)} {p.dtype}, scale "
                 f"{tuple(s.shape)} {s.dtype}, bias {None if b is None else tuple(b.shape)}"
             )
+        object.__setattr__(self, "_dims", (p.shape[1], s.shape[0], p.shape[0]))
 
     @classmethod
     def from_float(cls, weight_t: torch.Tensor, bias: torch.Tensor | None) -> QuantizedProjection:
@@ -165,7 +172,27 @@ class QuantizedProjection:
         return self.packed.numel() + 4 * self.scale.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_KERNEL_ROWS and _native.load() is not None:
+        rows = x.shape[0]
+        in_dim, out_dim, tiles = self._dims
+        lib = _native.lib
+        if (  # one kernel call, nothing to split: the wrapper's ~15 µs of checks cut to ~5
+            lib is not None
+            and rows <= MAX_KERNEL_ROWS
+            and x.dtype is torch.float32
+            and x.is_cpu
+            and x.dim() == 2
+            and x.shape[1] == in_dim
+            and x.is_contiguous()
+            and (rows * tiles * _TILE_J * in_dim < 2 * _MIN_MACS_PER_THREAD
+                 or torch.get_num_threads() == 1)
+        ):  # fmt: skip
+            y = torch.empty(rows, out_dim, dtype=torch.float32)
+            fn = lib.pagedkv_qlinear_i8
+            b = None if self.bias is None else self.bias.data_ptr()
+            w = (self.packed.data_ptr(), self.scale.data_ptr(), b, y.data_ptr())
+            fn(x.data_ptr(), in_dim, *w, out_dim, rows, in_dim, out_dim, 0, tiles)
+            return y
+        if rows <= MAX_KERNEL_ROWS and _native.load() is not None:
             return self.native(x)
         q = unpack(self.packed, self.scale.shape[0])
         return reference_int8_linear(x, q, self.scale, self.bias)
