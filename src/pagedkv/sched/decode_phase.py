@@ -2,10 +2,12 @@
 
 The loop runs once per running request per step, so its common case, a plain decode (no
 drafts, no lookahead) whose one position fits the blocks it holds, costs one manager call
-(``try_extend_slots``, which also appends its slot) and a few list appends; the records of a run
-of them are made together (``decode_entries``) just before the next other entry, so the step's
-entries and slots keep serving order. Anything else (drafts, lookahead, a new block, a victim
-to preempt) takes the general path, one request at a time.
+(``try_extend_slots``, which also appends its slot) and a few list appends; a plain decode
+crossing into a new block that the pool has free takes a second one (``try_allocate_slots``,
+the same allocation as the general path's) and stays in the run. The records of a run are made
+together (``decode_entries``) just before the next other entry, so the step's entries and slots
+keep serving order. Anything else (drafts, lookahead, a victim to preempt, a copy-on-write)
+takes the general path, one request at a time.
 
 A part of :class:`~pagedkv.sched.scheduler.Scheduler` (a mixin over its state).
 """
@@ -43,7 +45,7 @@ class DecodePhaseMixin(PreemptionMixin):
         its run (``decode_entries``). True when every running request was scheduled here
         (none prefills): phase 2 has nothing to look at."""
         mgr = self.manager
-        extend, views = mgr.try_extend_slots, mgr.block_table_view
+        extend, grow, views = mgr.try_extend_slots, mgr.try_allocate_slots, mgr.block_table_view
         lookahead, max_len = self.config.num_lookahead_tokens, self.max_len
         running, scheduled = self.running, plan.scheduled
         step_slots = plan.step_slots
@@ -63,6 +65,8 @@ class DecodePhaseMixin(PreemptionMixin):
             drafts = req.draft_token_ids
             if not drafts and not lookahead:
                 table = extend(rid, 1, slots)
+                if table is None:  # a new block (every block_size-th step), when one is free
+                    table = grow(rid, 1, slots)
                 if table is not None:  # the common case: its slot is appended already
                     run[0].append(rid)
                     run[1].append(pos)
