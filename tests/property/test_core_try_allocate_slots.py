@@ -113,7 +113,8 @@ def test_try_allocate_slots_takes_the_next_block_like_allocate_slots() -> None:
     slots: list[int] = []
     table = fast.try_allocate_slots("r", 1, slots)
     general = _decode_general(slow, "r", 1)
-    assert table is not None and general is not None
+    assert table is not None
+    assert general is not None
     assert len(table) == 3
     assert slots == general[0] == [int(table[2]) * 4]
     assert manager_state(fast) == manager_state(slow)
