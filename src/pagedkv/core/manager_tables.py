@@ -1,6 +1,7 @@
 """The block tables of the manager's requests, as the runner reads them: lists, int32 arrays
-and slot mappings (``block_id * block_size + offset``), and the decode hot path that extends a
-request's scheduled positions inside the blocks it holds (``try_extend_slots``).
+and slot mappings (``block_id * block_size + offset``), and the decode hot paths that extend a
+request's scheduled positions inside the blocks it holds (``try_extend_slots``) or into new
+blocks the pool has free (``try_allocate_slots``: ``allocate_slots``' own allocation).
 
 A part of :class:`~pagedkv.core.kv_cache_manager.KVCacheManager` (a mixin over its state): the
 int32 table of a request is cached on its ``SeqState`` until the table changes, and replaced,
