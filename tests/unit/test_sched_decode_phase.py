@@ -89,3 +89,52 @@ def test_a_run_of_plain_decodes_reports_the_constructors_outputs() -> None:
         RequestOutput("r1", (52,), False, None, 6, 0),
     ]
     assert all(type(o) is RequestOutput for o in got)
+
+
+def _entries(out: object) -> list[tuple[object, ...]]:
+    return [
+        (*(np.asarray(getattr(sr, f)).tolist() for f in _FIELDS), sr.slot_mapping.tolist())
+        for sr in out.scheduled  # type: ignore[attr-defined]
+    ]
+
+
+def test_block_crossings_in_the_run_equal_the_general_path() -> None:
+    """A decode crossing into a new block takes ``try_allocate_slots`` and stays in its run;
+    with that path declined (every crossing through ``allocate_slots``, one at a time) the
+    same steps give the same entries, slots, tables, copies, preemptions and outputs, and the
+    same pool (a small pool without reservation, so crossings also preempt)."""
+    from reference.core_state import manager_state
+
+    scheds = []
+    for _ in range(2):
+        sched = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=48, max_num_seqs=8, max_model_len=96, check_invariants=True
+            ),
+            CacheConfig(block_size=4, num_blocks=20, watermark=0.0, reservation="none"),
+        )
+        for i in range(10):
+            prompt = [(7 * i + t) % 5 for t in range(3 + 2 * i)]  # shared prefixes
+            sched.add_request(Request(f"r{i}", prompt, max_tokens=12 + i))
+        scheds.append(sched)
+    fast, slow = scheds
+    slow.manager.try_allocate_slots = lambda *args: None  # type: ignore[method-assign]
+    num_crossings = num_preempted = 0
+    while fast.has_unfinished_requests():
+        a, b = fast.schedule(), slow.schedule()
+        assert _entries(a) == _entries(b)
+        assert (a.block_copies, a.preempted_ids, a.finished_ids) == (
+            b.block_copies,
+            b.preempted_ids,
+            b.finished_ids,
+        )
+        num_crossings += sum(
+            1 for sr in a.scheduled if not sr.is_prefill and sr.start_position % 4 == 0
+        )
+        num_preempted += len(a.preempted_ids)
+        sampled = {sr.request_id: [(sr.start_position * 3) % 5] for sr in a.scheduled if sr.samples}
+        assert fast.update(a, sampled) == slow.update(b, sampled)
+        assert manager_state(fast.manager) == manager_state(slow.manager)
+    assert not slow.has_unfinished_requests()
+    assert num_crossings > 10
+    assert num_preempted > 0

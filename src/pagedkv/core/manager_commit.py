@@ -75,16 +75,18 @@ class CommitMixin(PrefixAdmissionMixin):
         request with a scheduled position, a token id in ``[0, 2**32)``) before any is applied;
         a request named twice is refused. Returns the number of blocks newly registered."""
         seqs = list(map(self._seqs.get, request_ids))
-        if len(seqs) != len(token_ids) or len(set(request_ids)) != len(seqs):
+        n = len(seqs)
+        if (
+            n != len(token_ids)
+            or len(set(request_ids)) != n
+            or None in seqs
+            # exact ints in [0, 2**32), checked in C (types counted, then the extremes)
+            or list(map(type, token_ids)).count(int) != n
+            or (n and (min(token_ids) < 0 or max(token_ids) >= _MAX_TOKEN_ID))
+        ):
             self._refuse_decodes(request_ids, seqs, token_ids)
-        for seq, tok in zip(seqs, token_ids, strict=True):  # one plain loop: cheaper than maps
-            if (
-                seq is None
-                or seq.held
-                or not seq.num_pending
-                or type(tok) is not int
-                or not 0 <= tok < _MAX_TOKEN_ID
-            ):
+        for seq in cast("list[SeqState]", seqs):  # one plain loop: cheaper than maps
+            if seq.held or not seq.num_pending:
                 self._refuse_decodes(request_ids, seqs, token_ids)
         # Checked: nothing below can fail.
         caching = self.config.enable_prefix_caching

@@ -1,6 +1,7 @@
 """The block tables of the manager's requests, as the runner reads them: lists, int32 arrays
-and slot mappings (``block_id * block_size + offset``), and the decode hot path that extends a
-request's scheduled positions inside the blocks it holds (``try_extend_slots``).
+and slot mappings (``block_id * block_size + offset``), and the decode hot paths that extend a
+request's scheduled positions inside the blocks it holds (``try_extend_slots``) or into new
+blocks the pool has free (``try_allocate_slots``: ``allocate_slots``' own allocation).
 
 A part of :class:`~pagedkv.core.kv_cache_manager.KVCacheManager` (a mixin over its state): the
 int32 table of a request is cached on its ``SeqState`` until the table changes, and replaced,
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedkv.core.seq_state import SeqTable
+from pagedkv.core.seq_state import SeqState, SeqTable
 from pagedkv.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -25,6 +26,9 @@ class BlockTablesMixin(SeqTable):
 
     block_size: int
     pool: BlockPool
+
+    def _update_claim(self, seq: SeqState) -> None:
+        raise NotImplementedError
 
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table as a list."""
@@ -91,6 +95,42 @@ class BlockTablesMixin(SeqTable):
             slots_out.extend(ids[p // bs] * bs + p % bs for p in range(write_pos, end))
         table = seq.table
         return table if table is not None else seq.table_view()
+
+    def try_allocate_slots(
+        self, request_id: str, num_new_tokens: int, slots_out: list[int]
+    ) -> np.ndarray | None:
+        """``allocate_slots(num_new_tokens)`` then ``append_slot_mapping`` of those positions
+        for a running request that needs new blocks the pool has free and no copy-on-write (a
+        decode crossing into its next block): take the blocks, update the claim, append the
+        slots to ``slots_out`` and return the grown table view. Exactly what the general path
+        does then (the same pool call, so the same block ids in the same order). None, changing
+        nothing, when the general path is needed: not started or held, ``num_new_tokens`` not
+        positive, too few free blocks (it raises there and the scheduler preempts) or a shared
+        partial block to copy. O(new blocks + new positions)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.started or seq.held or num_new_tokens <= 0:
+            return None
+        bs = self.block_size
+        ids = seq.block_ids
+        pool = self.pool
+        write_pos = seq.num_computed + seq.num_pending
+        end = write_pos + num_new_tokens
+        num_new_blocks = max(0, -(-end // bs) - len(ids))
+        if num_new_blocks > pool.num_free_blocks or (
+            write_pos % bs
+            and write_pos // bs < len(ids)
+            and not pool.is_exclusive(ids[write_pos // bs])
+        ):
+            return None
+        if num_new_blocks:
+            seq.append_blocks(pool.allocate(num_new_blocks))
+        seq.num_pending += num_new_tokens
+        self._update_claim(seq)
+        if num_new_tokens == 1:
+            slots_out.append(ids[write_pos // bs] * bs + write_pos % bs)
+        else:
+            slots_out.extend(ids[p // bs] * bs + p % bs for p in range(write_pos, end))
+        return seq.table_view()
 
     def append_slot_mapping(
         self, request_id: str, start: int, num_tokens: int, slots_out: list[int]

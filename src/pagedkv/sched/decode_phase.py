@@ -2,10 +2,12 @@
 
 The loop runs once per running request per step, so its common case, a plain decode (no
 drafts, no lookahead) whose one position fits the blocks it holds, costs one manager call
-(``try_extend_slots``, which also appends its slot) and a few list appends; the records of a run
-of them are made together (``decode_entries``) just before the next other entry, so the step's
-entries and slots keep serving order. Anything else (drafts, lookahead, a new block, a victim
-to preempt) takes the general path, one request at a time.
+(``try_extend_slots``, which also appends its slot) and a few list appends; a plain decode
+crossing into a new block that the pool has free takes a second one (``try_allocate_slots``,
+the same allocation as the general path's) and stays in the run. The records of a run are made
+together (``decode_entries``) just before the next other entry, so the step's entries and slots
+keep serving order. Anything else (drafts, lookahead, a victim to preempt, a copy-on-write)
+takes the general path, one request at a time.
 
 A part of :class:`~pagedkv.sched.scheduler.Scheduler` (a mixin over its state).
 """
@@ -24,13 +26,14 @@ _DecodeRun = tuple[list[str], list[int], list[int], list[np.ndarray]]
 
 def _flush_decodes(
     run: _DecodeRun, scheduled: list[ScheduledRequest], step_slots: StepSlots
-) -> _DecodeRun:
+) -> None:
     """Record a run of plain decodes (their slots are the last ``len(run[0])`` of the step's)
-    and return an empty run."""
+    and empty its lists (the records hold their items, not the lists)."""
     ids, positions, tokens, tables = run
     offset = len(step_slots.slots) - len(ids)
     scheduled.extend(decode_entries(ids, positions, tokens, tables, step_slots, offset))
-    return ([], [], [], [])
+    for column in run:
+        column.clear()
 
 
 class DecodePhaseMixin(PreemptionMixin):
@@ -43,7 +46,7 @@ class DecodePhaseMixin(PreemptionMixin):
         its run (``decode_entries``). True when every running request was scheduled here
         (none prefills): phase 2 has nothing to look at."""
         mgr = self.manager
-        extend, views = mgr.try_extend_slots, mgr.block_table_view
+        extend, grow, views = mgr.try_extend_slots, mgr.try_allocate_slots, mgr.block_table_view
         lookahead, max_len = self.config.num_lookahead_tokens, self.max_len
         running, scheduled = self.running, plan.scheduled
         step_slots = plan.step_slots
@@ -51,6 +54,12 @@ class DecodePhaseMixin(PreemptionMixin):
         budget = plan.budget  # written back below (_allocate_or_preempt does not read it)
         i = num_prefilling = 0
         run: _DecodeRun = ([], [], [], [])  # plain decodes whose records are not made yet
+        add_id, add_pos, add_token, add_table = (
+            run[0].append,
+            run[1].append,
+            run[2].append,
+            run[3].append,
+        )
         while i < len(running) and budget > 0:
             req = running[i]
             all_ids = req.all_token_ids
@@ -63,11 +72,13 @@ class DecodePhaseMixin(PreemptionMixin):
             drafts = req.draft_token_ids
             if not drafts and not lookahead:
                 table = extend(rid, 1, slots)
+                if table is None:  # a new block (every block_size-th step), when one is free
+                    table = grow(rid, 1, slots)
                 if table is not None:  # the common case: its slot is appended already
-                    run[0].append(rid)
-                    run[1].append(pos)
-                    run[2].append(all_ids[-1])
-                    run[3].append(table)
+                    add_id(rid)
+                    add_pos(pos)
+                    add_token(all_ids[-1])
+                    add_table(table)
                     budget -= 1
                     i += 1
                     continue
@@ -77,7 +88,7 @@ class DecodePhaseMixin(PreemptionMixin):
                 drafts = drafts[: max(0, room)]
             n = 1 + len(drafts)
             if run[0]:
-                run = _flush_decodes(run, scheduled, step_slots)
+                _flush_decodes(run, scheduled, step_slots)
             offset = len(slots)
             table = extend(rid, n, slots) if req.draft_token_ids and not lookahead else None
             if table is None:

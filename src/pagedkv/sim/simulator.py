@@ -325,18 +325,31 @@ class _Run:
         tracks = self.tracks
         sampled: Sampled = {}
         bs = self.block_size
+        seed = self.cfg.seed
         empty = prefill = decodes = context = pairs = rows = computed = 0
+        decode_ends = 0  # a plain decode (one position p) adds p + 1 to context and to pairs
         for sr in scheduled:
-            n, pos = sr.num_tokens, sr.start_position
+            rid = sr.request_id
+            tr = tracks[rid]
+            if tr.sched_s < 0.0:
+                tr.start(start, seed)
+            pos = sr.start_position
+            k = sr.num_draft_tokens
+            if not k and not sr.is_prefill:  # a plain decode: one position, one token
+                end = pos + 1
+                empty += -end % bs
+                decode_ends += end
+                decodes += 1
+                if sr.samples:
+                    rows += 1
+                    # its output index: the outputs so far (pos is its last token's position)
+                    sampled[rid] = [tr.output[end - tr.req.num_prompt_tokens]]
+                continue
+            n = sr.num_tokens
             end = pos + n
             empty += -end % bs
             context += end
             pairs += n * pos + n * (n + 1) // 2
-            rid = sr.request_id
-            tr = tracks[rid]
-            if tr.sched_s < 0.0:
-                tr.start(start, self.cfg.seed)
-            k = sr.num_draft_tokens
             if sr.is_prefill:
                 prefill += n
                 computed += n
@@ -354,6 +367,8 @@ class _Run:
                 else:
                     sampled[rid] = [tr.output[tr.req.num_output_tokens]]
         self.prefill_computed += computed
+        context += decode_ends
+        pairs += decode_ends
         return sampled, empty, (prefill, decodes, context, pairs, rows)
 
     def tier_step(self, out: SchedulerOutput) -> float:
