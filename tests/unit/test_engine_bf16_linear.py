@@ -107,6 +107,24 @@ def test_builds_threads_and_the_portable_path_give_the_same_bits() -> None:
     assert torch.equal(ye, one_nt)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_one_and_two_row_streaming_paths_give_the_portable_bits(rows: int) -> None:
+    """1-2 rows take their own paths (nn: wide panels that prefetch rows of >= 512 columns;
+    nt: 8 or 4 embedding rows a step, then the 3-row blocks for the rest): wide enough for two
+    column blocks, a thread split and every remainder (8003 columns, in = 577 and 579)."""
+    gen = torch.Generator().manual_seed(13 + rows)
+    w_t = _bf16(577, 8003, gen=gen)
+    e = _bf16(8003, 579, gen=gen)
+    x = torch.randn(rows, 577, generator=gen)
+    xe = torch.randn(rows, 579, generator=gen)
+    one = bf16_linear.linear(x, w_t, threads=1)
+    assert torch.equal(bf16_linear.linear(x, w_t, threads=2), one)
+    assert torch.equal(bf16_linear.linear(x, w_t, threads=1, portable=True), one)
+    one_nt = bf16_linear.linear_nt(xe, e, threads=1)
+    assert torch.equal(bf16_linear.linear_nt(xe, e, threads=2), one_nt)
+    assert torch.equal(bf16_linear.linear_nt(xe, e, threads=1, portable=True), one_nt)
+
+
 def test_strided_input_and_output_views() -> None:
     gen = torch.Generator().manual_seed(5)
     w_t = _bf16(40, 24, gen=gen)

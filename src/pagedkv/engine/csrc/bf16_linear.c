@@ -25,7 +25,13 @@
  * blocks. One or two rows take 64- or 32-column panels (8 accumulators: 8 independent FMA
  * chains) and blocks of JB_WIDE columns, so whole weight rows are read in order: measured on
  * the development machine (loaded, noisy) 1.3-1.7x the bandwidth of JB = 256 at one row, and
- * JB = 256 the best at 16 rows. nt keeps 4 rows x 3 embedding rows of lane sums in registers.
+ * JB = 256 the best at 16 rows. Those 1-2 row panels prefetch the same columns PF_BYTES or
+ * more ahead in whole weight rows (a later chunk; the hardware prefetcher alone does not keep up
+ * with a chunk's KC interleaved row streams), except for rows under PF_MIN_ROW columns.
+ * nt keeps 4 rows x 3 embedding rows of lane sums in registers; 1 row takes 8 embedding rows
+ * (2 rows: 4) at a time, 8 FMA chains, each row's stream prefetching the next group's.
+ * Measured (benchmarks/RESULTS.md, "bf16 one-row streaming"), one row out of cache: 1.0-1.36x
+ * per SmolLM2 shape, 1.23x over a token's linears.
  *
  * Builds: with AVX2 + FMA (gcc -march=native on such a CPU) the vector paths widen 8 weights
  * with vpmovzxwd + vpslld; otherwise the portable loops run (fmaf: the same single rounding
@@ -55,6 +61,12 @@
 #endif
 #ifndef KC
 #define KC 16 /* weight rows per chunk (nn) */
+#endif
+#ifndef PF_BYTES
+#define PF_BYTES 18432 /* how far ahead the 1-2 row paths prefetch (nn), in whole weight rows */
+#endif
+#ifndef PF_MIN_ROW
+#define PF_MIN_ROW 512 /* weight rows narrower than this (in columns) are not prefetched (nn) */
 #endif
 #define PANEL 16 /* columns per panel (nn): 2 vectors of 8 */
 #define RB 6     /* rows per register block (nn) */
@@ -150,16 +162,23 @@ static void nn_rows(const float *x, int64_t ldx, const uint16_t *wp, int64_t ldw
 /* One row over a 64-column panel, or two rows over a 32-column one: 8 accumulators, so 8
  * independent FMA chains hide the FMA latency (the 6 x 16 block has 2 chains per row when it
  * runs 1 or 2 rows). The same order per output as every other path. */
+/* The same columns PF_ROWS weight rows ahead (a later chunk), one prefetch per 64-byte line:
+ * the hardware prefetcher alone does not keep up with a chunk's KC interleaved row streams.
+ * A prefetch past the weight's end is harmless (prefetches never fault). */
+#define PF_AT(p) _mm_prefetch((const char *)(uintptr_t)(p), _MM_HINT_T0)
+#define NN_PF(wk, pf) (PF_AT((wk) + (pf)), PF_AT((wk) + (pf) + 32))
+#define NN_PF2(wk, pf) PF_AT((wk) + (pf))
 #define W_ACC(i) __m256 a##i = first ? z : _mm256_loadu_ps(y0 + 8 * (i))
 #define W_FMA(i) a##i = _mm256_fmadd_ps(xv, load8(wk + 8 * (i)), a##i)
 #define W_ST(i) _mm256_storeu_ps(y0 + 8 * (i), a##i)
 static void nn_wide1(const float *x, const uint16_t *w, int64_t ldw, float *y0, int64_t k0,
-                     int64_t k1) {
+                     int64_t k1, int64_t pf) {
     __m256 z = _mm256_setzero_ps();
     const int first = k0 == 0;
     W_ACC(0); W_ACC(1); W_ACC(2); W_ACC(3); W_ACC(4); W_ACC(5); W_ACC(6); W_ACC(7);
     for (int64_t k = k0; k < k1; k++) {
         const uint16_t *wk = w + k * ldw;
+        if (pf) NN_PF(wk, pf);
         __m256 xv = _mm256_broadcast_ss(x + k);
         W_FMA(0); W_FMA(1); W_FMA(2); W_FMA(3); W_FMA(4); W_FMA(5); W_FMA(6); W_FMA(7);
     }
@@ -169,13 +188,14 @@ static void nn_wide1(const float *x, const uint16_t *w, int64_t ldw, float *y0, 
 #define W2_ACC(r, i) __m256 b##r##i = first ? z : _mm256_loadu_ps(y + (r) * ldy + 8 * (i))
 #define W2_ST(r, i) _mm256_storeu_ps(y + (r) * ldy + 8 * (i), b##r##i)
 static void nn_wide2(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
-                     int64_t ldy, int64_t k0, int64_t k1) {
+                     int64_t ldy, int64_t k0, int64_t k1, int64_t pf) {
     __m256 z = _mm256_setzero_ps();
     const int first = k0 == 0;
     W2_ACC(0, 0); W2_ACC(0, 1); W2_ACC(0, 2); W2_ACC(0, 3);
     W2_ACC(1, 0); W2_ACC(1, 1); W2_ACC(1, 2); W2_ACC(1, 3);
     for (int64_t k = k0; k < k1; k++) {
         const uint16_t *wk = w + k * ldw;
+        if (pf) NN_PF2(wk, pf);
         __m256 w0 = load8(wk), w1 = load8(wk + 8), w2 = load8(wk + 16), w3 = load8(wk + 24);
         __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + ldx + k);
         b00 = _mm256_fmadd_ps(x0, w0, b00); b01 = _mm256_fmadd_ps(x0, w1, b01);
@@ -192,10 +212,13 @@ static void nn_panels(const float *x, int64_t ldx, const uint16_t *w, int64_t ld
                       int64_t ldy, int64_t rows, int64_t jb, int64_t jb_end, int64_t k0,
                       int64_t k1) {
     int64_t j = jb;
+    /* Elements ahead: whole rows, PF_BYTES or more; 0 (none) for narrow rows, where the
+     * prefetches measured ~10% slower (576 x 192: the hardware prefetcher keeps up there). */
+    int64_t pf = ldw < PF_MIN_ROW ? 0 : (PF_BYTES / 2 / ldw + 1) * ldw;
     if (rows == 1)
-        for (; j + 64 <= jb_end; j += 64) nn_wide1(x, w + j, ldw, y + j, k0, k1);
+        for (; j + 64 <= jb_end; j += 64) nn_wide1(x, w + j, ldw, y + j, k0, k1, pf);
     if (rows == 2)
-        for (; j + 32 <= jb_end; j += 32) nn_wide2(x, ldx, w + j, ldw, y + j, ldy, k0, k1);
+        for (; j + 32 <= jb_end; j += 32) nn_wide2(x, ldx, w + j, ldw, y + j, ldy, k0, k1, pf);
     for (; j < jb_end; j += PANEL) {
         int nv = jb_end - j < PANEL ? 1 : 2;
         nn_rows(x, ldx, w + j, ldw, y + j, ldy, rows, nv, k0, k1);
@@ -309,6 +332,48 @@ static inline __attribute__((always_inline)) void nt_block(
     NT_OUT(0) NT_OUT(1) NT_OUT(2) NT_OUT(3)
 }
 
+/* One row over NC_WIDE = 8 embedding rows, or two rows over 4: 8 lane-sum accumulators, so 8
+ * independent FMA chains (nt_block at one row has 3), and each embedding row's stream prefetches
+ * the same k of the row NC_WIDE ahead (the next call), once per 64-byte line (every fourth k8
+ * step). The same order per output as nt_block and nt_scalar. */
+#define NC_WIDE 8
+#define T_FMA(i) a##i = _mm256_fmadd_ps(xv, load8(e + (i) * lde + k), a##i)
+#define T_PF(i) PF_AT(e + ((i) + NC) * lde + k)
+#define T_OUT(r, i, v) y[(r) * ldy + (i)] = nt_tail(hsum(v), x + (r) * ldx, e + (i) * lde, k8, in)
+static void nt_wide1(const float *x, const uint16_t *e, int64_t lde, float *y, int64_t in) {
+    enum { NC = NC_WIDE };
+    const int64_t ldx = 0, ldy = 0, k8 = in / 8 * 8;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+           a7 = a0;
+    for (int64_t k = 0; k < k8; k += 8) {
+        if ((k & 31) == 0) { T_PF(0); T_PF(1); T_PF(2); T_PF(3); T_PF(4); T_PF(5); T_PF(6); T_PF(7); }
+        __m256 xv = _mm256_loadu_ps(x + k);
+        T_FMA(0); T_FMA(1); T_FMA(2); T_FMA(3); T_FMA(4); T_FMA(5); T_FMA(6); T_FMA(7);
+    }
+    T_OUT(0, 0, a0); T_OUT(0, 1, a1); T_OUT(0, 2, a2); T_OUT(0, 3, a3);
+    T_OUT(0, 4, a4); T_OUT(0, 5, a5); T_OUT(0, 6, a6); T_OUT(0, 7, a7);
+}
+
+static void nt_wide2(const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y,
+                     int64_t ldy, int64_t in) {
+    enum { NC = NC_WIDE / 2 };
+    const int64_t k8 = in / 8 * 8;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
+           b3 = a0;
+    for (int64_t k = 0; k < k8; k += 8) {
+        if ((k & 31) == 0) { T_PF(0); T_PF(1); T_PF(2); T_PF(3); }
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + ldx + k);
+        __m256 e0 = load8(e + k), e1 = load8(e + lde + k), e2 = load8(e + 2 * lde + k),
+               e3 = load8(e + 3 * lde + k);
+        a0 = _mm256_fmadd_ps(x0, e0, a0); a1 = _mm256_fmadd_ps(x0, e1, a1);
+        a2 = _mm256_fmadd_ps(x0, e2, a2); a3 = _mm256_fmadd_ps(x0, e3, a3);
+        b0 = _mm256_fmadd_ps(x1, e0, b0); b1 = _mm256_fmadd_ps(x1, e1, b1);
+        b2 = _mm256_fmadd_ps(x1, e2, b2); b3 = _mm256_fmadd_ps(x1, e3, b3);
+    }
+    T_OUT(0, 0, a0); T_OUT(0, 1, a1); T_OUT(0, 2, a2); T_OUT(0, 3, a3);
+    T_OUT(1, 0, b0); T_OUT(1, 1, b1); T_OUT(1, 2, b2); T_OUT(1, 3, b3);
+}
+
 #define NT_CASE(nr, nc) nt_block(xr, ldx, ej, lde, yr, ldy, nr, nc, in)
 static void nt_rows(const float *x, int64_t ldx, const uint16_t *ej, int64_t lde, float *y,
                     int64_t ldy, int64_t rows, int nc, int64_t in) {
@@ -345,7 +410,13 @@ int pagedkv_bf16_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t lde,
                     int64_t j_end) {
     if (nt_bad(rows, in, out, j_begin, j_end, ldx, lde, ldy)) return -1;
 #if BF_AVX2
-    for (int64_t j = j_begin; j < j_end; j += 3) {
+    int64_t j = j_begin;
+    if (rows == 1)
+        for (; j + NC_WIDE <= j_end; j += NC_WIDE) nt_wide1(x, e + j * lde, lde, y + j, in);
+    if (rows == 2)
+        for (; j + NC_WIDE / 2 <= j_end; j += NC_WIDE / 2)
+            nt_wide2(x, ldx, e + j * lde, lde, y + j, ldy, in);
+    for (; j < j_end; j += 3) {
         int nc = (int)(j_end - j < 3 ? j_end - j : 3);
         nt_rows(x, ldx, e + j * lde, lde, y + j, ldy, rows, nc, in);
     }
