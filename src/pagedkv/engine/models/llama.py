@@ -138,19 +138,7 @@ class LlamaModel:
             qk_norms = [(self._widened(w[p + a + "q_norm.weight"]),
                          self._widened(w[p + a + "k_norm.weight"])) for p in layers]  # fmt: skip
         # the native layer ops (module docstring); fused_layer_ops = False forces the torch ops
-        self._layer_ops: layer_op_buffers.ModelLayerOps | None = None
-        if (
-            self.device.type == "cpu"
-            and self.compute_dtype is torch.float32
-            and layer_ops.supports(config.hidden_size, config.head_dim)
-        ):
-            try:
-                self._layer_ops = layer_op_buffers.ModelLayerOps(
-                    self._in_norm, self._post_norm, self.final_norm,
-                    qk_norms, config.rms_norm_eps, config.head_dim,
-                )  # fmt: skip
-            except InvalidRequestError as exc:
-                logger.warning("native layer ops not used for this model: %s", exc)
+        self._layer_ops = self._native_layer_ops(qk_norms)
         self.fused_layer_ops = self._layer_ops is not None
         for i in range(config.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -158,6 +146,28 @@ class LlamaModel:
             self._o.append(self._project([a + "o_proj"]))
             self._gate_up.append(self._project([m + "gate_proj", m + "up_proj"]))
             self._down.append(self._project([m + "down_proj"]))
+
+    def _native_layer_ops(
+        self, qk_norms: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> layer_op_buffers.ModelLayerOps | None:
+        """The native fused layer ops over this model's norms, or None where they do not apply
+        (not a CPU, not float32 compute, a shape the C code does not take, or no compiler:
+        then the torch ops run, with a warning for the last)."""
+        config = self.config
+        if (
+            self.device.type != "cpu"
+            or self.compute_dtype is not torch.float32
+            or not layer_ops.supports(config.hidden_size, config.head_dim)
+        ):
+            return None
+        try:
+            return layer_op_buffers.ModelLayerOps(
+                self._in_norm, self._post_norm, self.final_norm,
+                qk_norms, config.rms_norm_eps, config.head_dim,
+            )  # fmt: skip
+        except InvalidRequestError as exc:
+            logger.warning("native layer ops not used for this model: %s", exc)
+            return None
 
     def _widened(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in the compute dtype (a float32 copy of a small bf16 tensor, or ``t``)."""
