@@ -106,17 +106,6 @@ def _check(x: torch.Tensor, w: torch.Tensor, in_dim: int, what: str) -> None:
         )
 
 
-def _output(out: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor:
-    if out is None:
-        return torch.empty(rows, cols, dtype=torch.float32)
-    if out.shape != (rows, cols) or out.dtype is not torch.float32 or out.stride(1) != 1:
-        raise InvalidRequestError(
-            f"bf16 linear: output {tuple(out.shape)} {out.dtype}, expected ({rows}, {cols}) "
-            "float32 with unit column stride"
-        )
-    return out
-
-
 def linear(
     x: torch.Tensor,
     weight_t: torch.Tensor,
@@ -136,7 +125,7 @@ def linear(
     ):
         raise InvalidRequestError(f"bf16 linear: bias {tuple(bias.shape)} {bias.dtype}")
     rows = x.shape[0]
-    y = _output(out, rows, cols)
+    y = native.float32_output(out, rows, cols, "bf16 linear")
     if rows > MAX_ROWS:  # prefill: compute bound, one widened copy and torch's GEMM
         w = weight_t.float()
         if bias is None:
@@ -167,7 +156,7 @@ def linear_nt(
     same bits for a row in any batch)."""
     cols, in_dim = weight.shape
     _check(x, weight, in_dim, "linear_nt")
-    y = _output(out, x.shape[0], cols)
+    y = native.float32_output(out, x.shape[0], cols, "bf16 linear")
     lib = _library()
     fn = lib.pagedkv_bf16_nt_portable if portable else lib.pagedkv_bf16_nt
     for r0 in range(0, x.shape[0], MAX_ROWS):  # more rows: each chunk streams the weight

@@ -114,17 +114,6 @@ def _check(x: torch.Tensor, w: torch.Tensor, in_dim: int, what: str) -> None:
         )
 
 
-def _output(out: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor:
-    if out is None:
-        return torch.empty(rows, cols, dtype=torch.float32)
-    if out.shape != (rows, cols) or out.dtype is not torch.float32 or out.stride(1) != 1:
-        raise InvalidRequestError(
-            f"few-row matmul: output {tuple(out.shape)} {out.dtype}, expected ({rows}, {cols}) "
-            "float32 with unit column stride"
-        )
-    return out
-
-
 def linear(
     x: torch.Tensor,
     weight_t: torch.Tensor,
@@ -144,7 +133,7 @@ def linear(
     ):
         raise InvalidRequestError(f"few-row linear: bias {tuple(bias.shape)} {bias.dtype}")
     lib = _library()
-    y = _output(out, x.shape[0], cols)
+    y = native.float32_output(out, x.shape[0], cols, "few-row matmul")
     fn = lib.pagedkv_fewrow_nn_portable if portable else lib.pagedkv_fewrow_nn
     head = (x.data_ptr(), x.stride(0), weight_t.data_ptr(), weight_t.stride(0))
     tail = (None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), x.shape[0])
@@ -170,7 +159,7 @@ def linear_nt(
     cols, in_dim = weight.shape
     _check(x, weight, in_dim, "linear_nt")
     lib = _library()
-    y = _output(out, x.shape[0], cols)
+    y = native.float32_output(out, x.shape[0], cols, "few-row matmul")
     fn = lib.pagedkv_fewrow_nt_portable if portable else lib.pagedkv_fewrow_nt
     head = (x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0))
     tail = (y.data_ptr(), y.stride(0), x.shape[0], in_dim, cols)

@@ -132,15 +132,9 @@ class GGUFProjection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, in_dim, out = x.shape[0], self.in_dim, self.blocks.shape[0]
         lib = _native.lib
-        if (  # one kernel call, nothing to split: the wrapper's ~15 µs of checks cut to ~5
-            lib is not None
-            and rows <= MAX_KERNEL_ROWS
-            and x.dtype is torch.float32
-            and x.is_cpu
-            and x.dim() == 2
-            and x.shape[1] == in_dim
-            and x.is_contiguous()
-            and (rows * out * in_dim < 2 * _MIN_MACS_PER_THREAD or torch.get_num_threads() == 1)
+        # one kernel call, nothing to split: the wrapper's ~15 µs of checks cut to ~5
+        if lib is not None and native.one_call_input(
+            x, in_dim, MAX_KERNEL_ROWS, rows * out * in_dim, _MIN_MACS_PER_THREAD
         ):
             bias = None if self.bias is None else self.bias.data_ptr()
             y = torch.empty(rows, out, dtype=torch.float32)

@@ -341,3 +341,32 @@ def run_ranges(run: Callable[[int, int], int], cuts: list[int], kernel: str) -> 
         codes = [run(cuts[0], cuts[1])] + [f.result() for f in futures]
     if any(codes):
         raise InvalidRequestError(f"{kernel} rejected its inputs (a bad range)")
+
+
+def float32_output(out: torch.Tensor | None, rows: int, cols: int, kernel: str) -> torch.Tensor:
+    """The ``[rows, cols]`` float32 buffer a row-major C kernel writes: ``out`` when it is one
+    (unit column stride), a new one when None. Raises ``InvalidRequestError`` naming
+    ``kernel`` for any other ``out``."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=torch.float32)
+    if out.shape != (rows, cols) or out.dtype is not torch.float32 or out.stride(1) != 1:
+        raise InvalidRequestError(
+            f"{kernel}: output {tuple(out.shape)} {out.dtype}, expected ({rows}, {cols}) "
+            "float32 with unit column stride"
+        )
+    return out
+
+
+def one_call_input(x: torch.Tensor, in_dim: int, max_rows: int, macs: int, min_macs: int) -> bool:
+    """Whether ``x`` can go to a kernel in one call on this thread, without the wrapper's
+    checks and split: a contiguous float32 CPU ``[rows <= max_rows, in_dim]`` input, and
+    ``macs`` multiply-adds too few to split (under ``2 * min_macs``) or one intra-op thread."""
+    return (
+        x.dtype is torch.float32
+        and x.is_cpu
+        and x.dim() == 2
+        and x.shape[0] <= max_rows
+        and x.shape[1] == in_dim
+        and x.is_contiguous()
+        and (macs < 2 * min_macs or torch.get_num_threads() == 1)
+    )

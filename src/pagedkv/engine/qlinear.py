@@ -175,17 +175,11 @@ class QuantizedProjection:
         rows = x.shape[0]
         in_dim, out_dim, tiles = self._dims
         lib = _native.lib
-        if (  # one kernel call, nothing to split: the wrapper's ~15 µs of checks cut to ~5
-            lib is not None
-            and rows <= MAX_KERNEL_ROWS
-            and x.dtype is torch.float32
-            and x.is_cpu
-            and x.dim() == 2
-            and x.shape[1] == in_dim
-            and x.is_contiguous()
-            and (rows * tiles * _TILE_J * in_dim < 2 * _MIN_MACS_PER_THREAD
-                 or torch.get_num_threads() == 1)
-        ):  # fmt: skip
+        # one kernel call, nothing to split: the wrapper's ~15 µs of checks cut to ~5
+        macs = rows * tiles * _TILE_J * in_dim
+        if lib is not None and native.one_call_input(
+            x, in_dim, MAX_KERNEL_ROWS, macs, _MIN_MACS_PER_THREAD
+        ):
             y = torch.empty(rows, out_dim, dtype=torch.float32)
             fn = lib.pagedkv_qlinear_i8
             b = None if self.bias is None else self.bias.data_ptr()
