@@ -32,6 +32,20 @@ def _bound(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> tor
     return (x.shape[1] + 2) * EPS * mag + 1e-30
 
 
+def _same_bits_on_threads_and_builds(
+    x: torch.Tensor, w_t: torch.Tensor, xe: torch.Tensor, e: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear(x, w_t)`` and ``linear_nt(xe, e)`` on one thread, asserted bit-equal to two
+    threads and to the portable build; returns the two."""
+    one = bf16_linear.linear(x, w_t, threads=1)
+    assert torch.equal(bf16_linear.linear(x, w_t, threads=2), one)
+    assert torch.equal(bf16_linear.linear(x, w_t, threads=1, portable=True), one)
+    one_nt = bf16_linear.linear_nt(xe, e, threads=1)
+    assert torch.equal(bf16_linear.linear_nt(xe, e, threads=2), one_nt)
+    assert torch.equal(bf16_linear.linear_nt(xe, e, threads=1, portable=True), one_nt)
+    return one, one_nt
+
+
 @pytest.mark.parametrize("in_dim", [1, 7, 8, 13, 77, 300])
 @pytest.mark.parametrize("out_dim", [1, 5, 16, 17, 203])
 def test_linear_is_within_the_float32_bound_of_float64(in_dim: int, out_dim: int) -> None:
@@ -90,12 +104,7 @@ def test_builds_threads_and_the_portable_path_give_the_same_bits() -> None:
     e = _bf16(1030, 579, gen=gen)
     x = torch.randn(8, 576, generator=gen)
     xe = torch.randn(8, 579, generator=gen)
-    one = bf16_linear.linear(x, w_t, threads=1)
-    assert torch.equal(bf16_linear.linear(x, w_t, threads=2), one)
-    assert torch.equal(bf16_linear.linear(x, w_t, threads=1, portable=True), one)
-    one_nt = bf16_linear.linear_nt(xe, e, threads=1)
-    assert torch.equal(bf16_linear.linear_nt(xe, e, threads=2), one_nt)
-    assert torch.equal(bf16_linear.linear_nt(xe, e, threads=1, portable=True), one_nt)
+    one, one_nt = _same_bits_on_threads_and_builds(x, w_t, xe, e)
     lib = _portable_build()
     y, ye = torch.empty_like(one), torch.empty_like(one_nt)
     ptr = ctypes.c_void_p
@@ -117,12 +126,7 @@ def test_the_one_and_two_row_streaming_paths_give_the_portable_bits(rows: int) -
     e = _bf16(8003, 579, gen=gen)
     x = torch.randn(rows, 577, generator=gen)
     xe = torch.randn(rows, 579, generator=gen)
-    one = bf16_linear.linear(x, w_t, threads=1)
-    assert torch.equal(bf16_linear.linear(x, w_t, threads=2), one)
-    assert torch.equal(bf16_linear.linear(x, w_t, threads=1, portable=True), one)
-    one_nt = bf16_linear.linear_nt(xe, e, threads=1)
-    assert torch.equal(bf16_linear.linear_nt(xe, e, threads=2), one_nt)
-    assert torch.equal(bf16_linear.linear_nt(xe, e, threads=1, portable=True), one_nt)
+    _same_bits_on_threads_and_builds(x, w_t, xe, e)
 
 
 def test_strided_input_and_output_views() -> None:
