@@ -18,7 +18,10 @@ from pagedkv.errors import InvalidRequestError
 from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.tiers.config import TierConfig
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
+"""Text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids":
+ids}``, each with an optional ``"cache_salt"`` (see :meth:`LLMEngine.add_request`)."""
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 Conversation = Sequence[Mapping[str, Any]]  # chat messages: {"role": ..., "content": str}
 
 
@@ -111,10 +114,10 @@ class LLM:
     ) -> list[GenerationOutput]:
         """Generate for every prompt (text or token ids); results in the prompts' order."""
         items: list[Prompt]
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, str | Mapping) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
-            items = [prompts]  # type: ignore[list-item]  # one prompt (text or ids)
+            items = [prompts]  # type: ignore[list-item]  # one prompt (text, ids or a dict)
         else:
             items = list(prompts)  # type: ignore[arg-type]
         if sampling is None or isinstance(sampling, SamplingParams):
@@ -126,8 +129,7 @@ class LLM:
                     f"{len(params)} sampling params for {len(items)} prompts; give one or one each"
                 )
         ids = [f"gen-{next(self._ids)}" for _ in items]
-        for rid, prompt, p in zip(ids, items, params, strict=True):
-            self.engine.add_request(rid, prompt, p)
+        self._add_all(ids, items, params)
         results: dict[str, GenerationOutput] = {}
         if progress:
             from rich.console import Console
@@ -139,6 +141,19 @@ class LLM:
         else:
             self._drain(results, lambda: None)
         return [results[rid] for rid in ids]
+
+    def _add_all(self, ids: list[str], items: list[Prompt], params: list[SamplingParams]) -> None:
+        """Queue every prompt, or none: a refused prompt aborts those queued before it."""
+        added: list[str] = []
+        try:
+            for rid, item, p in zip(ids, items, params, strict=True):
+                prompt, salt = _unpack_prompt(item)
+                self.engine.add_request(rid, prompt, p, cache_salt=salt)
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
 
     def chat(
         self,
@@ -181,3 +196,25 @@ class LLM:
                 if out.finished:
                     results[out.request_id] = out
             on_step()
+
+
+def _unpack_prompt(item: Prompt) -> tuple[str | Sequence[int], str | None]:
+    """A prompt's text or ids and its cache salt; a dict with other keys (vLLM's
+    ``multi_modal_data``, ...) or with neither ``prompt`` nor ``prompt_token_ids`` is refused."""
+    if not isinstance(item, Mapping):
+        return item, None
+    unknown = sorted(set(item) - _PROMPT_KEYS)
+    if unknown:
+        raise InvalidRequestError(
+            f"unsupported prompt field(s): {', '.join(map(str, unknown))} "
+            f"(a prompt dict takes {', '.join(sorted(_PROMPT_KEYS))})"
+        )
+    salt = item.get("cache_salt")
+    if "prompt_token_ids" in item:  # vLLM's TokensPrompt: the ids win over a "prompt" text
+        ids = item["prompt_token_ids"]
+        if isinstance(ids, str) or not isinstance(ids, Sequence):
+            raise InvalidRequestError("prompt_token_ids must be a list of token ids")
+        return ids, salt
+    if isinstance(item.get("prompt"), str):
+        return item["prompt"], salt
+    raise InvalidRequestError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")

@@ -41,7 +41,12 @@ from pagedkv.engine.kv_event_relay import kv_events_snapshot, publish_kv_events,
 from pagedkv.engine.models.llama import LlamaModel
 from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.request_groups import RequestGroups
-from pagedkv.engine.request_intake import check_features, prompt_token_ids, stop_token_ids
+from pagedkv.engine.request_intake import (
+    check_cache_salt,
+    check_features,
+    prompt_token_ids,
+    stop_token_ids,
+)
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sample_output import (
     append_tokens,
@@ -159,17 +164,27 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request. Bad input raises a typed error and leaves the engine unchanged."""
+        """Queue a request. Bad input raises a typed error and leaves the engine unchanged.
+
+        ``cache_salt`` (a tenant's secret, as vLLM's) seeds the request's block-hash chain:
+        it hits only blocks computed under the same salt, and its blocks only serve that salt.
+        """
         params = params or SamplingParams()
+        salt = check_cache_salt(cache_salt)
         if request_id in self._requests:
             raise InvalidRequestError(f"request {request_id!r} already exists")
         vocab = self.model.config.vocab_size
         ids = prompt_token_ids(request_id, prompt, self.tokenizer, vocab, self.max_model_len)
         grammar = check_features(params, self.tokenizer, vocab, self.structured_outputs)
         stops = stop_token_ids(params, self.eos_token_ids)
-        self._requests.add(request_id, params, ids, stops, grammar)
+        self._requests.add(request_id, params, ids, stops, grammar, salt)
 
     def structured_outputs(self) -> StructuredOutputManager:
         """The grammar engine over this model's tokenizer (built on first use)."""

@@ -78,11 +78,14 @@ class RequestGroups:
         ids: list[int],
         stops: tuple[int, ...],
         grammar: str | None,
+        cache_salt: str | None = None,
     ) -> None:
         """Register a checked request and queue its samples; a scheduler refusal (raised
-        before anything is registered) leaves everything unchanged."""
+        before anything is registered) leaves everything unchanged. Every sequence of the
+        request hashes its blocks under ``cache_salt``."""
         group = RequestGroup(request_id, params, ids, stops, time.perf_counter())
         group.grammar = grammar
+        group.cache_salt = cache_salt
         fork = params.n > 1 and len(ids) > 1 and ids[-1] not in stops
         if fork:  # see the module docstring: the last prompt token is "sampled" for sample 0
             sample0 = self.new_sample(group, 0, force_token=ids[-1])
@@ -132,7 +135,9 @@ class RequestGroups:
     ) -> Request:
         # prompt logprobs need every prompt position computed: a salt of its own means no
         # prefix-cache hit can skip one (vLLM skips cache reads for such requests alike)
-        salt = None if group.params.prompt_logprobs is None else f"prompt-logprobs/{seq_id}"
+        salt = group.cache_salt
+        if group.params.prompt_logprobs is not None:
+            salt = f"prompt-logprobs/{seq_id}"
         return Request(
             seq_id,
             ids,

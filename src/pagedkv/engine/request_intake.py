@@ -42,6 +42,18 @@ def prompt_token_ids(
     return ids
 
 
+def check_cache_salt(cache_salt: object) -> str | None:
+    """``cache_salt`` (vLLM's request field): None, or a non-empty string that seeds the
+    request's block-hash chain, so requests with different salts never share cached KV."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError(
+            f"cache_salt must be a non-empty string if given, not {cache_salt!r}"
+        )
+    return cache_salt
+
+
 def check_features(
     params: SamplingParams,
     tokenizer: Tokenizer | None,

@@ -228,7 +228,7 @@ def _add_completion_routes(
             raise InvalidRequestError("logprobs need a tokenizer; this model has none")
         shape = ChoiceShape(chat, params.stop, formatter if wants_logprobs else None, echo, tools)
         rid = engine.new_request_id("chatcmpl" if chat else "cmpl")
-        stream = engine.generate(rid, prompt_ids, params)
+        stream = engine.generate(rid, prompt_ids, params, body.cache_salt)
         # typed errors (400, 429) are raised here, before any byte is sent
         first = await _unless_disconnected(request, _first(stream))
         if body.stream:
@@ -275,7 +275,10 @@ def _add_completion_routes(
         fmt = formatter if params.logprobs is not None else None
         shapes = [ChoiceShape(False, params.stop, fmt, echo) for _, echo in prompts]
         rid = engine.new_request_id("cmpl")
-        streams = [engine.generate(f"{rid}-{i}", ids, params) for i, (ids, _) in enumerate(prompts)]
+        streams = [
+            engine.generate(f"{rid}-{i}", ids, params, body.cache_salt)
+            for i, (ids, _) in enumerate(prompts)
+        ]
         firsts = await _unless_disconnected(request, first_outputs(streams))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -110,9 +110,14 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[GenerationOutput, None]:
         """Add a request and yield its outputs until it finishes. Cancelling aborts it.
+        ``cache_salt`` as :meth:`LLMEngine.add_request`.
 
         Raises the engine's typed errors (bad input) or OverloadedError before yielding.
         """
@@ -122,7 +127,9 @@ class AsyncEngine:
         # coroutine is cancelled meanwhile (the client went away), the add still completes in
         # its thread, so abort the request once it has.
         add = asyncio.ensure_future(
-            asyncio.to_thread(self._add, request_id, list(prompt_token_ids), params, stream)
+            asyncio.to_thread(
+                self._add, request_id, list(prompt_token_ids), params, stream, cache_salt
+            )
         )
         try:
             await asyncio.shield(add)
@@ -145,7 +152,12 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def _add(
-        self, request_id: str, prompt: list[int], params: SamplingParams, stream: _Stream
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        stream: _Stream,
+        cache_salt: str | None,
     ) -> None:
         with self._lock:
             if len(self._streams) >= self.max_pending:
@@ -153,7 +165,7 @@ class AsyncEngine:
                     f"{len(self._streams)} requests in flight (limit {self.max_pending}); "
                     "retry later"
                 )
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
             self._streams[request_id] = stream
 
     def abort(self, request_id: str) -> None:

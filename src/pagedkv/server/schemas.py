@@ -97,6 +97,7 @@ class _SamplingFields(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: a tenant's hash seed
 
     @field_validator("stop")
     @classmethod
