@@ -161,6 +161,8 @@ class LLM:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         progress: bool = True,
     ) -> list[GenerationOutput]:
@@ -169,7 +171,8 @@ class LLM:
         (:func:`~pagedkv.engine.chat_encoding.encode_chat`: a special token's text typed in a
         content stays plain text), then generated as :meth:`generate` does. A message's
         ``content`` must be a string (or None); content parts are refused by name, as is a
-        model without a tokenizer or a chat template."""
+        model without a tokenizer or a chat template. ``continue_final_message`` and
+        ``chat_template_kwargs`` as vLLM's (:func:`~pagedkv.engine.chat_encoding.encode_chat`)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise InvalidRequestError("chat needs a tokenizer; this model has none")
@@ -184,9 +187,15 @@ class LLM:
                         "LLM.chat takes a message 'content' as a string; content parts "
                         f"({type(m['content']).__name__}) are not supported"
                     )
-            prompts.append(
-                encode_chat(tok, conv, add_generation_prompt=add_generation_prompt, tools=tools)  # type: ignore[arg-type]
+            ids = encode_chat(
+                tok,
+                conv,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
             )
+            prompts.append(ids)
         return self.generate(prompts, sampling, progress=progress)
 
     def _drain(self, results: dict[str, GenerationOutput], on_step: Any) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -311,7 +312,16 @@ def _add_completion_routes(
         )
         messages = chat_messages(body)
         prompt_ids = await asyncio.to_thread(
-            chat_prompt_ids, engine.engine.tokenizer, messages, max_len, body.tools
+            functools.partial(
+                chat_prompt_ids,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs,
+            ),
+            engine.engine.tokenizer,
+            messages,
+            max_len,
+            body.tools,
         )
         room = max(1, max_len - len(prompt_ids))
         room = min(room, engine.engine.generation_defaults.max_tokens or room)

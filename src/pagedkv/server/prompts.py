@@ -63,10 +63,19 @@ def chat_prompt_ids(
     tools: Sequence[Mapping[str, Any]] | None = None,
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """The ids of a chat (and its ``tools``, for the template) under the model's template.
-    Blocking: run in a thread."""
+    """The ids of a chat (and its ``tools``, for the template) under the model's template
+    (``encode_chat``'s options). Blocking: run in a thread."""
     t = require_tokenizer(tok, "chat needs one")
     num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     check_text_length(t, num_chars, max_model_len)
-    return encode_chat(t, messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    return encode_chat(
+        t,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        continue_final_message=continue_final_message,
+        chat_template_kwargs=chat_template_kwargs,
+    )
