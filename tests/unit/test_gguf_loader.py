@@ -170,3 +170,6 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     truncated.write_bytes(path.read_bytes()[:200])
     with pytest.raises(ModelLoadError, match="cannot read GGUF"):
         GGUFFile.open(truncated)
+    truncated.write_bytes(path.read_bytes()[:-100])  # the last tensor's data cut short
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        GGUFFile.open(truncated)

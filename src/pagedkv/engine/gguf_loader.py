@@ -104,11 +104,14 @@ class GGUFFile:
             raise ModelLoadError(
                 "reading GGUF files needs the gguf package: pip install 'gguf>=0.10'"
             ) from exc
+        size = p.stat().st_size
         try:
             reader = GGUFReader(str(p))
             meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
         except (ValueError, OSError, KeyError, IndexError) as exc:
-            raise ModelLoadError(f"cannot read GGUF file {p}: {exc}") from exc
+            raise ModelLoadError(
+                f"cannot read GGUF file {p} ({size} bytes; truncated or corrupt?): {exc}"
+            ) from exc
         return cls(p, reader, meta)
 
     def tensor_names(self) -> set[str]:
