@@ -5,12 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.config import check_invariants_default
+from pagedkv.core.hashing import HashAlgo
 from pagedkv.engine.fewrow import check_linear_kernel
 from pagedkv.engine.kv_cache import parse_dtype
 from pagedkv.engine.qlinear import check_quantization
 from pagedkv.errors import InvalidRequestError
 from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.tiers.config import TierConfig
+
+PREFIX_HASH_ALGOS = {"xxhash": HashAlgo.XXH3_128, "sha256": HashAlgo.SHA256}
+"""``prefix_caching_hash_algo``'s values (vLLM's names) and the block hash each selects."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
+    # vLLM's names: "xxhash" (XXH3-128, fast) or "sha256" (when untrusted tenants share a cache)
+    prefix_caching_hash_algo: str = "xxhash"
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0
     batched_decode: bool = True
@@ -88,6 +94,11 @@ class EngineConfig:
         if self.decode_kernel not in ("auto", "torch", "native"):
             raise InvalidRequestError(
                 f"decode_kernel must be 'auto', 'torch' or 'native', got {self.decode_kernel!r}"
+            )
+        if self.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
+            raise InvalidRequestError(
+                "prefix_caching_hash_algo must be 'sha256' or 'xxhash', got "
+                f"{self.prefix_caching_hash_algo!r} (vLLM's *_cbor variants are not supported)"
             )
         if self.dtype != "auto":
             parse_dtype(self.dtype)  # raises InvalidRequestError naming the choices

@@ -18,7 +18,7 @@ import torch
 from pagedkv.core.config import CacheConfig
 from pagedkv.engine.chat_template import load_chat_template
 from pagedkv.engine.dtype import resolve_dtype
-from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.engine_config import PREFIX_HASH_ALGOS, EngineConfig
 from pagedkv.engine.fingerprint import checkpoint_fingerprint
 from pagedkv.engine.generation_config import load_generation_defaults
 from pagedkv.engine.gguf_loader import is_gguf_file, load_gguf_checkpoint
@@ -79,6 +79,7 @@ def build_sections(config: EngineConfig, mcfg: ModelConfig, max_len: int) -> Eng
         num_blocks=num_blocks,
         initial_blocks=config.initial_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
+        hash_algo=PREFIX_HASH_ALGOS[config.prefix_caching_hash_algo],
         model_id=config.model_id,
         watermark=config.watermark,
         reservation=config.reservation,  # type: ignore[arg-type]  # validated by CacheConfig

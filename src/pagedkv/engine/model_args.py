@@ -9,6 +9,7 @@ vLLM's names are the primary spelling; pagedkv's earlier spellings stay as alias
     --kv-cache-memory-bytes SIZE            the KV pool in bytes (512M, 2G); blocks derived
     --num-blocks N                          the KV pool in blocks (pagedkv's)
     --enable-prefix-caching / --no-enable-prefix-caching (alias --no-prefix-caching)
+    --prefix-caching-hash-algo xxhash|sha256
     --num-speculative-tokens N              (alias --speculative-tokens)
     --chat-template FILE|TEMPLATE           --generation-config auto|vllm|DIR
     --seed N                                --threads N (torch intra-op threads)
@@ -27,7 +28,7 @@ import logging
 import sys
 
 from pagedkv.engine.dtype import DTYPE_CHOICES
-from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.engine_config import PREFIX_HASH_ALGOS, EngineConfig
 from pagedkv.engine.fewrow import LINEAR_KERNEL_CHOICES
 from pagedkv.engine.native import add_decode_kernel_argument
 from pagedkv.engine.qlinear import QUANTIZATION_CHOICES
@@ -84,6 +85,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse the KV of shared prompt prefixes (default: on)",
+    )
+    parser.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=tuple(PREFIX_HASH_ALGOS),
+        default="xxhash",
+        help="the block hash: xxhash (XXH3-128, default) or sha256 (when untrusted tenants "
+        "share one cache: a collision cannot be crafted)",
     )
     parser.add_argument(
         "--no-prefix-caching",
@@ -153,6 +161,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching,
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
             num_speculative_tokens=args.num_speculative_tokens,
             decode_kernel=args.decode_kernel,
             quantization=args.quantization,
