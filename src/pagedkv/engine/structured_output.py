@@ -22,7 +22,6 @@ import logging
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch as lgt
 import torch
 
 from pagedkv.engine.sampler import StructuredOutputsParams
@@ -104,11 +103,17 @@ class StructuredOutputManager:
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         """int32 ``[len(matchers), ceil(vocab / 32)]``: row ``i`` allows what matcher ``i``
         allows next."""
-        bitmask = lgt.allocate_token_bitmask(len(matchers), self.vocab_size)
+        # llguidance.torch's helpers do these two steps, but importing that module compiles a
+        # kernel with torch.compile (dynamo, inductor, triton: ~5-9 s on first import)
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
         _ = self.tokenizer  # the executor exists with the tokenizer
         assert self._executor is not None
-        lgt.fill_next_token_bitmask_par(
-            self._executor, [(m.raw, i) for i, m in enumerate(matchers)], bitmask
+        self._executor.unsafe_compute_mask_ptr(
+            [(m.raw, i) for i, m in enumerate(matchers)],
+            bitmask.data_ptr(),
+            words * 4,
+            len(matchers),
         )
         return bitmask
 
