@@ -37,6 +37,7 @@ from pagedkv.server.kv_events_api import add_kv_events_api
 from pagedkv.server.logprobs import LogprobFormatter
 from pagedkv.server.middleware import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, StatusCounter
 from pagedkv.server.prompt_batch import batch_body, first_outputs, last_outputs, sse_batch
+from pagedkv.server.prompt_only import check_prompt_only, prompt_only_stream
 from pagedkv.server.prompts import chat_messages, chat_prompt_ids, text_prompt_ids
 from pagedkv.server.responses import completion_body, error_response, sse_completion
 from pagedkv.server.sampling import sampling_params
@@ -220,6 +221,7 @@ def _add_completion_routes(
         *,
         echo: str = "",
         tools: ToolPlan | None = None,
+        prompt_only: bool = False,
     ) -> Response:
         params = sampling_params(body, max_tokens, tools, engine.engine.generation_defaults)
         if echo and params.logprobs is not None:
@@ -230,6 +232,8 @@ def _add_completion_routes(
         shape = ChoiceShape(chat, params.stop, formatter if wants_logprobs else None, echo, tools)
         rid = engine.new_request_id("chatcmpl" if chat else "cmpl")
         stream = engine.generate(rid, prompt_ids, params, body.cache_salt)
+        if prompt_only:
+            stream = prompt_only_stream(stream)
         # typed errors (400, 429) are raised here, before any byte is sent
         first = await _unless_disconnected(request, _first(stream))
         if body.stream:
@@ -266,7 +270,11 @@ def _add_completion_routes(
         return prompt_ids, tok.decode(prompt_ids)
 
     async def serve_batch(
-        request: Request, body: CompletionRequest, prompts: list[_Prompt], max_tokens: int
+        request: Request,
+        body: CompletionRequest,
+        prompts: list[_Prompt],
+        max_tokens: int,
+        prompt_only: bool,
     ) -> Response:
         params = sampling_params(body, max_tokens, None, engine.engine.generation_defaults)
         if any(echo for _, echo in prompts) and params.logprobs is not None:
@@ -280,6 +288,8 @@ def _add_completion_routes(
             engine.generate(f"{rid}-{i}", ids, params, body.cache_salt)
             for i, (ids, _) in enumerate(prompts)
         ]
+        if prompt_only:
+            streams = [prompt_only_stream(s) for s in streams]
         firsts = await _unless_disconnected(request, first_outputs(streams))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -291,13 +301,16 @@ def _add_completion_routes(
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_request(body, model_name)
+        only = check_prompt_only(body.max_tokens, body.echo)  # generates one token, not shown
         default = engine.engine.generation_defaults.max_tokens  # max_new_tokens, if set
-        max_tokens = body.max_tokens or default or _DEFAULT_COMPLETION_TOKENS
+        max_tokens = 1 if only else body.max_tokens or default or _DEFAULT_COMPLETION_TOKENS
         prompts = [await completion_prompt(body, p) for p in body.prompts()]
         if len(prompts) > 1:
-            return await serve_batch(request, body, prompts, max_tokens)
+            return await serve_batch(request, body, prompts, max_tokens, only)
         ((prompt_ids, echo),) = prompts
-        return await serve(request, body, prompt_ids, max_tokens, chat=False, echo=echo)
+        return await serve(
+            request, body, prompt_ids, max_tokens, chat=False, echo=echo, prompt_only=only
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:

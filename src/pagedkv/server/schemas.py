@@ -150,6 +150,7 @@ class CompletionRequest(_SamplingFields):
     (:mod:`pagedkv.server.prompt_batch`)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
