@@ -237,7 +237,7 @@ def _add_completion_routes(
         # typed errors (400, 429) are raised here, before any byte is sent
         first = await _unless_disconnected(request, _first(stream))
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, continuous = _usage_options(body)
             return StreamingResponse(
                 sse_completion(
                     rid,
@@ -248,6 +248,7 @@ def _add_completion_routes(
                     params.stop,
                     chat=chat,
                     shape=shape,
+                    continuous_usage=continuous,
                 ),
                 media_type="text/event-stream",
             )
@@ -292,8 +293,10 @@ def _add_completion_routes(
             streams = [prompt_only_stream(s) for s in streams]
         firsts = await _unless_disconnected(request, first_outputs(streams))
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = sse_batch(rid, model_name, firsts, streams, shapes, params.n, include_usage)
+            include_usage, continuous = _usage_options(body)
+            events = sse_batch(
+                rid, model_name, firsts, streams, shapes, params.n, include_usage, continuous
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         finals = await _unless_disconnected(request, last_outputs(firsts, streams))
         return JSONResponse(batch_body(rid, model_name, finals, shapes, params.n))
@@ -340,6 +343,14 @@ def _add_completion_routes(
         room = min(room, engine.engine.generation_defaults.max_tokens or room)
         max_tokens = body.max_completion_tokens or body.max_tokens or room
         return await serve(request, body, prompt_ids, max_tokens, chat=True, tools=tools)
+
+
+def _usage_options(body: _SamplingFields) -> tuple[bool, bool]:
+    """``stream_options``' ``include_usage`` and (with it) ``continuous_usage_stats``."""
+    opts = body.stream_options
+    if opts is None or not opts.include_usage:
+        return False, False
+    return True, opts.continuous_usage_stats
 
 
 def _check_request(body: _SamplingFields, model_name: str) -> None:

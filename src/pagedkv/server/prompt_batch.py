@@ -106,9 +106,11 @@ async def sse_batch(
     shapes: Sequence[ChoiceShape],
     n: int,
     include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     """The streamed answer of every prompt, ``[DONE]`` last; a failure of one prompt's request
-    mid-stream is sent as an ``{"error": ...}`` event and ends the stream (the others abort)."""
+    mid-stream is sent as an ``{"error": ...}`` event and ends the stream (the others abort).
+    With ``continuous_usage`` every event carries the usage of all prompts so far."""
     created = int(time.time())
 
     def event(choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> bytes:
@@ -151,7 +153,7 @@ async def sse_batch(
                 last[i] = item
                 choices = progress[i].choices(reindexed(item, i, n))
                 if choices:
-                    yield event(choices)
+                    yield event(choices, summed_usage(last) if continuous_usage else None)
     finally:
         for t in tasks:
             t.cancel()

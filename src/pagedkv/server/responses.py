@@ -81,8 +81,10 @@ async def sse_completion(
     *,
     chat: bool,
     shape: ChoiceShape | None = None,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
-    """The streamed answer: one ``data:`` event per step that added text, ``[DONE]`` last.
+    """The streamed answer: one ``data:`` event per step that added text, ``[DONE]`` last
+    (with ``include_usage`` and ``continuous_usage``, every event carries the usage so far).
 
     A failure after the first byte cannot change the status code any more: it is sent as an
     ``{"error": ...}`` event (the ``openai`` client raises it as an ``APIError``).
@@ -105,7 +107,8 @@ async def sse_completion(
     if chat:
         role = {"role": "assistant", "content": ""}
         yield event(
-            [{"index": c.index, "delta": role, "finish_reason": None} for c in first.outputs]
+            [{"index": c.index, "delta": role, "finish_reason": None} for c in first.outputs],
+            usage(first) if continuous_usage else None,
         )
     last = first
     progress = ChoiceStream(shape or ChoiceShape(chat, stops))
@@ -114,7 +117,7 @@ async def sse_completion(
         while out is not None:
             choices = progress.choices(out)
             if choices:
-                yield event(choices)
+                yield event(choices, usage(out) if continuous_usage else None)
             last = out
             out = None if last.finished else await stream.__anext__()
     except StopAsyncIteration:

@@ -45,7 +45,14 @@ def _is_default(name: str, value: Any) -> bool:
 
 
 class StreamOptions(BaseModel):
+    """``include_usage`` (OpenAI): a last event with the usage; vLLM's
+    ``continuous_usage_stats`` (with it): the usage so far on every event. OpenAI's
+    ``include_obfuscation`` is accepted: this server never pads events. Others are refused."""
+
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None
 
 
 class JsonSchemaFormat(BaseModel):
