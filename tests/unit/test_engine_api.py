@@ -51,7 +51,7 @@ def _drain(engine: LLMEngine) -> dict[str, Any]:
         {"max_tokens": 0},
         {"temperature": -0.1},
         {"temperature": float("nan")},
-        {"top_k": -1},
+        {"top_k": -2},
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"n": 0},
@@ -62,6 +62,11 @@ def _drain(engine: LLMEngine) -> dict[str, Any]:
 def test_invalid_sampling_values_raise(kw: dict[str, Any]) -> None:
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kw)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm() -> None:
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    assert SamplingParams(top_k=-1).top_k == 0
 
 
 def test_top_k_top_p_and_seeds() -> None:

@@ -73,7 +73,7 @@ class SamplingParams:
 
     max_tokens: int = 16
     temperature: float = 1.0
-    top_k: int = 0  # 0: no limit
+    top_k: int = 0  # 0 (or -1, vLLM's older spelling, stored as 0): no limit
     top_p: float = 1.0
     seed: int | None = None
     n: int = 1
@@ -100,8 +100,12 @@ class SamplingParams:
             raise InvalidRequestError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
             raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k == -1 and isinstance(self.top_k, int):
+            object.__setattr__(self, "top_k", 0)  # vLLM: "0 (or -1) considers all tokens"
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+            raise InvalidRequestError(
+                f"top_k must be an int >= 0 (0 or -1 = off), got {self.top_k!r}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.n, int) or not 1 <= self.n <= 128:
