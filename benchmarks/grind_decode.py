@@ -16,8 +16,10 @@ LL misses   last-level misses, data and instructions (the memory effect: grows w
 
 Valgrind runs one thread and counts events, not time, so the numbers do not move with the
 machine's load (unlike bench_sched's timings). The simulated caches are valgrind's defaults
-for the host (printed). A round is a multiple of the block size (see bench_sched.decode_steps),
-so both sizes include the same share of block crossings.
+for the host (printed), or ``--ll-bytes N`` for the last level (``--ll-bytes 524288``: the size
+of this host's L2 per core, which cachegrind does not simulate otherwise). The steps measured
+are a multiple of the block size (see bench_sched.decode_steps), so both sizes include the same
+share of block crossings.
 """
 
 from __future__ import annotations
@@ -64,13 +66,19 @@ def parse_summary(text: str) -> dict[str, int]:
     return {k: found[k] for k in EVENTS}
 
 
-def grind(num_running: int, num_steps: int, out_dir: Path) -> tuple[dict[str, int], str]:
-    """One valgrind run of ``payload``; its event totals and the cache configuration line."""
+def grind(
+    num_running: int, num_steps: int, out_dir: Path, ll_bytes: int | None = None
+) -> tuple[dict[str, int], str]:
+    """One valgrind run of ``payload``; its event totals and the cache configuration line.
+    ``ll_bytes`` sets the simulated last-level cache (16-way, 64-byte lines) instead of the
+    host's L3: cachegrind simulates two levels only, so an L2-sized LL is how a working set
+    outgrowing the host's L2 shows."""
     env = dict(os.environ, PYTHONHASHSEED="0")
     cmd = [
         "valgrind",
         "--tool=cachegrind",
         "--cache-sim=yes",
+        *([f"--LL={ll_bytes},16,64"] if ll_bytes else []),
         f"--cachegrind-out-file={out_dir / f'cg.{num_running}.{num_steps}'}",
         sys.executable,
         str(Path(__file__).resolve()),
@@ -89,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--steps", type=int, default=32, help="steps measured (block multiple)")
+    parser.add_argument(
+        "--ll-bytes", type=int, help="simulated last-level cache size (default: the host's L3)"
+    )
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--payload", type=int, nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -101,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[int, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.sizes:
-            base, caches = grind(n, 0, Path(tmp))
-            more, _ = grind(n, args.steps, Path(tmp))
+            base, caches = grind(n, 0, Path(tmp), args.ll_bytes)
+            more, _ = grind(n, args.steps, Path(tmp), args.ll_bytes)
             rows[n] = {k: (more[k] - base[k]) / (args.steps * n) for k in EVENTS}
     print(f"cachegrind, per request-step of the decode fixture ({args.steps} steps; {caches})")
     print(f"{'running':>8} " + " ".join(f"{k:>10}" for k in EVENTS))
