@@ -4,7 +4,8 @@ Run ``python benchmarks/grind_decode.py`` (about 3 minutes on 2 cores; valgrind 
 PATH); ``--sizes 64 1024`` picks the running counts, ``--steps 32`` the steps measured,
 ``--json PATH`` writes the rows. For each size, two runs of the same deterministic process
 (``PYTHONHASHSEED=0``) under ``valgrind --tool=cachegrind --cache-sim=yes``: the fixture is
-built, ``WARM_STEPS`` steps run, and then ``--steps`` more in the second run only. The second
+built, ``WARM_STEPS`` steps run with the collector off (as bench_sched times them), and then
+``--steps`` more in the second run only. The second
 run's counts less the first's, over ``steps x running``, are what one request-step costs:
 
 I refs      instructions executed (the algorithmic work: flat in the running count when each
@@ -25,6 +26,7 @@ share of block crossings.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -50,6 +52,8 @@ def payload(num_running: int, num_steps: int) -> None:
         num_running, max_num_seqs=num_running, num_blocks=bench_sched._blocks_for(num_running)
     )
     step, _ = bench_sched._step_fn(sched)
+    gc.collect()
+    gc.disable()  # as bench_sched's timed rounds run (the harness turns the collector off)
     for _ in range(WARM_STEPS + num_steps):
         step()
 
