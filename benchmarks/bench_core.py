@@ -22,7 +22,8 @@ prefix     ``match_prefix`` + ``allocate_slots`` of a prompt whose every full bl
            (a finished request computed it); ``add_request`` (hashing) before the timer, ``free``
            after it.
 hash       ``BlockHashChain.extend`` over a 32K-token prompt given as a Python list, per block.
-free       ``KVCacheManager.free`` of a finished 4K/32K-token request, per prompt, admission
+free       ``KVCacheManager.free`` of a finished 256/1K/4K/32K-token request (16 to 2,048 blocks:
+           the short ones show the fixed cost), per prompt, admission
            untimed: ``cached`` (it hit every full block; every block goes back to the LRU),
            ``shared`` (another request holds the same blocks: ref 2 -> 1), ``nested`` (a third
            holds the first half too: 3 -> 2, 2 -> 1), ``copies`` (its blocks duplicate a live
@@ -90,6 +91,7 @@ ADMISSION_RUNNING = (32, 1024)  # the first in --quick
 ALLOC_POOL_SIZES = (1024, 131_072, 16_384, 1_048_576)  # the first two in --quick
 ALLOC_BATCHES = (1, 64)
 PREFIX_LENGTHS = (4096, 32_768)
+FREE_LENGTHS = (256, 1024, *PREFIX_LENGTHS)  # 16 and 64 blocks: short requests (fixed cost)
 HASH_TOKENS, HASH_TOKENS_QUICK = 32_768, 4096
 
 
@@ -340,10 +342,10 @@ def hash_cases(quick: bool) -> list[Case]:
 
 # ---------------------------------------------------------------------------- free, counts
 def free_cases(quick: bool) -> list[Case]:
-    """``KVCacheManager.free``: cached, shared and copies (``core_free.py``)."""
+    """``KVCacheManager.free``: cached, shared, nested and copies (``core_free.py``)."""
     return [
         free_case(kind, prefix_prompt(n), BLOCK_SIZE, quick)
-        for n in (PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS)
+        for n in (FREE_LENGTHS[:1] if quick else FREE_LENGTHS)
         for kind in FREE_KINDS
     ]
 

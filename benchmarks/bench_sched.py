@@ -10,8 +10,11 @@ decode   N running requests (N = 64, 256, 1,024; 128-token random prompts, max_t
          through the scheduler until every one decodes; then one step = ``schedule()`` +
          ``update()`` with one sampled token per request (the sampled dict is built once,
          untimed). Every 16th step of a request allocates a block and commits (hashes) a full
-         one, so the median over rounds of many steps includes that amortised work. Reported per
-         step and per running request; target: under 5 µs per running request per step.
+         one; a round is a multiple of 16 steps (32 at 64 running, 16 above), so every round
+         holds that work equally. The sizes (and the peer's) run round by round, 15 rounds.
+         Reported per step and per running request; target: under 5 µs per running request per
+         step. The footer gives the growth per request-step from the smallest to the largest
+         size: the median of the rounds' ratios and their range (flat: 1.0).
 waiting  64 running decodes plus a waiting queue of Q requests (Q = 1, 100, 10,000; 128-token
          prompts) that cannot be admitted, in two ways: ``seqs`` (max_num_seqs = 64 is reached)
          and ``pool`` (max_num_seqs is large, but the running requests' reservations fill the
@@ -72,6 +75,7 @@ BLOCKED_HEAD_TOKENS = 32_768
 BURST_REQUESTS, BURST_PREFIX, BURST_TAIL = 8, 1024, 64
 PREFILL_TOKENS: dict[str, int] = {}  # burst case -> prompt tokens computed
 DECODE_SIZES = (64, 256, 1024)  # the first two in --quick
+DECODE_ROUNDS = 15  # interleaved round by round over the sizes (and the peer's); 3 in --quick
 WAITING_LENGTHS = (1, 100, 10_000)  # 1 and 1,000 in --quick
 WAITING_RUNNING = 64
 ADMISSION_US: dict[str, float] = {}  # waiting case -> median admission time per step (wall)
@@ -117,6 +121,15 @@ def _blocks_for(num_running: int) -> int:
     return num_running * per_request + 1
 
 
+def decode_steps(num_running: int) -> int:
+    """Steps per round of the decode fixture: about 2,000 request-steps, and a multiple of the
+    block size. Every request started together, so all of them cross into a new block (allocate
+    and commit) on the same step, one step in ``BLOCK_SIZE``: a round of a multiple of it holds
+    that work exactly as often as every other round (4 steps at 1,024 running did so in one
+    round of four, the rounds' spread)."""
+    return BLOCK_SIZE * max(1, -(-2048 // (num_running * BLOCK_SIZE)))
+
+
 def _step_fn(sched: Scheduler) -> tuple[Callable[[], None], Callable[[], None]]:
     """One step, and a check that it really was an all-decode step with no preemption."""
     sampled = {r.request_id: [7] for r in sched.running}
@@ -145,7 +158,7 @@ def decode_cases(quick: bool) -> list[Case]:
     for n in DECODE_SIZES[:2] if quick else DECODE_SIZES:
         sched = build_decoding(n, max_num_seqs=n, num_blocks=_blocks_for(n))
         step, check = _step_fn(sched)
-        steps = max(4, 2048 // n)  # about 2,000 request-steps per round
+        steps = decode_steps(n)
         cases.append(
             Case(
                 "decode",
@@ -154,7 +167,7 @@ def decode_cases(quick: bool) -> list[Case]:
                 "step",
                 step,
                 calls_per_round=steps,
-                rounds=3 if quick else 7,
+                rounds=3 if quick else DECODE_ROUNDS,
                 warmup=steps,
                 params={"running": n, "prompt_tokens": PROMPT_TOKENS, "steps_per_round": steps},
                 check=check,
@@ -351,8 +364,35 @@ def per_request_rows(results: list[Result]) -> list[Result]:
     return rows
 
 
+def decode_growth(results: list[Result], impl: str) -> tuple[float, float, float] | None:
+    """Per request-step, the largest size's time over the smallest's: the median of the
+    rounds' ratios and their range. The sizes run round by round (one ``interleave`` key), so
+    round r of each saw the same moment of the machine's load: the ratio is taken per round."""
+    rows = {
+        int(r.params["running"]): r.timing.per_op_s
+        for r in results
+        if r.bench == "decode" and r.impl == impl and r.unit == "step"
+    }
+    if len(rows) < 2:
+        return None
+    lo, hi = min(rows), max(rows)
+    ratios = [(b / hi) / (a / lo) for a, b in zip(rows[lo], rows[hi], strict=False) if a > 0]
+    if not ratios:
+        return None
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def _footer(results: list[Result]) -> list[str]:
     lines: list[str] = []
+    for impl in sorted({r.impl for r in results if r.bench == "decode"}):
+        growth = decode_growth(results, impl)
+        if growth is not None:
+            sizes = sorted({int(r.params["running"]) for r in results if r.bench == "decode"})
+            med, low, high = growth
+            lines.append(
+                f"decode growth ({impl}), per request-step, running={sizes[-1]:,} / "
+                f"running={sizes[0]:,}: {med:.2f} (rounds {low:.2f}-{high:.2f})"
+            )
     for mode in ("seqs", "pool"):
         rows = [r for r in results if r.bench == "waiting" and r.params.get("mode") == mode]
         if rows:

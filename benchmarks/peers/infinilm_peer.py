@@ -114,7 +114,15 @@ class InfiniLMPeer:
 
     def decode_cases(self, quick: bool) -> list[Case]:
         """bench_sched's decode fixture on InfiniLM's ``Scheduler`` (see ``_infinilm_step``)."""
-        from bench_sched import DECODE_SIZES, MAX_TOKENS, PROMPT_TOKENS, VOCAB, _blocks_for
+        from bench_sched import (
+            DECODE_ROUNDS,
+            DECODE_SIZES,
+            MAX_TOKENS,
+            PROMPT_TOKENS,
+            VOCAB,
+            _blocks_for,
+            decode_steps,
+        )
 
         finished = self.mods["request"].FinishReason.LENGTH
         cases: list[Case] = []
@@ -139,7 +147,7 @@ class InfiniLMPeer:
                 if out is None or out.is_prefill or len(out.scheduled_requests) != n:
                     raise RuntimeError("InfiniLM decode fixture: not a steady decode step")
 
-            steps = max(4, 2048 // n)
+            steps = decode_steps(n)
             cases.append(
                 Case(
                     "decode",
@@ -148,7 +156,7 @@ class InfiniLMPeer:
                     "step",
                     lambda sched=sched: _infinilm_step(sched, finished),
                     calls_per_round=steps,
-                    rounds=3 if quick else 7,
+                    rounds=3 if quick else DECODE_ROUNDS,
                     warmup=steps,
                     params={"running": n, "prompt_tokens": PROMPT_TOKENS, "steps_per_round": steps},
                     note="Scheduler.schedule + update",

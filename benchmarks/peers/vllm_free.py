@@ -83,7 +83,7 @@ def free_case(
         lambda: mgr.free(st["req"]),
         setup=setup,
         teardown=teardown,
-        rounds=5 if quick else (61 if n <= 4096 else 21),
+        rounds=5 if quick else (201 if n <= 1024 else 61 if n <= 4096 else 21),
         warmup=2,
         params={"prompt_tokens": n, "kind": kind},
         note="KVCacheManager.free",

@@ -155,7 +155,7 @@ class VLLMPeer:
 
     def free_cases(self, quick: bool) -> list[Case]:
         """``KVCacheManager.free`` of a finished request: cached, shared, copies (``vllm_free``)."""
-        from bench_core import PREFIX_LENGTHS, prefix_prompt
+        from bench_core import FREE_LENGTHS, prefix_prompt
         from core_free import FREE_KINDS
         from peers.vllm_free import free_case
 
@@ -172,7 +172,7 @@ class VLLMPeer:
 
         return [
             free_case(kind, prefix_prompt(n), BLOCK_SIZE, quick, self._manager, new_request)
-            for n in (PREFIX_LENGTHS[:1] if quick else PREFIX_LENGTHS)
+            for n in (FREE_LENGTHS[:1] if quick else FREE_LENGTHS)
             for kind in FREE_KINDS
         ]
 

@@ -1,5 +1,5 @@
-"""``free_owned`` of long shared tables (runs of one count, found by bisection and verified),
-and the manager's inline free of a plain request.
+"""``free_owned`` of shared tables, short (one read-modify-write loop) and long (runs of one
+count, found by bisection and verified), and the manager's inline free of a plain request.
 
 Each batch is compared with the same blocks freed one at a time (``free([b])``, the plain
 path): same ref counts, eviction order, free stack, copies and counters. The shapes include
@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.core import BlockPool, KVCacheManager, PoolConfig
+from pagedkv.core.pool_free import _MIN_PASSES_TABLE
 from pagedkv.errors import RequestStateError, UnknownRequestError
 from reference.core_state import make_manager, manager_state
 
@@ -51,6 +52,7 @@ def _pair(counts: list[int], unhashed: set[int]) -> tuple[BlockPool, BlockPool, 
 
 
 SHAPES = {
+    "exclusive": [1] * 33,
     "shared": [1] * 3 + [2] * 40,
     "nested": [1] + [2] * 20 + [3] * 20,
     "four runs": [1] * 2 + [2] * 10 + [3] * 10 + [4] * 10 + [5] * 5,
@@ -61,14 +63,27 @@ SHAPES = {
     "past the run limit": [c for c in range(1, 11) for _ in range(4)],
     "a count that comes back": [1] * 5 + [2] * 15 + [3] * 5 + [2] * 10,
 }
+# Each shape as written (33-43 blocks: free_owned's one loop) and with every block repeated
+# STRETCH times (132-172 blocks: the C passes and the runs); a position scales with it.
+STRETCH = 4
 
 
+def _shape(name: str, stretch: int) -> list[int]:
+    return [c for c in SHAPES[name] for _ in range(stretch)]
+
+
+def test_the_shapes_reach_both_paths_of_free_owned() -> None:
+    assert max(len(v) for v in SHAPES.values()) < _MIN_PASSES_TABLE
+    assert min(len(_shape(k, STRETCH)) for k in SHAPES) >= _MIN_PASSES_TABLE
+
+
+@pytest.mark.parametrize("stretch", [1, STRETCH])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("unhashed", [set(), {0, 2, 3, 7}])
-def test_free_owned_of_a_long_table_equals_one_free_per_block(
-    shape: str, unhashed: set[int]
+def test_free_owned_of_a_shared_table_equals_one_free_per_block(
+    shape: str, unhashed: set[int], stretch: int
 ) -> None:
-    counts = SHAPES[shape]
+    counts = _shape(shape, stretch)
     batch, single, table = _pair(counts, unhashed)
     assert _state(batch) == _state(single)
     batch.free_owned(table)
@@ -93,10 +108,12 @@ def test_free_owned_of_a_long_table_equals_one_free_per_block(
         ("a count inside a run", 17),
     ],
 )
-def test_free_owned_of_a_long_table_with_a_block_not_in_use_changes_nothing(
-    shape: str, where: int
+@pytest.mark.parametrize("stretch", [1, STRETCH])
+def test_free_owned_of_a_shared_table_with_a_block_not_in_use_changes_nothing(
+    shape: str, where: int, stretch: int
 ) -> None:
-    counts = SHAPES[shape]
+    counts = _shape(shape, stretch)
+    where = where * stretch if where < len(SHAPES[shape]) - 1 else len(counts) - 1  # head
     pool = BlockPool(PoolConfig(num_blocks=2 * len(counts) + 8))
     table = _table(pool, counts, set())
     bad = table[where]
@@ -109,13 +126,14 @@ def test_free_owned_of_a_long_table_with_a_block_not_in_use_changes_nothing(
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("num_head", [15, 40, 160])  # the one loop twice, the C passes
 @pytest.mark.parametrize("second_copies", [False, True])
 def test_a_shared_free_whose_one_zero_is_a_copy_drops_just_that_copy(
-    second_copies: bool,
+    second_copies: bool, num_head: int
 ) -> None:
-    pool = BlockPool(PoolConfig(num_blocks=128))
-    head = pool.allocate(40)
-    pool.cache_blocks(head, [i.to_bytes(4, "big") for i in range(40)], parent_hash=None)
+    pool = BlockPool(PoolConfig(num_blocks=num_head + 88))
+    head = pool.allocate(num_head)
+    pool.cache_blocks(head, [i.to_bytes(4, "big") for i in range(num_head)], parent_hash=None)
     pool.touch_owned(head)  # another request holds the head: every block at 2
     (canon, copy, other_canon, other_1, other_2) = pool.allocate(5)
     pool.cache_blocks([canon, copy], [b"t", b"t"], parent_hash=None)  # copy duplicates canon
@@ -125,13 +143,57 @@ def test_a_shared_free_whose_one_zero_is_a_copy_drops_just_that_copy(
     table = [copy, *head[::-1]]  # freed tail first: the copy reaches 0, the head stays in use
     free_before = pool.num_free_blocks
     pool.free_owned(table)
-    assert pool.ref_counts(head) == [1] * 40
+    assert pool.ref_counts(head) == [1] * num_head
     assert (pool.ref_count(copy), pool.block_hash(copy)) == (0, None)
     assert pool.copies_of(b"t") == []
     assert pool.copies_of(b"o") == ([other_1, other_2] if second_copies else [])
     assert (pool.num_free_blocks, pool.num_shared_blocks) == (free_before + 1, 0)
     assert pool.eviction_order() == []
     assert pool.allocate(1) == [copy]  # garbage: the top of the free stack
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("num", [12, 40, 150])  # the one loop (inline and general), passes
+@pytest.mark.parametrize("second_copies", [False, True])
+def test_free_owned_of_a_table_of_copies_leaves_each_hash_its_other_copies(
+    num: int, second_copies: bool
+) -> None:
+    pool = BlockPool(PoolConfig(num_blocks=2 * num + 8))
+    hashes = [i.to_bytes(4, "big") for i in range(num)]
+    canon, dup = pool.allocate(num), pool.allocate(num)
+    pool.cache_blocks(canon, hashes, parent_hash=None)
+    pool.cache_blocks(dup, hashes, parent_hash=None)  # every dup block copies a canon block
+    extra = pool.allocate(1) if second_copies else []
+    if extra:  # hash 0 gets a second copy: the general copy bookkeeping
+        pool.cache_blocks(extra, hashes[:1], parent_hash=None)
+    free_before = pool.num_free_blocks
+    pool.free_owned(dup[::-1])
+    assert pool.copies_of(hashes[0]) == extra
+    assert [pool.copies_of(h) for h in hashes[1:]] == [[]] * (num - 1)
+    assert [pool.block_hash(b) for b in dup] == [None] * num
+    assert (pool.num_copy_blocks, pool.num_free_blocks) == (len(extra), free_before + num)
+    assert pool.eviction_order() == []
+    assert pool.allocate(2) == [dup[0], dup[1]]  # garbage: the top of the free stack
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("num", [8, 40, 150])
+@pytest.mark.parametrize("watched_pos", [None, 0, -1])
+def test_free_owned_bumps_the_watch_epoch_iff_a_watched_block_reaches_zero(
+    num: int, watched_pos: int | None
+) -> None:
+    pool = BlockPool(PoolConfig(num_blocks=num + 8))
+    table = pool.allocate(num)
+    pool.cache_blocks(table[1:], [i.to_bytes(4, "big") for i in range(num - 1)], parent_hash=None)
+    pool.touch_owned(table[num // 2 :])  # the head half is shared: it stays in use
+    other = pool.allocate(1)  # watched and untouched by the free
+    pool.watch(other if watched_pos is None else [table[watched_pos]], [])
+    epoch, free_before = pool.watch_epoch, pool.num_free_blocks
+    pool.free_owned(table)
+    # table[0] (unhashed) and table[-1] (shared: 2 -> 1) are the two positions
+    assert pool.watch_epoch == epoch + (watched_pos == 0)
+    assert pool.eviction_order() == table[1 : num // 2]
+    assert pool.num_free_blocks == free_before + num // 2
     pool.check_invariants()
 
 

@@ -4,6 +4,7 @@ fixture, and its waiting-queue footer reports flatness. A few seconds."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,16 @@ def test_bench_sched_quick_prints_table_and_writes_json(tmp_path: Path) -> None:
     waiting = [r for r in rows if r["bench"] == "waiting"]
     assert {r["params"]["mode"] for r in waiting} == {"seqs", "pool"}
     assert all(r["note"].startswith("admission") for r in waiting)
-    assert len(doc["flatness"]) == 2
+    growth, *flat = doc["flatness"]
+    assert len(flat) == 2
+    m = re.fullmatch(
+        r"decode growth \(pagedkv\), per request-step, running=256 / running=64: "
+        r"([\d.]+) \(rounds ([\d.]+)-([\d.]+)\)",
+        growth,
+    )
+    assert m is not None, growth
+    med, low, high = map(float, m.groups())
+    assert 0 < low <= med <= high
     blocked = [r for r in rows if r["bench"] == "blocked"]
     assert len(blocked) == 1
     assert blocked[0]["note"].startswith("admission")

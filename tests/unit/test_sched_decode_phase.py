@@ -138,3 +138,21 @@ def test_block_crossings_in_the_run_equal_the_general_path() -> None:
     assert not slow.has_unfinished_requests()
     assert num_crossings > 10
     assert num_preempted > 0
+
+
+def test_requests_without_stop_ids_share_one_empty_set_and_stop_ids_still_stop() -> None:
+    a, b = Request("a", [1, 2], max_tokens=4), Request("b", [3], max_tokens=4, stop_token_ids=[])
+    c = Request("c", [1, 2], max_tokens=4, stop_token_ids=[9])
+    assert a.stop_token_ids is b.stop_token_ids  # one hot object read by every decode step
+    assert a.stop_token_ids == frozenset()
+    assert c.stop_token_ids == frozenset({9})
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64),
+        CacheConfig(block_size=4, num_blocks=16),
+    )
+    for r in (a, c):
+        sched.add_request(r)
+    out = sched.schedule()
+    outputs = sched.update(out, {"a": [9], "c": [9]})
+    assert [(o.request_id, o.finished) for o in outputs] == [("a", False), ("c", True)]
+    assert a.stop_token_ids == frozenset()  # the shared set is never written

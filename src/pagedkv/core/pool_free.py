@@ -10,10 +10,11 @@ Cost: a request's free is one C pass reading the ref counts (``itemgetter``), on
 loop, one C pass reading the hashed flags and one push per block into the LRU. ``tuple.count``
 and ``in`` match small ints by identity but compare every other element generically (as ``min``
 and ``max`` compare every pair), so each extra pass over the counts costs about as much as the
-store loop: the paths below use as few as they can. A table whose blocks are shared (a prefix
-held by other requests) is freed as runs of one count each (``_drop_runs``: a bisection and a
-count of one slice per run, then a constant store per block) rather than a read-modify-write;
-a table shorter than ``_MIN_RUNS_TABLE`` takes the read-modify-write loop, cheaper there.
+store loop: the paths below use as few as they can. A long table whose blocks are shared (a
+prefix held by other requests) is freed as runs of one count each (``_drop_runs``: a bisection
+and a count of one slice per run, then a constant store per block) rather than a
+read-modify-write. A table shorter than ``_MIN_PASSES_TABLE`` (a short request: the fixed cost
+rules there, not the per-block one) takes one read-modify-write loop instead of the passes.
 
 A free ends every request and runs between other work, with cold caches, where each function
 entered costs about a microsecond: ``free_owned`` keeps the usual free in as few frames as it
@@ -52,7 +53,8 @@ def _first_repeat(items: Sequence[int]) -> int:
 
 
 _MAX_RUNS = 8  # more runs of one count than this take the general loop
-_MIN_RUNS_TABLE = 32  # shorter shared tables take the general loop (cheaper than runs there)
+_MIN_PASSES_TABLE = 128  # shorter tables take free_owned's one loop (fewer C calls, cold;
+# measured against vLLM at 16 and 64 blocks: 32 left 64-block shared frees at 0.94x, 128 1.03x)
 
 
 class FreePathMixin:
@@ -140,19 +142,91 @@ class FreePathMixin:
         The same checks and all-or-nothing rule, less what such a table makes impossible: ids
         out of range, and a block listed twice (a table holds distinct blocks: the manager's
         M1). Ref counts are still checked, so a block not in use still raises and changes
-        nothing. The counts are read in one C pass; exclusive blocks (all at 1) take the plain
-        store loop of ``free``, shared ones (ref > 1) are dropped a run of one count at a time
-        (``_drop_runs``: a constant store per block), other shapes one read-modify-write each.
+        nothing. A table shorter than ``_MIN_PASSES_TABLE`` blocks (up to 2K tokens at block
+        size 16) takes one read-modify-write loop that also sorts the blocks reaching 0 into
+        hashed and unhashed, here, with one freed copy or copies of single-copy hashes dropped
+        inline. A longer one takes ``_free_table``'s C passes, where the per-block cost rules.
 
         One Python frame does the usual free from end to end (the counters are kept inline, not
         through ``_set_free``): a request's free runs between other work, with cold caches,
-        where each further function entered costs about as much as a few dozen blocks.
+        where each further function entered or C facility first used costs about a
+        microsecond, as much as a short table's whole loop.
         """
         num = len(block_ids)
+        if num >= _MIN_PASSES_TABLE:
+            self._free_table(block_ids)
+            return
         if num < 2:
             if num:
                 self._free_one(block_ids[0])
             return
+        # A short table (a short request, the usual case under load): one read-modify-write
+        # loop that also sorts the blocks reaching 0 by their hashed flag. Fewer C facilities
+        # entered than the passes below, which is what a short free pays for (cold caches).
+        ref, hashed = self._ref, self._hashed
+        cached: list[int] = []
+        uncached: list[int] = []
+        num_unshared = 0  # blocks going from 2 to 1
+        for b in block_ids:
+            r = ref[b]
+            if r == 1:
+                ref[b] = 0
+                if hashed[b]:
+                    cached.append(b)
+                else:
+                    uncached.append(b)
+            elif r > 1:
+                ref[b] = r - 1
+                if r == 2:
+                    num_unshared += 1
+            else:
+                i = block_ids.index(b)  # the blocks are distinct (M1): b's own position
+                for u in block_ids[:i]:  # undo: nothing changes on failure
+                    ref[u] += 1
+                self._raise_not_in_use(block_ids, i)
+        self._num_shared -= num_unshared
+        num_zeros = len(cached) + len(uncached)
+        if not num_zeros:
+            return
+        if cached:
+            self._policy.push_many(cached)
+        if uncached:
+            copy_of = self._copy_of
+            if not copy_of:
+                pass
+            elif len(uncached) == 1:  # one freed copy (a recomputed last block), inline
+                b = uncached[0]
+                h = copy_of.pop(b, None)
+                if h is not None:
+                    if self._more_copies:
+                        self._drop_copy(b, h)
+                    else:  # every hash has one copy at most: b is h's
+                        del self._copies[h]
+            elif self._more_copies:
+                self._drop_copies(uncached)
+            else:  # _drop_copies, inline: every hash has one copy at most, b's is b
+                copies = self._copies
+                for b in uncached:
+                    h = copy_of.pop(b, None)
+                    if h is not None:
+                        del copies[h]
+            self._free_uncached.extend(uncached)
+        watched = self._watched_blocks
+        if watched and not (
+            watched.keys().isdisjoint(cached) and watched.keys().isdisjoint(uncached)
+        ):
+            self.watch_epoch += 1
+        num_free = self.num_free_blocks + num_zeros  # _set_free, inline
+        self.version += 1
+        self.num_free_blocks = num_free
+        self.usage = (self.capacity_blocks - num_free) / self.capacity_blocks
+
+    def _free_table(self, block_ids: Sequence[int]) -> None:
+        """``free_owned`` of a table of ``_MIN_PASSES_TABLE`` blocks or more. The counts are
+        read in one C pass; exclusive blocks (all at 1) take the plain store loop of ``free``,
+        shared ones (ref > 1) are dropped a run of one count at a time (``_drop_runs``: a
+        constant store per block), other shapes one read-modify-write each."""
+        num = len(block_ids)
         ref = self._ref
         counts: tuple[int, ...] = itemgetter(*block_ids)(ref)
         if counts[-1] == 1 and counts.count(1) == num:  # every block exclusive: all reach 0
@@ -161,10 +235,7 @@ class FreePathMixin:
             zeros: list[int] = block_ids if isinstance(block_ids, list) else list(block_ids)
             self._place_freed(zeros, check_repeats=False)
         else:
-            if num < _MIN_RUNS_TABLE:
-                zeros = self._decrement(block_ids)
-            else:
-                zeros = self._drop_runs(block_ids, counts)
+            zeros = self._drop_runs(block_ids, counts)
             if not zeros:
                 return
             if len(zeros) == 1:  # a shared table's own tail

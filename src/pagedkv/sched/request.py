@@ -45,6 +45,9 @@ class KVTransfer(enum.Enum):
 _arrival_counter = itertools.count()
 
 
+_NO_STOP_IDS: frozenset[int] = frozenset()
+
+
 class Request:
     """One generation request.
 
@@ -101,7 +104,10 @@ class Request:
         self.all_token_ids = tokens
         self.num_prompt_tokens = len(tokens)
         self.max_tokens = max_tokens
-        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        # One shared empty set for the requests without stop ids (most): the decode step's
+        # ``tok not in stop_token_ids`` then reads one hot object, not one cold per request.
+        stops = frozenset(int(t) for t in stop_token_ids)
+        self.stop_token_ids = stops if stops else _NO_STOP_IDS
         self.priority = priority
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
