@@ -1,8 +1,10 @@
-"""Two fast paths of the decode and prefill steps against what they replace.
+"""Fast paths of the decode, eviction and prefill steps against what they replace.
 
 * ``BlockHashChain.try_complete(tok)`` (a decode whose token fills its block) must return
   exactly ``extend([tok])[0]`` and leave the chain as ``extend`` does; it declines (None,
   nothing changed) whenever it does not apply: no block completed, a bad id, per-block keys.
+* ``LRUPolicy.pop_victims(n)`` (an allocation that evicts) must pop what ``n`` calls of
+  ``pop_victim`` pop, in order, and leave the same list.
 * ``append_slot_mapping`` (a prefill chunk: one ``range`` per block) must append exactly
   ``block_id * block_size + offset`` of every position, as Python ints, in order.
 """
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 
 from pagedkv.core import KVCacheManager
 from pagedkv.core.config import CacheConfig
+from pagedkv.core.eviction import LRUPolicy
 from pagedkv.core.hashing import BlockHashChain, HashContext
 
 _TOKENS = st.lists(st.integers(0, 2**32 - 1), max_size=80)
@@ -92,3 +95,32 @@ def test_prefill_slot_ranges_are_each_positions_slot(
     empty: list[int] = []
     m.append_slot_mapping("b", prompt_len, 0, empty)
     assert empty == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["push", "remove", "pop"]), st.integers(0, 15))),
+    n=st.integers(0, 16),
+)
+def test_pop_victims_is_pop_victim_n_times(ops: list[tuple[str, int]], n: int) -> None:
+    """``pop_victims(n)`` (the eviction of an allocation's blocks) against ``n`` single pops,
+    on LRU lists built by random pushes, removals and pops."""
+    one, many = LRUPolicy(num_blocks=16), LRUPolicy(num_blocks=16)
+    listed: list[int] = []
+    for op, b in ops:
+        if op == "push" and b not in listed:
+            listed.append(b)
+            one.push(b)
+            many.push(b)
+        elif op == "remove" and b in listed:
+            listed.remove(b)
+            one.remove(b)
+            many.remove(b)
+        elif op == "pop" and listed:
+            assert one.pop_victim() == many.pop_victims(1)[0] == listed.pop(0)
+    k = min(n, len(listed))
+    assert many.pop_victims(k) == [one.pop_victim() for _ in range(k)] == listed[:k]
+    assert list(many) == list(one) == listed[k:]
+    assert len(many) == len(one) == len(listed) - k
+    many.push(3 if 3 not in listed[k:] else 15)  # still a well-formed list after the relink
+    assert len(list(many)) == len(many)
