@@ -221,17 +221,15 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
         policy, hashes, index, ref = self._policy, self._hash, self._index, self._ref
         hashed = self._hashed
         copies, watched = self._copies, self._watched_blocks
-        victims: list[int] = []
+        victims = policy.pop_victims(n)
         removed: list[BlockHash] = []
-        for _ in range(n):
-            b = policy.pop_victim()
+        for b in victims:
             h = hashes[b]
             if h is None:  # pragma: no cover - guarded by I1
                 raise InvariantViolation(f"I1: block {b} in the eviction policy has no hash")
             hashes[b] = None
             hashed[b] = 0
             ref[b] = 1
-            victims.append(b)
             if watched and b in watched:
                 self.watch_epoch += 1
             if h in copies:  # a computed copy is alive: it serves the hash from now on

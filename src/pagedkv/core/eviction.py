@@ -36,6 +36,9 @@ class EvictionPolicy(Protocol):
     def pop_victim(self) -> int:
         """Remove and return the block to evict next. Called only when ``len(self) > 0``."""
 
+    def pop_victims(self, n: int) -> list[int]:
+        """``[pop_victim() for _ in range(n)]`` in one call. Called only when ``len(self) >= n``."""
+
     def clear(self) -> list[int]:
         """Remove every block; return them in eviction order."""
 
@@ -135,6 +138,21 @@ class LRUPolicy:
         self._prev[n] = s
         self._len -= 1
         return b
+
+    def pop_victims(self, n: int) -> list[int]:
+        """The next ``n`` victims, in order, unlinked at once: one walk of the list from its head
+        and one relink of the sentinel (the same list ``n`` calls of ``pop_victim`` leave)."""
+        nxt, s = self._next, self._s
+        out: list[int] = []
+        append = out.append
+        b = nxt[s]
+        for _ in range(n):
+            append(b)
+            b = nxt[b]
+        nxt[s] = b
+        self._prev[b] = s
+        self._len -= n
+        return out
 
     def clear(self) -> list[int]:
         out = list(self)

@@ -256,6 +256,33 @@ class BlockHashChain:
             return True
         return False
 
+    def try_complete(self, token_id: int) -> BlockHash | None:
+        """Append one valid token id that completes a block with no per-block keys (the decode
+        that fills its block) and return that block's hash: exactly ``extend([token_id])[0]``
+        (the same bytes hashed: the parent, then the block's ids as little-endian uint32), with
+        no list packed apart. None, changing nothing, for anything else (then call ``extend``)."""
+        pending = self._pending
+        if (
+            len(pending) + 1 != self.block_size
+            or type(token_id) is not int
+            or not 0 <= token_id < _MAX_TOKEN_ID
+            or not _FAST_U32
+            or sys.byteorder != "little"
+            or self._ctx.has_block_keys
+        ):
+            return None
+        try:
+            packed = array("I", pending)
+        except (OverflowError, TypeError):  # pragma: no cover - pending ids are validated
+            return None
+        packed.append(token_id)
+        hashes = self._hashes
+        h = self._fn((hashes[-1] if hashes else self._root) + packed.tobytes())
+        hashes.append(h)
+        self._pending = []
+        self._tokens_hashed += self.block_size
+        return h
+
     def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Append tokens and return the hashes of the blocks they completed (maybe none)."""
         bs = self.block_size

@@ -147,9 +147,22 @@ class BlockTablesMixin(SeqTable):
             )
         if num_tokens == 1:  # a decode that took a new block
             slots_out.append(ids[start // bs] * bs + start % bs)
-        elif num_tokens <= 16:
-            slots_out.extend(ids[p // bs] * bs + p % bs for p in range(start, start + num_tokens))
-        else:  # a prefill chunk: gather from the cached int32 table (widened after the gather)
-            pos = np.arange(start, start + num_tokens)
-            blocks = seq.table_view()[pos // bs].astype(np.int64)
-            slots_out.extend((blocks * bs + pos % bs).tolist())
+            return
+        if not num_tokens:
+            return
+        # A prefill chunk: one range of consecutive slots per block (a block's slots are
+        # ``[b * bs, (b + 1) * bs)``), each extended in C; the first and last may be partial.
+        #   positions  start ........................... end - 1
+        #   blocks     [first ....|.... middle ....|.... last]
+        end = start + num_tokens
+        first, last = start // bs, (end - 1) // bs
+        extend = slots_out.extend
+        base = ids[first] * bs - first * bs  # slot of position p in block `first`: base + p
+        if first == last:
+            extend(range(base + start, base + end))
+            return
+        extend(range(base + start, base + (first + 1) * bs))
+        for b in ids[first + 1 : last]:
+            extend(range(b * bs, b * bs + bs))
+        base = ids[last] * bs - last * bs
+        extend(range(base + last * bs, base + end))

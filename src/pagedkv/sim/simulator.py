@@ -327,24 +327,24 @@ class _Run:
         bs = self.block_size
         seed = self.cfg.seed
         empty = prefill = decodes = context = pairs = rows = computed = 0
-        decode_ends = 0  # a plain decode (one position p) adds p + 1 to context and to pairs
+        # A plain decode (one position p, sampled) adds p + 1 to context and to pairs, and one
+        # to decodes and to rows: summed once after the loop (the general branch's totals).
+        decode_ends = num_plain = 0
         for sr in scheduled:
             rid = sr.request_id
             tr = tracks[rid]
             if tr.sched_s < 0.0:
                 tr.start(start, seed)
-            pos = sr.start_position
             k = sr.num_draft_tokens
-            if not k and not sr.is_prefill:  # a plain decode: one position, one token
-                end = pos + 1
+            if not k and sr.samples and not sr.is_prefill:  # a plain decode: one token
+                end = sr.start_position + 1
                 empty += -end % bs
                 decode_ends += end
-                decodes += 1
-                if sr.samples:
-                    rows += 1
-                    # its output index: the outputs so far (pos is its last token's position)
-                    sampled[rid] = [tr.output[end - tr.req.num_prompt_tokens]]
+                num_plain += 1
+                # its output index: the outputs so far (its position is its last token's)
+                sampled[rid] = [tr.output[end - tr.num_prompt_tokens]]
                 continue
+            pos = sr.start_position
             n = sr.num_tokens
             end = pos + n
             empty += -end % bs
@@ -369,6 +369,8 @@ class _Run:
         self.prefill_computed += computed
         context += decode_ends
         pairs += decode_ends
+        decodes += num_plain
+        rows += num_plain
         return sampled, empty, (prefill, decodes, context, pairs, rows)
 
     def tier_step(self, out: SchedulerOutput) -> float:

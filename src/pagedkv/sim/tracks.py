@@ -36,6 +36,7 @@ class Track:
         "draft_rng",
         "first_s",
         "last_s",
+        "num_prompt_tokens",
         "order",
         "output",
         "req",
@@ -57,6 +58,7 @@ class Track:
         self.order = order  # its position in the workload (the records name it so)
         self.tag_samples = tag_samples  # the recorder's samples of this request's tag
         self.req = req
+        self.num_prompt_tokens = req.num_prompt_tokens  # req's, fixed (the hot loop reads it)
         self.arrival_s = req.arrival_time
         self.stops = stops  # it ends with the stop token (max_tokens > output length)
         self.first_s = -1.0  # no token yet
