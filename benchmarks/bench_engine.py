@@ -70,6 +70,7 @@ from _harness import (
     set_clock,
     write_json,
 )
+from _prefill import run_prefill
 from pagedkv.engine import fewrow
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
@@ -77,7 +78,7 @@ from pagedkv.engine.models.projection import Projection
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
 
-FIXTURES = ("decode1", "decode16", "overhead", "ttft", "grow")
+FIXTURES = ("decode1", "decode16", "overhead", "ttft", "prefill", "grow")
 MODEL = {
     "hidden_size": 256,
     "intermediate_size": 704,
@@ -416,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
             speedup = res[1].timing.median_s / res[0].timing.median_s
             footer.append(f"ttft: cached is {speedup:.1f}x faster than uncached (target >= 5x)")
             results += res
+        if "prefill" in only:  # benchmarks/_prefill.py
+            res, lines = run_prefill(model_dir, hf, args.quick)
+            results += res
+            footer += lines
     if "grow" in only:
         results += run_cases(grow_cases(args.quick))
     add_ratios(results)
@@ -425,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.bench == "overhead"
     ]
     for r in results:
-        if r.impl == "transformers" and r.ratio is not None:
+        if r.impl == "transformers" and r.ratio is not None and r.bench.startswith("decode"):
             target = "1/1.2" if r.bench == "decode1" else "1.5"
             footer.append(
                 f"{r.bench}: transformers time / pagedkv time = {r.ratio:.2f} "

@@ -1,0 +1,202 @@
+"""bench_engine's ``prefill`` fixture: uncached prefill against torch.mm's FLOP rate, same run.
+
+What is timed: one request of ``n`` random tokens, ``max_tokens=1``, prefix caching off, one
+engine step (``max_num_batched_tokens`` covers the prompt, so the prefill is not chunked):
+the TTFT of an uncached prompt, sampling and scheduling included. transformers runs the same
+ids through ``model(ids, logits_to_keep=1)`` (its KV cache built, the vocabulary projection
+on the last position only, as pagedkv's runner does), rounds interleaved.
+
+FLOPs counted (:func:`prefill_flops`), per prompt of ``n`` tokens on a model with ``L`` layers,
+``H`` query heads of ``d`` dims, ``K`` KV heads, hidden ``h``, intermediate ``I``, vocab ``V``:
+
+* linear: ``2 * n * in * out`` summed over q/k/v, o, gate/up, down in every layer, that is
+  ``2 * n * L * (h*(H+2K)*d + H*d*h + 2*h*I + I*h)``, plus ``2 * h * V`` (one row's logits);
+* attention, causal: query ``i`` (0-based) reads ``c_i = min(i + 1, window)`` keys, and each
+  (query head, key) pair costs ``2*d`` for ``q.k`` and ``2*d`` for ``p.v``:
+  ``4 * d * H * L * sum_i c_i`` (``= 2 * d * H * L * n * (n + 1)`` without a window). The
+  masked upper triangle is not counted: work spent there is waste, not throughput.
+
+The limit (:func:`mm_limit`): ``torch.mm`` at the model's own linear shapes (``n`` rows
+by each distinct ``[in, out]``), measured in the same process right before the cases, as the
+FLOP-weighted rate (total FLOPs / total median time). float32: ``x @ W`` with ``W [in, out]``
+(the layout pagedkv's projections use). bfloat16: torch's bf16 GEMM in its fastest layout on
+this CPU, ``x @ W.T`` (``F.linear``; ``x @ W`` measured ~8x slower still), both operands bf16.
+A ``--dtype bfloat16`` engine stores bf16 weights and computes in float32 on a CPU without
+bf16 arithmetic (``engine/dtype.py``), so its row is given against both limits.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from _harness import Case, Result
+from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.model_config import ModelConfig
+from pagedkv.engine.sampler import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFlops:
+    """FLOPs of one uncached prefill (the module docstring's formulas)."""
+
+    linear: int  # every decoder linear at n rows, plus the vocabulary projection of one row
+    attention: int  # causal: the lower triangle (a window's band) only
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.attention
+
+
+def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """``[in, out]`` of one layer's linears as pagedkv joins them: q/k/v, o, gate/up, down."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    nh, nkv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    return [(h, (nh + 2 * nkv) * d), (nh * d, h), (h, 2 * inter), (inter, h)]
+
+
+def prefill_flops(cfg: ModelConfig, n: int) -> PrefillFlops:
+    per_row = sum(2 * i * o for i, o in linear_shapes(cfg))
+    linear = n * per_row * cfg.num_hidden_layers + 2 * cfg.hidden_size * cfg.vocab_size
+    pairs = 0  # (query, key) pairs summed over layers, each layer's window applied
+    for layer in range(cfg.num_hidden_layers):
+        window = cfg.layer_window(layer)
+        if window is None:
+            pairs += n * (n + 1) // 2
+        else:
+            pairs += sum(min(i + 1, window) for i in range(n))
+    attention = 4 * cfg.head_dim * cfg.num_attention_heads * pairs
+    return PrefillFlops(linear, attention)
+
+
+def _median_s(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def mm_limit(cfg: ModelConfig, rows: int, dtype: torch.dtype, reps: int) -> float:
+    """torch.mm's FLOP-weighted rate (GFLOP/s) over ``cfg``'s linear shapes at ``rows`` rows
+    (the module docstring: the layout per dtype)."""
+    gen = torch.Generator().manual_seed(0)
+    flops = 0
+    seconds = 0.0
+    for i, o in linear_shapes(cfg):
+        x = torch.randn(rows, i, generator=gen).to(dtype)
+        if dtype is torch.float32:
+            w = torch.randn(i, o, generator=gen)
+            seconds += _median_s(lambda x=x, w=w: torch.mm(x, w), reps)
+        else:
+            w = torch.randn(o, i, generator=gen).to(dtype)
+            seconds += _median_s(lambda x=x, w=w: F.linear(x, w), reps)
+        flops += 2 * rows * i * o
+    return flops / seconds / 1e9
+
+
+def prefill_cases(
+    model_dir: Path, hf: Any, lengths: tuple[int, ...], quick: bool
+) -> tuple[list[Case], ModelConfig]:
+    """Per prompt length: pagedkv float32, pagedkv bfloat16 (bf16 weights, float32 compute)
+    and transformers (its own dtype), rounds interleaved. A case's check raises unless every
+    timed prefill was uncached and one step."""
+    engines = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = EngineConfig(
+            block_size=16, num_blocks=2 * max(lengths) // 16 + 8, max_model_len=4096,
+            max_num_batched_tokens=max(2048, max(lengths)), enable_prefix_caching=False,
+            dtype=dtype,
+        )  # fmt: skip
+        engines[dtype] = LLMEngine.from_model_dir(str(model_dir), cfg)
+    model_cfg = engines["float32"].model.config
+    gen = torch.Generator().manual_seed(2)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    cases: list[Case] = []
+    for n in lengths:
+        prompt = torch.randint(2, model_cfg.vocab_size, (n,), generator=gen).tolist()
+        ids = torch.tensor([prompt])
+        seen: list[tuple[int, int]] = []  # (steps, cached tokens) of each pagedkv prefill
+
+        def ours(engine: LLMEngine, prompt: list[int] = prompt, seen: list = seen) -> None:
+            engine.add_request("p", prompt, one)
+            steps = 0
+            while engine.has_unfinished_requests():
+                steps += 1
+                seen.extend((steps, o.num_cached_tokens) for o in engine.step() if o.finished)
+
+        def theirs(ids: torch.Tensor = ids) -> None:
+            with torch.inference_mode():
+                hf(input_ids=ids, logits_to_keep=1)
+
+        def check(seen: list = seen, n: int = n) -> None:
+            if set(seen) != {(1, 0)}:
+                raise RuntimeError(f"prefill {n}: expected one uncached step each, saw {seen}")
+
+        case = f"prompt={n} uncached"
+        common: dict[str, Any] = {"rounds": 2 if quick else 3, "warmup": 1,
+                                  "interleave": f"prefill{n}"}  # fmt: skip
+        for dtype, engine in engines.items():
+            name = "pagedkv" if dtype == "float32" else "pagedkv bfloat16"
+            cases.append(Case("prefill", case, name, "prompt",
+                              lambda e=engine: ours(e), check=check, **common))  # fmt: skip
+        cases.append(Case("prefill", case, "transformers", "prompt", theirs, **common))
+    return cases, model_cfg
+
+
+def prefill_footer(results: list[Result], cfg: ModelConfig, limits: dict[int, dict[str, float]]
+                   ) -> list[str]:  # fmt: skip
+    """One line per prefill row: ms, achieved GFLOP/s and its share of each limit."""
+    lines = []
+    for r in results:
+        if r.bench != "prefill":
+            continue
+        n = int(r.case.split()[0].removeprefix("prompt="))
+        flops = prefill_flops(cfg, n)
+        gflops = flops.total / r.timing.median_s / 1e9
+        fp32, bf16 = limits[n]["float32"], limits[n]["bfloat16"]
+        share = f"{100 * gflops / fp32:.0f}% of the float32 limit {fp32:.1f}"
+        if r.impl == "pagedkv bfloat16":
+            share += f"; {100 * gflops / bf16:.0f}% of the bf16 limit {bf16:.2f}"
+        lines.append(
+            f"prefill {n}: {r.impl} {r.timing.median_s * 1e3:.0f} ms, {gflops:.1f} GFLOP/s "
+            f"({flops.linear / 1e9:.1f} linear + {flops.attention / 1e9:.1f} attention GFLOP) "
+            f"= {share}"
+        )
+    return lines
+
+
+def run_prefill(model_dir: Path, hf: Any, quick: bool) -> tuple[list[Result], list[str]]:
+    """The fixture's results and footer: the limits are measured right before and right after
+    the cases (the higher reading is used: a limit is the rate the machine showed it can do),
+    at each prompt length's row count."""
+    from _harness import run_cases
+
+    lengths = (256,) if quick else (1024, 256)
+    cases, cfg = prefill_cases(model_dir, hf, lengths, quick)
+
+    def limits() -> dict[int, dict[str, float]]:
+        return {n: {"float32": mm_limit(cfg, n, torch.float32, 3),
+                    "bfloat16": mm_limit(cfg, n, torch.bfloat16, 1)} for n in lengths}  # fmt: skip
+
+    before = limits()
+    results = run_cases(cases)
+    after = limits()
+    best = {n: {k: max(before[n][k], after[n][k]) for k in before[n]} for n in lengths}
+    footer = [
+        f"prefill {n}: torch.mm limit at {n} rows before/after the cases: float32 "
+        f"{before[n]['float32']:.1f}/{after[n]['float32']:.1f}, bf16 "
+        f"{before[n]['bfloat16']:.2f}/{after[n]['bfloat16']:.2f} GFLOP/s"
+        for n in lengths
+    ]
+    return results, footer + prefill_footer(results, cfg, best)
