@@ -149,7 +149,7 @@ def prefill_cases(
         for dtype, engine in engines.items():
             name = "pagedkv" if dtype == "float32" else "pagedkv bfloat16"
             cases.append(Case("prefill", case, name, "prompt",
-                              lambda e=engine: ours(e), check=check, **common))  # fmt: skip
+                              lambda e=engine, f=ours: f(e), check=check, **common))  # fmt: skip
         cases.append(Case("prefill", case, "transformers", "prompt", theirs, **common))
     return cases, model_cfg
 
