@@ -77,17 +77,22 @@ def prefill_flops(cfg: ModelConfig, n: int) -> PrefillFlops:
     return PrefillFlops(linear, attention)
 
 
-def _median_s(fn: Callable[[], object], reps: int) -> float:
+Clock = Callable[[], float]
+CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def _median_s(fn: Callable[[], object], reps: int, clock: Clock) -> float:
+    """Median seconds of ``reps`` calls after one untimed call."""
     fn()
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return statistics.median(times)
 
 
-def mm_limit(cfg: ModelConfig, rows: int, dtype: torch.dtype, reps: int) -> float:
+def mm_limit(cfg: ModelConfig, rows: int, dtype: torch.dtype, reps: int, clock: Clock) -> float:
     """torch.mm's FLOP-weighted rate (GFLOP/s) over ``cfg``'s linear shapes at ``rows`` rows
     (the module docstring: the layout per dtype)."""
     gen = torch.Generator().manual_seed(0)
@@ -97,12 +102,38 @@ def mm_limit(cfg: ModelConfig, rows: int, dtype: torch.dtype, reps: int) -> floa
         x = torch.randn(rows, i, generator=gen).to(dtype)
         if dtype is torch.float32:
             w = torch.randn(i, o, generator=gen)
-            seconds += _median_s(lambda x=x, w=w: torch.mm(x, w), reps)
+            seconds += _median_s(lambda x=x, w=w: torch.mm(x, w), reps, clock)
         else:
             w = torch.randn(o, i, generator=gen).to(dtype)
-            seconds += _median_s(lambda x=x, w=w: F.linear(x, w), reps)
+            seconds += _median_s(lambda x=x, w=w: F.linear(x, w), reps, clock)
         flops += 2 * rows * i * o
     return flops / seconds / 1e9
+
+
+def sdpa_line(cfg: ModelConfig, n: int, reps: int, clock: Clock) -> str:
+    """Whether torch's SDPA skips the masked upper triangle: one layer's causal attention
+    (``is_causal=True``, as pagedkv and transformers call it for a fresh prompt) against the
+    full square (no mask) at the model's heads, ``n`` queries; medians of interleaved runs,
+    and the causal call's rate over the triangle's FLOPs (one layer of :func:`prefill_flops`)."""
+    gen = torch.Generator().manual_seed(3)
+    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = torch.randn(1, nh, n, d, generator=gen)
+    k, v = torch.randn(2, 1, nkv, n, d, generator=gen)
+
+    def attend(causal: bool) -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=nh != nkv)
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(reps):
+        for causal in (True, False):
+            times[causal].append(_median_s(lambda c=causal: attend(c), 1, clock))
+    causal_s, full_s = (statistics.median(times[c]) for c in (True, False))
+    flops = 2 * d * nh * n * (n + 1)
+    return (
+        f"prefill {n}: one layer's SDPA, causal {causal_s * 1e3:.1f} ms vs full square "
+        f"{full_s * 1e3:.1f} ms (ratio {causal_s / full_s:.2f}; 0.5 = only the triangle, 1 = "
+        f"the square); causal {flops / causal_s / 1e9:.1f} GFLOP/s over the triangle's FLOPs"
+    )
 
 
 def prefill_cases(
@@ -176,22 +207,32 @@ def prefill_footer(results: list[Result], cfg: ModelConfig, limits: dict[int, di
     return lines
 
 
-def run_prefill(model_dir: Path, hf: Any, quick: bool) -> tuple[list[Result], list[str]]:
+def run_prefill(
+    model_dir: Path, hf: Any, quick: bool, clock: str
+) -> tuple[list[Result], list[str]]:
     """The fixture's results and footer: the limits are measured right before and right after
     the cases (the higher reading is used: a limit is the rate the machine showed it can do),
-    at each prompt length's row count."""
+    at each prompt length's row count, on the cases' ``clock`` (``cpu``, the thread's CPU
+    time, leaves out the time a shared machine deschedules a 1-thread run; with more threads
+    it would miss the other threads' work, so use ``wall`` there)."""
     from _harness import run_cases
+
+    tick = CLOCKS[clock]
 
     lengths = (256,) if quick else (1024, 256)
     cases, cfg = prefill_cases(model_dir, hf, lengths, quick)
 
     def limits() -> dict[int, dict[str, float]]:
-        return {n: {"float32": mm_limit(cfg, n, torch.float32, 3),
-                    "bfloat16": mm_limit(cfg, n, torch.bfloat16, 1)} for n in lengths}  # fmt: skip
+        dtypes = {"float32": (torch.float32, 3), "bfloat16": (torch.bfloat16, 1)}
+        return {
+            n: {name: mm_limit(cfg, n, dt, reps, tick) for name, (dt, reps) in dtypes.items()}
+            for n in lengths
+        }
 
     before = limits()
     results = run_cases(cases)
     after = limits()
+    sdpa = [sdpa_line(cfg, n, 3, tick) for n in lengths]
     best = {n: {k: max(before[n][k], after[n][k]) for k in before[n]} for n in lengths}
     footer = [
         f"prefill {n}: torch.mm limit at {n} rows before/after the cases: float32 "
@@ -199,4 +240,4 @@ def run_prefill(model_dir: Path, hf: Any, quick: bool) -> tuple[list[Result], li
         f"{before[n]['bfloat16']:.2f}/{after[n]['bfloat16']:.2f} GFLOP/s"
         for n in lengths
     ]
-    return results, footer + prefill_footer(results, cfg, best)
+    return results, footer + sdpa + prefill_footer(results, cfg, best)

@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             footer.append(f"ttft: cached is {speedup:.1f}x faster than uncached (target >= 5x)")
             results += res
         if "prefill" in only:  # benchmarks/_prefill.py
-            res, lines = run_prefill(model_dir, hf, args.quick)
+            res, lines = run_prefill(model_dir, hf, args.quick, args.clock)
             results += res
             footer += lines
     if "grow" in only:
