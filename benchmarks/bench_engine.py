@@ -19,6 +19,13 @@ decode16  16 concurrent requests, prompts of 16..256 tokens (mixed), 64 tokens e
           generated token. transformers: one left-padded batch through ``generate``.
 ttft      TTFT of a 2,048-token prompt (max_tokens=1) whose first 1,920 tokens are cached (a
           previous request computed them) vs uncached (prefix cache reset before each round).
+prefill   uncached prefill of a 1,024- and a 256-token prompt (``--quick``: 256), max_tokens=1,
+          one step: pagedkv float32, pagedkv bfloat16 (bf16 weights, float32 compute) and
+          transformers (``model(ids, logits_to_keep=1)``) interleaved; the footer gives ms,
+          GFLOP/s (linear 2*rows*in*out + the causal triangle's 4*head_dim per query head and
+          key) and the share of torch.mm's float32 and bf16 rates at the model's shapes measured
+          in the same run, and whether SDPA skips the masked triangle (``_prefill.py``; Issue
+          15). With ``--threads 1`` on a shared machine pass ``--clock cpu``.
 overhead  the batch-1 decode step with every linear layer and the vocabulary projection stubbed
           out (each zeroes its output buffer, or returns a cached zero tensor; ``_Stub``): what
           is left is the per-step Python and small-op work (norms, RoPE, K/V write, attention,
