@@ -4,6 +4,8 @@ and masks imply."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -92,3 +94,23 @@ def test_prefill_flops_match_the_model_shapes_and_masks(
     for n in (1, 7, 33):
         got = prefill_flops(config, n)
         assert (got.linear, got.attention) == _brute_force_flops(engine, n)
+
+
+@pytest.mark.slow
+def test_bench_engine_prefill_quick_reports_each_row_against_the_limits(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine.py"
+    out = tmp_path / "prefill.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--only", "prefill", "--quick", "--clock", "cpu",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("prefill 256: ")]
+    for impl in ("pagedkv", "pagedkv bfloat16", "transformers"):
+        assert any(line.startswith(f"prefill 256: {impl} ") and "% of the float32 limit" in line
+                   for line in lines), lines  # fmt: skip
+    assert any("% of the bf16 limit" in line for line in lines), lines
+    assert any("one layer's SDPA, causal" in line for line in lines), lines
+    rows = json.loads(out.read_text())["results"]
+    assert {r["impl"] for r in rows} == {"pagedkv", "pagedkv bfloat16", "transformers"}
