@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ def prefill_flops(cfg: ModelConfig, n: int) -> PrefillFlops:
 
 
 Clock = Callable[[], float]
+Seen = list[tuple[int, int]]
 CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
@@ -102,10 +104,10 @@ def mm_limit(cfg: ModelConfig, rows: int, dtype: torch.dtype, reps: int, clock: 
         x = torch.randn(rows, i, generator=gen).to(dtype)
         if dtype is torch.float32:
             w = torch.randn(i, o, generator=gen)
-            seconds += _median_s(lambda x=x, w=w: torch.mm(x, w), reps, clock)
+            seconds += _median_s(partial(torch.mm, x, w), reps, clock)
         else:
             w = torch.randn(o, i, generator=gen).to(dtype)
-            seconds += _median_s(lambda x=x, w=w: F.linear(x, w), reps, clock)
+            seconds += _median_s(partial(F.linear, x, w), reps, clock)
         flops += 2 * rows * i * o
     return flops / seconds / 1e9
 
@@ -126,7 +128,7 @@ def sdpa_line(cfg: ModelConfig, n: int, reps: int, clock: Clock) -> str:
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(reps):
         for causal in (True, False):
-            times[causal].append(_median_s(lambda c=causal: attend(c), 1, clock))
+            times[causal].append(_median_s(partial(attend, causal), 1, clock))
     causal_s, full_s = (statistics.median(times[c]) for c in (True, False))
     flops = 2 * d * nh * n * (n + 1)
     return (
@@ -157,9 +159,9 @@ def prefill_cases(
     for n in lengths:
         prompt = torch.randint(2, model_cfg.vocab_size, (n,), generator=gen).tolist()
         ids = torch.tensor([prompt])
-        seen: list[tuple[int, int]] = []  # (steps, cached tokens) of each pagedkv prefill
+        seen: Seen = []  # (steps, cached tokens) of each pagedkv prefill
 
-        def ours(engine: LLMEngine, prompt: list[int] = prompt, seen: list = seen) -> None:
+        def ours(engine: LLMEngine, prompt: list[int] = prompt, seen: Seen = seen) -> None:
             engine.add_request("p", prompt, one)
             steps = 0
             while engine.has_unfinished_requests():
@@ -170,7 +172,7 @@ def prefill_cases(
             with torch.inference_mode():
                 hf(input_ids=ids, logits_to_keep=1)
 
-        def check(seen: list = seen, n: int = n) -> None:
+        def check(seen: Seen = seen, n: int = n) -> None:
             if set(seen) != {(1, 0)}:
                 raise RuntimeError(f"prefill {n}: expected one uncached step each, saw {seen}")
 
@@ -179,14 +181,15 @@ def prefill_cases(
                                   "interleave": f"prefill{n}"}  # fmt: skip
         for dtype, engine in engines.items():
             name = "pagedkv" if dtype == "float32" else "pagedkv bfloat16"
-            cases.append(Case("prefill", case, name, "prompt",
-                              lambda e=engine, f=ours: f(e), check=check, **common))  # fmt: skip
+            run = partial(ours, engine)
+            cases.append(Case("prefill", case, name, "prompt", run, check=check, **common))
         cases.append(Case("prefill", case, "transformers", "prompt", theirs, **common))
     return cases, model_cfg
 
 
-def prefill_footer(results: list[Result], cfg: ModelConfig, limits: dict[int, dict[str, float]]
-                   ) -> list[str]:  # fmt: skip
+def prefill_footer(
+    results: list[Result], cfg: ModelConfig, limits: dict[int, dict[str, float]]
+) -> list[str]:
     """One line per prefill row: ms, achieved GFLOP/s and its share of each limit."""
     lines = []
     for r in results:
