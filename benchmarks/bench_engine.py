@@ -25,7 +25,9 @@ prefill   uncached prefill of a 1,024- and a 256-token prompt (``--quick``: 256)
           GFLOP/s (linear 2*rows*in*out + the causal triangle's 4*head_dim per query head and
           key) and the share of torch.mm's float32 and bf16 rates at the model's shapes measured
           in the same run, and whether SDPA skips the masked triangle (``_prefill.py``; Issue
-          15). With ``--threads 1`` on a shared machine pass ``--clock cpu``.
+          15). It runs both pagedkv dtypes whatever ``--dtype`` says; transformers runs in
+          the reference dtype (keep it float32: its CPU bf16 prefill takes minutes). With
+          ``--threads 1`` on a shared machine pass ``--clock cpu``.
 overhead  the batch-1 decode step with every linear layer and the vocabulary projection stubbed
           out (each zeroes its output buffer, or returns a cached zero tensor; ``_Stub``): what
           is left is the per-step Python and small-op work (norms, RoPE, K/V write, attention,
