@@ -19,6 +19,15 @@ decode16  16 concurrent requests, prompts of 16..256 tokens (mixed), 64 tokens e
           generated token. transformers: one left-padded batch through ``generate``.
 ttft      TTFT of a 2,048-token prompt (max_tokens=1) whose first 1,920 tokens are cached (a
           previous request computed them) vs uncached (prefix cache reset before each round).
+prefill   uncached prefill of a 1,024- and a 256-token prompt (``--quick``: 256), max_tokens=1,
+          one step: pagedkv float32, pagedkv bfloat16 (bf16 weights, float32 compute) and
+          transformers (``model(ids, logits_to_keep=1)``) interleaved; the footer gives ms,
+          GFLOP/s (linear 2*rows*in*out + the causal triangle's 4*head_dim per query head and
+          key) and the share of torch.mm's float32 and bf16 rates at the model's shapes measured
+          in the same run, and whether SDPA skips the masked triangle (``_prefill.py``; Issue
+          15). It runs both pagedkv dtypes whatever ``--dtype`` says; transformers runs in
+          the reference dtype (keep it float32: its CPU bf16 prefill takes minutes). With
+          ``--threads 1`` on a shared machine pass ``--clock cpu``.
 overhead  the batch-1 decode step with every linear layer and the vocabulary projection stubbed
           out (each zeroes its output buffer, or returns a cached zero tensor; ``_Stub``): what
           is left is the per-step Python and small-op work (norms, RoPE, K/V write, attention,
@@ -70,6 +79,7 @@ from _harness import (
     set_clock,
     write_json,
 )
+from _prefill import run_prefill
 from pagedkv.engine import fewrow
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
@@ -77,7 +87,7 @@ from pagedkv.engine.models.projection import Projection
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
 
-FIXTURES = ("decode1", "decode16", "overhead", "ttft", "grow")
+FIXTURES = ("decode1", "decode16", "overhead", "ttft", "prefill", "grow")
 MODEL = {
     "hidden_size": 256,
     "intermediate_size": 704,
@@ -416,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
             speedup = res[1].timing.median_s / res[0].timing.median_s
             footer.append(f"ttft: cached is {speedup:.1f}x faster than uncached (target >= 5x)")
             results += res
+        if "prefill" in only:  # benchmarks/_prefill.py
+            res, lines = run_prefill(model_dir, hf, args.quick, args.clock)
+            results += res
+            footer += lines
     if "grow" in only:
         results += run_cases(grow_cases(args.quick))
     add_ratios(results)
@@ -425,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.bench == "overhead"
     ]
     for r in results:
-        if r.impl == "transformers" and r.ratio is not None:
+        if r.impl == "transformers" and r.ratio is not None and r.bench.startswith("decode"):
             target = "1/1.2" if r.bench == "decode1" else "1.5"
             footer.append(
                 f"{r.bench}: transformers time / pagedkv time = {r.ratio:.2f} "
