@@ -122,5 +122,6 @@ def test_pop_victims_is_pop_victim_n_times(ops: list[tuple[str, int]], n: int) -
     assert many.pop_victims(k) == [one.pop_victim() for _ in range(k)] == listed[:k]
     assert list(many) == list(one) == listed[k:]
     assert len(many) == len(one) == len(listed) - k
-    many.push(3 if 3 not in listed[k:] else 15)  # still a well-formed list after the relink
+    free = next(b for b in range(16) if b not in listed[k:])  # a block not listed now
+    many.push(free)  # still a well-formed list after the relink
     assert len(list(many)) == len(many)
