@@ -210,6 +210,24 @@ def test_speculative_decoding_matches_plain(checkpoint: tuple[Path, list[list[in
     assert engine.num_accepted_draft_tokens < engine.num_draft_tokens  # some were rolled back
 
 
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_speculation_keeps_seeded_samples(
+    checkpoint: tuple[Path, list[list[int]]], logprobs: int | None
+) -> None:
+    """Seeded sampling draws the same tokens with drafts as without: the sampler stops at a
+    rejected draft, so each generator advances once per kept token (batch_sampler)."""
+    path, _ = checkpoint
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.7, seed=11, ignore_eos=True, logprobs=logprobs
+    )
+    plain = make_engine(path, block_size=4)
+    want = [g[0] for g in run_engine(plain, PROMPTS, params, stagger=False)]
+    engine = make_engine(path, block_size=4, num_speculative_tokens=3)
+    engine.proposer = OracleProposer(PROMPTS, want)  # right drafts, one wrong in three
+    assert [g[0] for g in run_engine(engine, PROMPTS, params, stagger=False)] == want
+    assert 0 < engine.num_accepted_draft_tokens < engine.num_draft_tokens
+
+
 def test_prompt_lookup_speculation_matches_plain(
     checkpoint: tuple[Path, list[list[int]]],
 ) -> None:

@@ -95,8 +95,11 @@ def test_ngram_proposer_and_acceptance() -> None:
     assert prop.propose([1, 2, 1, 2], limit=1) == [1]
     assert accept_drafts([4, 9, 1], [4, 9, 1, 7]) == [4, 9, 1, 7]
     assert accept_drafts([4, 9, 1], [4, 8, 1, 7]) == [4, 8]
+    assert accept_drafts([4, 9, 1], [4, 8]) == [4, 8]  # a sampler that stopped at the rejection
     with pytest.raises(InvalidRequestError):
         accept_drafts([4], [4])
+    with pytest.raises(InvalidRequestError):
+        accept_drafts([4, 9], [4, 9])  # stopped without a rejection
 
 
 # ---------------------------------------------------------------- tokenizer

@@ -14,7 +14,11 @@
               softmax, then one multinomial draw per sequence with its own generator
 
 Only the draw is a loop over sequences, because each seeded sequence owns its generator (so its
-tokens do not depend on its batch-mates). A sequence whose distribution depends on its history
+tokens do not depend on its batch-mates). A speculative sequence (``drafts``) draws its rows one
+at a time and stops at the first token that differs from its draft: its generator then advances
+once per token it keeps, exactly as plain decoding would, so drafting never changes a seeded
+sequence's tokens (the rows after a rejection are never drawn, and they get no token).
+A sequence whose distribution depends on its history
 (penalties, min_tokens, a grammar) has exactly one row: the engine does not draft for it.
 """
 
@@ -50,6 +54,7 @@ class SampleInput:
     output_ids: Sequence[int] = ()
     stop_ids: Sequence[int] = ()
     bitmask: torch.Tensor | None = None
+    drafts: Sequence[int] = ()  # the inputs of rows 1.. (a speculative decode's drafts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,8 +230,16 @@ def _draw(
     pos = 0
     for i in rand:
         part = probs[pos : pos + counts[i]]
-        drawn = torch.multinomial(part, 1, generator=inputs[i].generator)[:, 0]
-        tokens[i] = [int(t) for t in drawn.tolist()]
+        gen, drafts = inputs[i].generator, inputs[i].drafts
+        if not drafts:
+            drawn = torch.multinomial(part, 1, generator=gen)[:, 0]
+            tokens[i] = [int(t) for t in drawn.tolist()]
+        else:  # row by row until a draft is rejected (the module docstring)
+            for j in range(counts[i]):
+                tok = int(torch.multinomial(part[j : j + 1], 1, generator=gen)[0, 0])
+                tokens[i].append(tok)
+                if j >= len(drafts) or tok != drafts[j]:
+                    break
         pos += counts[i]
     return tokens
 
@@ -277,7 +290,7 @@ def _logprobs(
     out: list[list[TokenLogprob] | None] = [None for _ in inputs]
     if not want:
         return out
-    rows = torch.tensor([r for i in want for r in range(starts[i], starts[i] + counts[i])])
+    rows = torch.tensor([r for i in want for r in range(starts[i], starts[i] + len(tokens[i]))])
     lp = torch.log_softmax(raw[rows.to(raw.device)].float(), dim=-1)
     sampled = torch.tensor([t for i in want for t in tokens[i]], device=lp.device)
     chosen = lp.gather(1, sampled.unsqueeze(1))[:, 0].tolist()
@@ -296,7 +309,7 @@ def _logprobs(
             pairs = tuple(zip(top_ids[r][:ki], top_vals[r][:ki], strict=True))
             recs.append(TokenLogprob(tok, float(chosen[r]), pairs))
         out[i] = recs
-        pos += counts[i]
+        pos += len(tokens[i])
     return out
 
 

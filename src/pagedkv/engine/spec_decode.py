@@ -61,11 +61,14 @@ def accept_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
     token that differs (or the bonus token after all drafts) ends the run. Drawing from the
     target distribution and comparing is exact rejection sampling for a deterministic draft:
     a draft d survives with probability p(d), and on rejection the token is drawn from p
-    restricted to tokens other than d.
+    restricted to tokens other than d. ``sampled`` may stop at its first rejection (the
+    sampler draws no further): fewer than ``len(drafts) + 1`` tokens, the last one a rejection.
     """
-    if len(sampled) != len(drafts) + 1:
+    n = len(sampled)
+    if not 1 <= n <= len(drafts) + 1 or (n <= len(drafts) and sampled[-1] == drafts[n - 1]):
         raise InvalidRequestError(
-            f"{len(drafts)} drafts need {len(drafts) + 1} sampled tokens, got {len(sampled)}"
+            f"{len(drafts)} drafts need {len(drafts) + 1} sampled tokens, or fewer ending at a "
+            f"rejected draft; got {list(sampled)}"
         )
     out: list[int] = []
     for d, s in zip(drafts, sampled, strict=False):

@@ -132,6 +132,7 @@ def _sample_inputs(
                 smp.token_ids,
                 group.stop_token_ids,
                 mask,
+                sr.token_ids[1:] if sr.num_draft_tokens else (),
             )
         )
     return inputs
