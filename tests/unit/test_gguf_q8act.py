@@ -56,10 +56,13 @@ def weight_quants(p: GGUFProjection) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return wq, dw, raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def integer_reference(x: torch.Tensor, p: GGUFProjection) -> tuple[F64, F64]:
+def integer_reference(
+    x: torch.Tensor, p: GGUFProjection, chain: float | None = None
+) -> tuple[F64, F64]:
     """The header's sum in float64 from its exact terms (integer lane dots times the float32
     product ``dw * dx``, Q4_1's ``m * sx``; each exact in float64), and the float32 bound of
-    the kernel's chains: ``(nb + 4) * 2**-24 * sum |terms|`` (+ the bias's rounding)."""
+    a sum whose longest chain of roundings is ``chain`` (default the kernel's, ``nb + 4``):
+    ``chain * 2**-24 * sum |terms|`` (+ the bias's rounding)."""
     q, d, s = numpy_quantize(x.numpy())
     wq, dw, mw = weight_quants(p)
     rows, nb = d.shape
@@ -72,7 +75,8 @@ def integer_reference(x: torch.Tensor, p: GGUFProjection) -> tuple[F64, F64]:
     t1 = scale[..., None] * lanes
     t2 = mw[None, :, :].astype(np.float64) * s[:, None, :].astype(np.float64)
     ref = t1.sum(axis=(2, 3)) + t2.sum(axis=2)
-    bound = (nb + 4) * 2.0**-24 * (np.abs(t1).sum(axis=(2, 3)) + np.abs(t2).sum(axis=2))
+    magnitude = np.abs(t1).sum(axis=(2, 3)) + np.abs(t2).sum(axis=2)
+    bound = (nb + 4 if chain is None else chain) * 2.0**-24 * magnitude
     if p.bias is not None:
         ref = ref + p.bias.double().numpy()
         bound = bound + 2.0**-24 * np.abs(ref)
@@ -154,7 +158,24 @@ def test_portable_path_is_bit_identical_to_the_avx2_one(type_name: str) -> None:
         x = torch.randn(rows, 320, generator=g)
         fast = gguf_q8act.linear(p, x, 1)
         assert torch.equal(fast, gguf_q8act.linear(p, x, 1, portable=True)), rows
-        assert torch.equal(fast, p(x)), rows
+        if rows <= gguf_q8act.MAX_KERNEL_ROWS:
+            assert torch.equal(fast, p(x)), rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", KEPT_TYPES)
+def test_above_the_kernel_rows_the_rounded_activations_go_through_torch_mm(
+    type_name: str,
+) -> None:
+    """Prefill-sized calls: the same rounded activations, dequantize + ``torch.mm``; within
+    the rounding of any summation order (``in`` roundings) plus the activations' products
+    (one each) of the integer reference."""
+    p = _int8(random_projection(type_name, 40, 320, seed=11))
+    x = torch.randn(gguf_q8act.MAX_KERNEL_ROWS + 6, 320, generator=torch.Generator().manual_seed(6))
+    ref, bound = integer_reference(x, p, chain=320 + 10 + 4)
+    err = np.abs(p(x).double().numpy() - ref)
+    assert bool((err <= bound).all()), float(err.max())
+    assert np.abs(gguf_q8act.linear(p, x).double().numpy() - ref).max() <= bound.max()
 
 
 @needs_kernel

@@ -7,9 +7,11 @@ once into blocks of 32 int8 values (a float32 scale and the block's sum per bloc
 exact integer dot per weight block and one float multiply-add per block and lane
 (``csrc/ggml_q8act.c``'s header states the exact operations). The AVX2 path and the portable C
 path give the same bits, and a row's output depends only on that row and the weight (not on
-the call's other rows or the thread split), at every row count: prefill and decode use the
-same arithmetic. The loss against float32 is the activations' rounding: per block of 32 a
-relative error up to ``0.5 / 127`` of the block's largest value (benchmarks/RESULTS.md,
+the call's other rows or the thread split) up to ``MAX_KERNEL_ROWS`` rows. Above (prefill) the
+same rounded activations go through dequantize + ``torch.mm`` (MKL's float32 product beats
+AVX2's integer one there): the same values to within float32 summation order. The loss
+against float32 is the activations' rounding: per block of 32, each value off by at most
+``0.5 / 127`` of the block's largest magnitude (benchmarks/RESULTS.md,
 "Issue 15: 8-bit activations for GGUF": greedy agreement and log-likelihood on the real model).
 
 Because the KV a model writes changes, the option joins the cache namespace
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 
 ACTIVATION_CHOICES = ("float32", "int8")  # EngineConfig.gguf_activations
 _QK = 32
+MAX_KERNEL_ROWS = 64  # above, rounded activations + dequantize/torch.mm tiles (forward)
 _MIN_MACS_PER_THREAD = 1 << 20
 _SOURCE = Path(__file__).with_name("csrc") / "ggml_q8act.c"
 
@@ -129,29 +132,45 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return xq, xd, xs
 
 
-def linear(
-    proj: GGUFProjection, x: torch.Tensor, threads: int | None = None, *, portable: bool = False
-) -> torch.Tensor:
-    """``proj(x)`` with 8-bit activations: float32 ``[rows, out]`` for a float32 ``x`` that
-    :meth:`GGUFProjection.checked_input` accepts. ``threads`` defaults to torch's intra-op
-    count (outputs are split among them; the bits do not change); ``portable`` forces the
-    plain-C path (the same bits)."""
+def forward(proj: GGUFProjection, x: torch.Tensor) -> torch.Tensor:
+    """``proj(x)`` with 8-bit activations (``GGUFProjection.__call__`` with
+    ``activations="int8"``): up to ``MAX_KERNEL_ROWS`` rows the integer kernel (one C call when
+    it needs one thread), above (prefill) the same rounded activations, dequantized, through
+    the float32 layer's dequantize + ``torch.mm`` tiles, where MKL's float32 product is faster
+    than AVX2's integer one (no VNNI): within float32 summation order of the kernel's values,
+    as the exact path is on both sides of its own row limit."""
     rows, in_dim, out = x.shape[0], proj.in_dim, proj.out_dim
     lib = _native.lib
     # one kernel call on this thread (quantize + all outputs in C): ~5 µs of wrapper, not ~20
-    if (
-        lib is not None
-        and not portable
-        and threads is None
-        and native.one_call_input(x, in_dim, rows, rows * out * in_dim, _MIN_MACS_PER_THREAD)
+    if lib is not None and native.one_call_input(
+        x, in_dim, MAX_KERNEL_ROWS, rows * out * in_dim, _MIN_MACS_PER_THREAD
     ):
         y = torch.empty(rows, out, dtype=torch.float32)
         bias = None if proj.bias is None else proj.bias.data_ptr()
         args = (proj.type_code, x.data_ptr(), in_dim, proj.blocks.data_ptr(), bias, y.data_ptr())
-        code = lib.pagedkv_q8_linear_f32(*args, out, rows, in_dim, out)
-        if code:
+        if lib.pagedkv_q8_linear_f32(*args, out, rows, in_dim, out):
             raise MemoryError(f"GGUF int8-activation kernel: no memory for {rows} x {in_dim}")
         return y
+    if rows <= MAX_KERNEL_ROWS:
+        return linear(proj, x)
+    return proj.tiled_mm(rounded_activations(proj.checked_input(x)))
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel sees it: each block's quants times its scale (float32 products)."""
+    xq, xd, _ = quantize_rows(x)
+    rows, nb = xd.shape
+    return (xq.view(rows, nb, _QK).float() * xd[..., None]).view(rows, nb * _QK)
+
+
+def linear(
+    proj: GGUFProjection, x: torch.Tensor, threads: int | None = None, *, portable: bool = False
+) -> torch.Tensor:
+    """The integer kernel at any row count: float32 ``[rows, out]`` for a float32 ``x`` that
+    :meth:`GGUFProjection.checked_input` accepts. ``threads`` defaults to torch's intra-op
+    count (outputs are split among them; the bits do not change); ``portable`` forces the
+    plain-C path (the same bits)."""
+    rows, in_dim, out = x.shape[0], proj.in_dim, proj.out_dim
     x = proj.checked_input(x)
     lib = require_available()
     xq, xd, xs = quantize_rows(x)
