@@ -18,7 +18,9 @@ calling thread would undercount):
   and quantized, tokens/s, the weight bytes each token reads (every linear layer and the
   vocabulary projection), the achieved GB/s and its share of ``copy``;
 * ``x16``: 16 concurrent requests' decode output tokens/s, fp32 and quantized;
-* ``llama.cpp`` (``--peer-llamacpp``): its batch-1 decode tokens/s and pagedkv's against it;
+* ``llama.cpp`` (``--peer-llamacpp``): its batch-1 decode tokens/s and pagedkv's against it,
+  by wall clock and, at 1 thread, by the calling thread's CPU clock (steadier on a shared
+  machine: llama.cpp's single thread is the caller's);
 * ``kernel``: a 576 x 3072 projection at 1 and 16 rows, the quantized kernel against
   ``torch.mm`` on the float32 weight (int8: a random weight; gguf: layer 0's gate/up);
 * quality (once, 1 thread): greedy agreement with the fp32 engine on fixed prompts (32
@@ -111,17 +113,21 @@ def weight_bytes_per_token(model: LlamaModel) -> int:
     return total + model.lm_head.numel() * model.lm_head.element_size()
 
 
-def decode_tok_s(engine: LLMEngine, tokens: int, batch: int = 1) -> float:
+def decode_tok_s(
+    engine: LLMEngine, tokens: int, batch: int = 1, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Greedy decode output tokens/s of ``batch`` concurrent requests (8-token prompts, one
-    prefill step for all, which is excluded)."""
+    prefill step for all, which is excluded), timed by ``clock`` (default wall clock;
+    ``time.thread_time`` counts this thread's CPU time only: at 1 thread on a loaded machine
+    it leaves out the time other jobs hold the core)."""
     params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"bench{i}", list(range(100 + i, 108 + i)), params)
     engine.step()  # the prefill (and the first token)
-    t = time.perf_counter()
+    t = clock()
     while engine.has_unfinished_requests():
         engine.step()
-    return batch * tokens / (time.perf_counter() - t)
+    return batch * tokens / (clock() - t)
 
 
 def greedy(engine: LLMEngine, n: int) -> list[list[int]]:
@@ -184,8 +190,11 @@ def prompt_logliks(engine: LLMEngine) -> list[float]:
     return logliks
 
 
-def try_llamacpp(folder: Path | None, model: Path) -> Callable[[int, int], float] | None:
-    """``run(threads, tokens)`` -> llama.cpp's batch-1 greedy decode tokens/s on ``model``
+Peer = Callable[[int, int, Callable[[], float]], float]
+
+
+def try_llamacpp(folder: Path | None, model: Path) -> Peer | None:
+    """``run(threads, tokens, clock)`` -> llama.cpp's batch-1 greedy decode tokens/s on ``model``
     (a GGUF file), with llama-cpp-python imported from ``folder``; None (and a message) when
     there is no folder, it does not import, or ``model`` is not a GGUF file. One ``Llama`` per
     thread count, built on first use; each run starts from an empty context."""
@@ -204,7 +213,7 @@ def try_llamacpp(folder: Path | None, model: Path) -> Callable[[int, int], float
 
     peers: dict[int, Any] = {}
 
-    def run(threads: int, tokens: int) -> float:
+    def run(threads: int, tokens: int, clock: Callable[[], float]) -> float:
         if threads not in peers:
             peers[threads] = llama_cpp.Llama(
                 str(model), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False
@@ -218,13 +227,34 @@ def try_llamacpp(folder: Path | None, model: Path) -> Callable[[int, int], float
             return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).argmax())
 
         token = greedy_next()
-        t = time.perf_counter()
+        t = clock()
         for _ in range(tokens):
             llm.eval([token])
             token = greedy_next()
-        return tokens / (time.perf_counter() - t)
+        return tokens / (clock() - t)
 
     return run
+
+
+def _peer_round(
+    rows: dict[str, list[float]],
+    peer: Peer,
+    engines: dict[str, LLMEngine],
+    threads: int,
+    tokens: int,
+) -> None:
+    """One side-by-side round: llama.cpp by wall clock; at 1 thread also llama.cpp and every
+    engine by this thread's CPU clock (llama.cpp's one thread is the caller's), interleaved."""
+    rows.setdefault(f"llama.cpp tok/s t{threads}", []).append(
+        peer(threads, tokens, time.perf_counter)
+    )
+    if threads != 1:
+        return
+    rows.setdefault("llama.cpp cpu tok/s t1", []).append(peer(1, tokens, time.thread_time))
+    for name, engine in engines.items():
+        rows.setdefault(f"{name} cpu tok/s t1", []).append(
+            decode_tok_s(engine, tokens, clock=time.thread_time)
+        )
 
 
 Kernel = Callable[[torch.Tensor], object]
@@ -311,9 +341,7 @@ def main() -> None:
         for _ in range(args.rounds):
             rows.setdefault(f"copy GB/s t{threads}", []).append(copy_gbs())
             if peer is not None:
-                rows.setdefault(f"llama.cpp tok/s t{threads}", []).append(
-                    peer(threads, args.tokens)
-                )
+                _peer_round(rows, peer, engines, threads, args.tokens)
             for name, engine in engines.items():
                 rows.setdefault(f"{name} tok/s t{threads}", []).append(
                     decode_tok_s(engine, args.tokens)
@@ -414,11 +442,11 @@ def _print_peer(med: dict[str, float], threads: list[int], names: list[str]) -> 
     table = Table(title="batch-1 decode against llama.cpp on the same GGUF (median tok/s)")
     for col in ("threads", "llama.cpp", *names):
         table.add_column(col, justify="right")
-    for t in threads:
-        peer = med[f"llama.cpp tok/s t{t}"]
-        tok_s = [med[f"{n} tok/s t{t}"] for n in names]
+    for t, clock in [(t, "") for t in threads] + [(1, "cpu ")] * (1 in threads):
+        peer = med[f"llama.cpp {clock}tok/s t{t}"]
+        tok_s = [med[f"{n} {clock}tok/s t{t}"] for n in names]
         cells = [f"{v:.1f} ({v / peer:.2f}x)" for v in tok_s]
-        table.add_row(str(t), f"{peer:.1f}", *cells)
+        table.add_row(f"{t}{' (CPU clock)' if clock else ''}", f"{peer:.1f}", *cells)
     Console().print(table)
 
 

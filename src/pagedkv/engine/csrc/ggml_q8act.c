@@ -169,12 +169,13 @@ static inline __attribute__((always_inline)) __m256 lane_dot(const int type, __m
 
 /* NJ outputs x NR rows, accumulators in named registers (an array made GCC keep them in
  * memory: ggml_qlinear.c). xq/xd/xs and y point at the tile's first row, w at its first
- * output row. Each output row prefetches the block NJ rows ahead (the next tile). */
+ * output row. Each output row prefetches the block NJ rows ahead (the next tile). dw * dx is
+ * one vector multiply of two broadcasts (the scalar product's bits in every lane): the weight
+ * scale broadcast once per block for the NR rows, the activation scale a broadcast load. */
 #define T_ROW(j, r)                                                                          \
     if (NR > r) {                                                                            \
-        const float d = dw * xd[(r) * nb + b];                                               \
-        a##j##r = _mm256_fmadd_ps(_mm256_set1_ps(d), lane_dot(type, u, sgn, xq + (r) * in + k), \
-                                  a##j##r);                                                  \
+        const __m256 d = _mm256_mul_ps(dwv, _mm256_broadcast_ss(xd + (r) * nb + b));         \
+        a##j##r = _mm256_fmadd_ps(d, lane_dot(type, u, sgn, xq + (r) * in + k), a##j##r);    \
         if (type == GQ_Q4_1) m##j##r = fmaf(mw, xs[(r) * nb + b], m##j##r);                  \
     }
 #define T_J(j)                                                                               \
@@ -183,7 +184,7 @@ static inline __attribute__((always_inline)) __m256 lane_dot(const int type, __m
         _mm_prefetch((const char *)((uintptr_t)blk + NJ * row_bytes), _MM_HINT_T0);          \
         __m256i sgn = _mm256_setzero_si256();                                                \
         const __m256i u = unpack(type, blk, &sgn);                                           \
-        const float dw = _cvtsh_ss(*(const uint16_t *)blk);                                  \
+        const __m256 dwv = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)blk));                \
         const float mw = type == GQ_Q4_1 ? _cvtsh_ss(*(const uint16_t *)(blk + 2)) : 0.0f;   \
         T_ROW(j, 0) T_ROW(j, 1)                                                              \
     }
