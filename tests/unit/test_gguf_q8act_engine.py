@@ -64,6 +64,19 @@ def test_engine_layers_take_int8_activations_and_stay_close_to_float32(
     assert together == alone
 
 
+def test_a_refused_quantization_leaves_the_deferred_step_as_it_was(tmp_path: Path) -> None:
+    """A file with nothing to keep: ``quantize("gguf")`` refuses; the model's deferred step is
+    the loader's own again, so the next engine's layers would not inherit int8."""
+    path, _ = write_tiny_gguf(tmp_path, tensor_type="F32")
+    model = load_gguf_model(path)
+    step = model.deferred_quantization["gguf"]
+    config = EngineConfig(num_blocks=64, quantization="gguf", gguf_activations="int8")
+    with pytest.raises(UnsupportedQuantizationError, match="F32"):
+        LLMEngine(model, None, config)
+    assert model.deferred_quantization == {"gguf": step}
+    assert model.quantization is None
+
+
 def test_int8_on_a_folder_checkpoint_or_a_quantized_model_is_refused(tmp_path: Path) -> None:
     path, hf = write_tiny_gguf(tmp_path, tensor_type="Q8_0")
     with pytest.raises(UnsupportedQuantizationError, match=r"gguf_activations='int8'.*not GGUF"):

@@ -23,7 +23,8 @@ the native kernel cannot be built: there is no slow fallback for a speed-only op
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -98,6 +99,21 @@ def set_gguf_activations(model: LlamaModel, gguf_activations: str) -> None:
     require_available()
     with_keyword = cast("Callable[..., None]", step)  # the loader's step takes activations=
     model.deferred_quantization["gguf"] = partial(with_keyword, activations=gguf_activations)
+
+
+@contextmanager
+def deferred_activations(model: LlamaModel, gguf_activations: str) -> Iterator[None]:
+    """:func:`set_gguf_activations` for the ``quantize`` call in the block: when the block
+    raises (the quantization refused), the deferred step is put back as it was, so a later
+    engine on the same model does not inherit this one's activations."""
+    before = dict(model.deferred_quantization)
+    set_gguf_activations(model, gguf_activations)
+    try:
+        yield
+    except BaseException:
+        model.deferred_quantization.clear()
+        model.deferred_quantization.update(before)
+        raise
 
 
 def require_available() -> ctypes.CDLL:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.engine import engine_wiring
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.generation_config import GenerationDefaults
-from pagedkv.engine.gguf_q8act import set_gguf_activations
+from pagedkv.engine.gguf_q8act import deferred_activations, set_gguf_activations
 from pagedkv.engine.host_alloc import tune_host_allocator
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.kv_event_relay import kv_events_snapshot, publish_kv_events, start_kv_events
@@ -93,8 +93,8 @@ class LLMEngine:
             config = replace(config, dtype=str(model.dtype).removeprefix("torch."))
         max_len = engine_wiring.check_max_model_len(config, mcfg)
         if config.quantization is not None and model.quantization != config.quantization:
-            set_gguf_activations(model, config.gguf_activations)  # before the GGUF layers exist
-            model.quantize(config.quantization)  # here, so every loader's model gets it
+            with deferred_activations(model, config.gguf_activations):  # the GGUF layers' mode
+                model.quantize(config.quantization)  # here, so every loader's model gets it
         elif config.gguf_activations != "float32":
             set_gguf_activations(model, config.gguf_activations)  # refuses: already quantized
         if config.linear_kernel != model.linear_kernel:
