@@ -214,15 +214,19 @@ static inline __attribute__((always_inline)) void tile(
 #undef T_J
 #undef T_OUT
 
-/* Outputs [j_begin, j_end) of rows (<= ROW_CHUNK) rows: tiles of 8 x 1 at one row, else of
- * 4 outputs over every pair of rows (the last row alone when odd); the tail outputs one by
- * one. The tile shape changes which registers hold a sum, never its operations. */
-#define ROWS(T)                                                                              \
+/* Outputs [j_begin, j_end) of rows (<= ROW_CHUNK) rows: tiles of NJ1 outputs x 1 row at one
+ * row, else of NJ2 outputs over every pair of rows (the last row alone when odd); the tail
+ * outputs one by one. Q8_0/Q4_0: 8 x 1 and 4 x 2. Q4_1 halves both (4 x 1, 2 x 2): its
+ * per-output scalar offset chains (m * sx) made 8 x 1 need more than the 16 vector
+ * registers, and GCC spilled the accumulators to the stack in the inner loop. The tile shape
+ * changes which registers hold a sum, never its operations. */
+#define TILE(nj, nr, jj) tile(type, nj, nr, q, d, s, in, w + (jj) * rb, bias ? bias + (jj) : NULL, yr + (jj), ldy)
+#define ROWS(T, NJ1, NJ2)                                                                    \
     static void rows_##T(const int8_t *xq, const float *xd, const float *xs, int64_t in,     \
                          const uint8_t *w, const float *bias, float *y, int64_t ldy,         \
                          int64_t rows, int64_t j_begin, int64_t j_end) {                     \
+        const int type = T, nj = rows == 1 ? NJ1 : NJ2;                                      \
         const int64_t nb = in / QK, rb = nb * type_size(T);                                 \
-        const int nj = rows == 1 ? 8 : 4;                                                    \
         for (int64_t j = j_begin; j < j_end; j += nj) {                                      \
             const int left = j_end - j < nj ? (int)(j_end - j) : nj;                         \
             for (int64_t r = 0; r < rows; r += 2) {                                          \
@@ -230,26 +234,23 @@ static inline __attribute__((always_inline)) void tile(
                 const int8_t *q = xq + r * in;                                               \
                 const float *d = xd + r * nb, *s = xs + r * nb;                              \
                 float *yr = y + r * ldy;                                                     \
-                if (left == 8) tile(T, 8, 1, q, d, s, in, w + j * rb, bias ? bias + j : NULL, \
-                                    yr + j, ldy);                                            \
-                else if (left == 4 && nr == 2)                                               \
-                    tile(T, 4, 2, q, d, s, in, w + j * rb, bias ? bias + j : NULL, yr + j, ldy); \
-                else if (left == 4)                                                          \
-                    tile(T, 4, 1, q, d, s, in, w + j * rb, bias ? bias + j : NULL, yr + j, ldy); \
+                if (left == nj && rows == 1) TILE(NJ1, 1, j);                                \
+                else if (left == nj && nr == 2) TILE(NJ2, 2, j);                             \
+                else if (left == nj) TILE(NJ2, 1, j);                                        \
                 else {                                                                       \
                     for (int i = 0; i < left; i++) {                                         \
-                        const float *bi = bias ? bias + j + i : NULL;                        \
-                        if (nr == 2) tile(T, 1, 2, q, d, s, in, w + (j + i) * rb, bi, yr + j + i, ldy); \
-                        else tile(T, 1, 1, q, d, s, in, w + (j + i) * rb, bi, yr + j + i, ldy); \
+                        if (nr == 2) TILE(1, 2, j + i);                                      \
+                        else TILE(1, 1, j + i);                                              \
                     }                                                                        \
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
     }
-ROWS(GQ_Q8_0)
-ROWS(GQ_Q4_0)
-ROWS(GQ_Q4_1)
+ROWS(GQ_Q8_0, 8, 4)
+ROWS(GQ_Q4_0, 8, 4)
+ROWS(GQ_Q4_1, 4, 2)
 #undef ROWS
+#undef TILE
 #endif
 
 /* y [rows, ldy] for outputs [j_begin, j_end) from pagedkv_q8_quantize's xq/xd/xs;
