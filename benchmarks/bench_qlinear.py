@@ -1,8 +1,13 @@
 """Weight-only quantized linears on the real model (SmolLM2-135M-Instruct) against float32:
 decode speed, bytes, bandwidth, the kernel, and quality. ``--quantization int8`` (default):
 int8 per-channel weights of any checkpoint; ``--quantization gguf``: the GGUF file's own Q4_1
-blocks kept quantized (``pagedkv.engine.gguf_qlinear``); ``--quantization int8 gguf``: both,
-interleaved with fp32 in one run (the model is then the GGUF file for all three).
+blocks kept quantized (``pagedkv.engine.gguf_qlinear``); ``gguf-int8``: the same blocks with
+8-bit activations (``--gguf-activations int8``, ``pagedkv.engine.gguf_q8act``); several
+methods (``--quantization int8 gguf gguf-int8``) run interleaved with fp32 in one run (the
+model is then the GGUF file for all of them). ``--peer-llamacpp DIR`` adds llama.cpp on the
+same GGUF file as a row (llama-cpp-python importable from DIR; skipped with a message when it
+is not): an 8-token prompt, then ``--tokens`` single-token ``Llama.eval`` calls with a greedy
+argmax over its logits, interleaved with the engines' rounds.
 
 What it prints (wall clock; the kernels use more than one thread, so the CPU clock of the
 calling thread would undercount):
@@ -13,6 +18,9 @@ calling thread would undercount):
   and quantized, tokens/s, the weight bytes each token reads (every linear layer and the
   vocabulary projection), the achieved GB/s and its share of ``copy``;
 * ``x16``: 16 concurrent requests' decode output tokens/s, fp32 and quantized;
+* ``llama.cpp`` (``--peer-llamacpp``): its batch-1 decode tokens/s and pagedkv's against it,
+  by wall clock and, at 1 thread, by the calling thread's CPU clock (steadier on a shared
+  machine: llama.cpp's single thread is the caller's);
 * ``kernel``: a 576 x 3072 projection at 1 and 16 rows, the quantized kernel against
   ``torch.mm`` on the float32 weight (int8: a random weight; gguf: layer 0's gate/up);
 * quality (once, 1 thread): greedy agreement with the fp32 engine on fixed prompts (32
@@ -34,10 +42,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -51,6 +61,9 @@ from pagedkv.engine.models.llama import LlamaModel
 from pagedkv.engine.models.projection import Projection
 from pagedkv.engine.qlinear import QuantizedProjection, int8_linear, pack, quantize_int8
 from pagedkv.engine.sampler import SamplingParams
+
+# --quantization choice -> (EngineConfig.quantization, EngineConfig.gguf_activations)
+METHODS = {"int8": ("int8", "float32"), "gguf": ("gguf", "float32"), "gguf-int8": ("gguf", "int8")}
 
 TEXTS = (
     "The river rose slowly through the night, and by morning the lower fields were under "
@@ -100,17 +113,21 @@ def weight_bytes_per_token(model: LlamaModel) -> int:
     return total + model.lm_head.numel() * model.lm_head.element_size()
 
 
-def decode_tok_s(engine: LLMEngine, tokens: int, batch: int = 1) -> float:
+def decode_tok_s(
+    engine: LLMEngine, tokens: int, batch: int = 1, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Greedy decode output tokens/s of ``batch`` concurrent requests (8-token prompts, one
-    prefill step for all, which is excluded)."""
+    prefill step for all, which is excluded), timed by ``clock`` (default wall clock;
+    ``time.thread_time`` counts this thread's CPU time only: at 1 thread on a loaded machine
+    it leaves out the time other jobs hold the core)."""
     params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"bench{i}", list(range(100 + i, 108 + i)), params)
     engine.step()  # the prefill (and the first token)
-    t = time.perf_counter()
+    t = clock()
     while engine.has_unfinished_requests():
         engine.step()
-    return batch * tokens / (time.perf_counter() - t)
+    return batch * tokens / (clock() - t)
 
 
 def greedy(engine: LLMEngine, n: int) -> list[list[int]]:
@@ -173,6 +190,73 @@ def prompt_logliks(engine: LLMEngine) -> list[float]:
     return logliks
 
 
+Peer = Callable[[int, int, Callable[[], float]], float]
+
+
+def try_llamacpp(folder: Path | None, model: Path) -> Peer | None:
+    """``run(threads, tokens, clock)`` -> llama.cpp's batch-1 greedy decode tokens/s on ``model``
+    (a GGUF file), with llama-cpp-python imported from ``folder``; None (and a message) when
+    there is no folder, it does not import, or ``model`` is not a GGUF file. One ``Llama`` per
+    thread count, built on first use; each run starts from an empty context."""
+    if folder is None:
+        return None
+    if model.suffix != ".gguf":
+        print(f"--peer-llamacpp skipped: {model} is not a GGUF file (pass --model FILE.gguf)")
+        return None
+    sys.path.insert(0, str(folder))
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        print(f"--peer-llamacpp skipped: llama_cpp does not import from {folder} ({exc})")
+        return None
+    import numpy as np
+
+    peers: dict[int, Any] = {}
+
+    def run(threads: int, tokens: int, clock: Callable[[], float]) -> float:
+        if threads not in peers:
+            peers[threads] = llama_cpp.Llama(
+                str(model), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False
+            )
+        llm = peers[threads]
+        llm.reset()
+        llm.eval(list(range(100, 108)))  # the 8-token prompt, as decode_tok_s
+        vocab = llm.n_vocab()
+
+        def greedy_next() -> int:  # its last logits (the private context: eval keeps none)
+            return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).argmax())
+
+        token = greedy_next()
+        t = clock()
+        for _ in range(tokens):
+            llm.eval([token])
+            token = greedy_next()
+        return tokens / (clock() - t)
+
+    return run
+
+
+def _peer_round(
+    rows: dict[str, list[float]],
+    peer: Peer,
+    engines: dict[str, LLMEngine],
+    threads: int,
+    tokens: int,
+) -> None:
+    """One side-by-side round: llama.cpp by wall clock; at 1 thread also llama.cpp and every
+    engine by this thread's CPU clock (llama.cpp's one thread is the caller's), interleaved."""
+    rows.setdefault(f"llama.cpp tok/s t{threads}", []).append(
+        peer(threads, tokens, time.perf_counter)
+    )
+    if threads != 1:
+        return
+    rows.setdefault("llama.cpp cpu tok/s t1", []).append(peer(1, tokens, time.thread_time))
+    for name, engine in engines.items():
+        rows.setdefault(f"{name} cpu tok/s t1", []).append(
+            decode_tok_s(engine, tokens, clock=time.thread_time)
+        )
+
+
 Kernel = Callable[[torch.Tensor], object]
 
 
@@ -180,8 +264,8 @@ def _kernels(
     method: str, engines: dict[str, LLMEngine], g: torch.Generator
 ) -> tuple[Kernel, Kernel]:
     """(float32 ``torch.mm``, the quantized kernel) on a 576 x 3072 weight."""
-    if method == "gguf":
-        dense, kept = (engines[k].runner.model._gate_up[0] for k in ("fp32", "gguf"))
+    if method.startswith("gguf"):
+        dense, kept = (engines[k].runner.model._gate_up[0] for k in ("fp32", method))
         assert isinstance(dense, Projection)
         assert isinstance(kept, GGUFProjection)
         return dense, kept
@@ -199,8 +283,8 @@ def _quality(method: str, ckpt: Path, engines: dict[str, LLMEngine]) -> dict[str
     ref, got = (torch.tensor(prompt_logliks(e), dtype=torch.float64) for e in engines.values())
     return {
         "loglik_fp32_mean": float(ref.mean()),
-        "loglik_gguf_minus_fp32_mean": float((got - ref).mean()),
-        "loglik_gguf_minus_fp32_max_abs": float((got - ref).abs().max()),
+        f"loglik_{method}_minus_fp32_mean": float((got - ref).mean()),
+        f"loglik_{method}_minus_fp32_max_abs": float((got - ref).abs().max()),
         "loglik_tokens": int(ref.numel()),
     }
 
@@ -218,7 +302,7 @@ def _model_path(args: argparse.Namespace) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quantization", choices=("int8", "gguf"), nargs="+", default=["int8"])
+    ap.add_argument("--quantization", choices=tuple(METHODS), nargs="+", default=["int8"])
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/pagedkv-smollm2-f32"))
     ap.add_argument(
         "--model",
@@ -231,13 +315,23 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24, help="decode tokens per round")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--peer-llamacpp",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also time llama.cpp on the same GGUF (llama-cpp-python importable from DIR)",
+    )
     args = ap.parse_args()
     methods: list[str] = list(dict.fromkeys(args.quantization))
     ckpt = _model_path(args)
     cfg = EngineConfig(num_blocks=256, max_model_len=512, enable_prefix_caching=False)
     engines = {"fp32": LLMEngine.from_model_dir(str(ckpt), cfg)}
     for m in methods:
-        engines[m] = LLMEngine.from_model_dir(str(ckpt), replace(cfg, quantization=m))
+        quant, acts = METHODS[m]
+        mcfg = replace(cfg, quantization=quant, gguf_activations=acts)
+        engines[m] = LLMEngine.from_model_dir(str(ckpt), mcfg)
+    peer = try_llamacpp(args.peer_llamacpp, ckpt)
     nbytes = {k: weight_bytes_per_token(e.runner.model) for k, e in engines.items()}
     g = torch.Generator().manual_seed(0)
     kernels = {m: _kernels(m, engines, g) for m in methods}
@@ -246,6 +340,8 @@ def main() -> None:
         torch.set_num_threads(threads)
         for _ in range(args.rounds):
             rows.setdefault(f"copy GB/s t{threads}", []).append(copy_gbs())
+            if peer is not None:
+                _peer_round(rows, peer, engines, threads, args.tokens)
             for name, engine in engines.items():
                 rows.setdefault(f"{name} tok/s t{threads}", []).append(
                     decode_tok_s(engine, args.tokens)
@@ -283,6 +379,8 @@ def main() -> None:
         if args.json:
             print(json.dumps(result, indent=2))
         _print(med, nbytes, args.threads, result, method)
+    if peer is not None:
+        _print_peer(med, args.threads, list(engines))
 
 
 def _print(
@@ -293,7 +391,7 @@ def _print(
     method: str,
 ) -> None:
     console = Console()
-    weights = " Q4_1" if method == "gguf" else ""
+    weights = " Q4_1" if method.startswith("gguf") else ""
     table = Table(title=f"batch-1 decode, SmolLM2-135M{weights} (median of interleaved rounds)")
     for col in ("threads", "weights", "MB/token", "tok/s", "GB/s", "% of copy", "vs fp32"):
         table.add_column(col, justify="right")
@@ -319,7 +417,7 @@ def _print(
         a, b = med[f"fp32 x16 tok/s t{t}"], med[f"{method} x16 tok/s t{t}"]
         bt.add_row(str(t), f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}x")
     console.print(bt)
-    what = "layer 0 gate/up (576 x 3072): Q4_1" if method == "gguf" else "576 x 3072: int8"
+    what = "layer 0 gate/up (576 x 3072): Q4_1" if method.startswith("gguf") else "576 x 3072: int8"
     kt = Table(title=f"{what} kernel vs torch.mm fp32 (ms, median)")
     for col in ("threads", "rows", "fp32 mm", f"{method} kernel", "speed-up"):
         kt.add_column(col, justify="right")
@@ -338,6 +436,18 @@ def _print(
         + ("" if max_abs is None else f" (max |diff| {max_abs:.2e})")
         + f" nats over {result['loglik_tokens']} tokens"
     )
+
+
+def _print_peer(med: dict[str, float], threads: list[int], names: list[str]) -> None:
+    table = Table(title="batch-1 decode against llama.cpp on the same GGUF (median tok/s)")
+    for col in ("threads", "llama.cpp", *names):
+        table.add_column(col, justify="right")
+    for t, clock in [(t, "") for t in threads] + [(1, "cpu ")] * (1 in threads):
+        peer = med[f"llama.cpp {clock}tok/s t{t}"]
+        tok_s = [med[f"{n} {clock}tok/s t{t}"] for n in names]
+        cells = [f"{v:.1f} ({v / peer:.2f}x)" for v in tok_s]
+        table.add_row(f"{t}{' (CPU clock)' if clock else ''}", f"{peer:.1f}", *cells)
+    Console().print(table)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pagedkv.config import check_invariants_default
 from pagedkv.core.hashing import HashAlgo
 from pagedkv.engine.fewrow import check_linear_kernel
+from pagedkv.engine.gguf_q8act import check_activations
 from pagedkv.engine.kv_cache import parse_dtype
 from pagedkv.engine.qlinear import check_quantization
 from pagedkv.errors import InvalidRequestError
@@ -36,7 +37,10 @@ class EngineConfig:
     engine is built out of Python's cyclic collector (``gc.freeze()``), so collections while
     serving don't rescan the model and the imported libraries. ``quantization="int8"``
     keeps the linear layers' weights int8 per output channel (CPU, float32 only:
-    ``pagedkv.engine.qlinear``). ``linear_kernel="native"`` runs the float32 linear layers
+    ``pagedkv.engine.qlinear``); ``quantization="gguf"`` keeps a .gguf file's Q8_0/Q4_0/Q4_1
+    linears as its blocks, and with ``gguf_activations="int8"`` they compute with 8-bit
+    activations (llama.cpp's arithmetic, not exact: ``pagedkv.engine.gguf_q8act``).
+    ``linear_kernel="native"`` runs the float32 linear layers
     and vocabulary projection at 2..32 rows (decode steps) through a batch-invariant C kernel
     (``pagedkv.engine.fewrow``; CPU float32), ``"torch"`` keeps ``torch.mm``.
 
@@ -68,6 +72,7 @@ class EngineConfig:
     batched_decode: bool = True
     decode_kernel: str = "auto"  # "auto" | "torch" | "native" (see pagedkv.engine.native)
     quantization: str | None = None  # None | "int8" | "gguf" (pagedkv.engine.qlinear)
+    gguf_activations: str = "float32"  # "float32" | "int8" (gguf only: engine.gguf_q8act)
     linear_kernel: str = "torch"  # "torch" | "native": few-row fp32 matmuls (engine.fewrow)
     watermark: float = 0.01
     reservation: str = "max_tokens"
@@ -103,6 +108,7 @@ class EngineConfig:
         if self.dtype != "auto":
             parse_dtype(self.dtype)  # raises InvalidRequestError naming the choices
         check_quantization(self.quantization, self.dtype, self.device)
+        check_activations(self.gguf_activations, self.quantization)
         check_linear_kernel(self.linear_kernel, self.device, self.quantization)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")

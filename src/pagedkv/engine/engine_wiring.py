@@ -105,12 +105,14 @@ def build_sections(config: EngineConfig, mcfg: ModelConfig, max_len: int) -> Eng
     return EngineSections(spec, cache_cfg, sched_cfg, layout, num_blocks)
 
 
-def cache_namespace(model_id: str, model: LlamaModel) -> str:
+def cache_namespace(model_id: str, model: LlamaModel, gguf_activations: str = "float32") -> str:
     """The prefix-hash root and the tiers' namespace: ``model_id`` (the checkpoint's
     fingerprint unless the user named one), plus what else decides the KV a block holds:
 
     - a weight quantization (``int8``, ``gguf``) computes with other weights than the
       checkpoint's, so its KV is another model's;
+    - 8-bit activations on the GGUF layers (``gguf_activations="int8"``) round each layer's
+      input, so its KV differs from the float32 path's by more than float32 rounding;
     - a compute dtype other than the weights' (bf16 weights widened and computed in float32,
       against torch's bf16 ops where the kernel does not build) writes other values into a
       cache of the same dtype.
@@ -123,6 +125,8 @@ def cache_namespace(model_id: str, model: LlamaModel) -> str:
     suffix = []
     if model.quantization is not None:
         suffix.append(f"quant={model.quantization}")
+    if gguf_activations != "float32":
+        suffix.append(f"act={gguf_activations}")
     if model.compute_dtype is not model.dtype:
         suffix.append(f"compute={str(model.compute_dtype).removeprefix('torch.')}")
     if not suffix:

@@ -28,7 +28,7 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -202,9 +202,13 @@ def load_gguf_model(
     return model
 
 
-def _keep_quantized(model: LlamaModel, *, tensors: dict[str, Any], path: Path) -> None:
-    """Install :class:`GGUFProjection` s for the kept tensors (module docstring). Raises
-    UnsupportedQuantizationError when no linear layer's tensor has a kept type."""
+def _keep_quantized(
+    model: LlamaModel, *, tensors: dict[str, Any], path: Path, activations: str = "float32"
+) -> None:
+    """Install :class:`GGUFProjection` s for the kept tensors (module docstring), computing
+    with ``activations`` (``"int8"``: :mod:`pagedkv.engine.gguf_q8act`, set by
+    ``gguf_q8act.set_gguf_activations``). Raises UnsupportedQuantizationError when no linear
+    layer's tensor has a kept type."""
     config = model.config
     kept: dict[str, GGUFProjection] = {}
     for name, info in tensors.items():
@@ -216,7 +220,7 @@ def _keep_quantized(model: LlamaModel, *, tensors: dict[str, Any], path: Path) -
         if config.model_type in PERMUTED_QK_ARCHS and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             proj = GGUFProjection(type_name, unpermute_qk(proj.blocks, heads).contiguous(), in_dim)
-        kept[hf_tensor_name(name).removesuffix(".weight")] = proj
+        kept[hf_tensor_name(name).removesuffix(".weight")] = replace(proj, activations=activations)
 
     def make(prefixes: list[str]) -> GGUFProjection | None:
         parts = [kept.get(p) for p in prefixes]
@@ -224,9 +228,7 @@ def _keep_quantized(model: LlamaModel, *, tensors: dict[str, Any], path: Path) -
             return None
         bias = [model.weights.get(f"{p}.bias") for p in prefixes]
         with_bias = [
-            p
-            if b is None
-            else GGUFProjection(p.type_name, p.blocks, p.in_dim, b.float().contiguous())
+            p if b is None else replace(p, bias=b.float().contiguous())
             for p, b in zip(parts, bias, strict=True)
             if p is not None
         ]

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedkv.engine import native
+from pagedkv.engine import gguf_q8act, native
 from pagedkv.engine.gguf_quants import dequantize
 from pagedkv.engine.qlinear import UnsupportedQuantizationError
 from pagedkv.errors import InvalidRequestError
@@ -83,12 +83,15 @@ def has_avx2() -> bool:
 class GGUFProjection:
     """``x @ W.T + bias`` for float32 ``x [rows, in]``, ``W [out, in]`` kept as GGUF blocks:
     ``blocks`` is uint8 ``[out, in / 32 * type bytes]`` (contiguous, row ``j`` = output ``j``),
-    ``bias`` float32 ``[out]`` or None. Validated once here, so a call checks only ``x``."""
+    ``bias`` float32 ``[out]`` or None. ``activations="int8"`` computes with
+    :mod:`pagedkv.engine.gguf_q8act`'s 8-bit activations instead of the exact float32 path.
+    Validated once here, so a call checks only ``x``."""
 
     type_name: str
     blocks: torch.Tensor
     in_dim: int
     bias: torch.Tensor | None = None
+    activations: str = "float32"  # "int8": gguf_q8act's 8-bit activations (not exact)
     _code: int = field(init=False, repr=False, compare=False)  # the C type code (KEPT_TYPES)
 
     def __post_init__(self) -> None:
@@ -118,7 +121,13 @@ class GGUFProjection:
                 f"{self.in_dim} (needs uint8 [out, {row_bytes}], in_dim a multiple of 32), "
                 f"bias {None if bias is None else tuple(bias.shape)}"
             )
+        gguf_q8act.check_activations(self.activations, "gguf")
         object.__setattr__(self, "_code", KEPT_TYPES.index(self.type_name))
+
+    @property
+    def type_code(self) -> int:
+        """The C kernels' code of ``type_name`` (its index in ``KEPT_TYPES``)."""
+        return self._code
 
     @property
     def out_dim(self) -> int:
@@ -130,6 +139,8 @@ class GGUFProjection:
         return self.blocks.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations == "int8":
+            return gguf_q8act.forward(self, x)
         rows, in_dim, out = x.shape[0], self.in_dim, self.blocks.shape[0]
         lib = _native.lib
         # one kernel call, nothing to split: the wrapper's ~15 µs of checks cut to ~5
@@ -147,7 +158,7 @@ class GGUFProjection:
             return self.native(x)
         return self.tiled_mm(x)
 
-    def _check(self, x: torch.Tensor) -> torch.Tensor:
+    def checked_input(self, x: torch.Tensor) -> torch.Tensor:
         if (
             x.dtype is not torch.float32
             or x.device.type != "cpu"
@@ -158,7 +169,7 @@ class GGUFProjection:
                 f"GGUF {self.type_name} kernel: input {tuple(x.shape)} {x.dtype} on {x.device} "
                 f"for a [{self.out_dim}, {self.in_dim}] weight (needs float32 on the CPU)"
             )
-        return x.contiguous()
+        return x.contiguous()  # float32 [rows, in_dim] on the CPU, else InvalidRequestError
 
     def native(
         self, x: torch.Tensor, threads: int | None = None, *, portable: bool = False
@@ -168,7 +179,7 @@ class GGUFProjection:
         lib = _native.load()
         if lib is None:
             raise InvalidRequestError(f"the native GGUF kernel is unavailable: {_native.error}")
-        x = self._check(x)
+        x = self.checked_input(x)
         rows, out = x.shape[0], self.out_dim
         y = torch.empty(rows, out, dtype=torch.float32)
         fn = lib.pagedkv_ggml_qlinear
@@ -207,7 +218,7 @@ class GGUFProjection:
     def tiled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize ``_TILE_OUT`` output rows at a time and ``torch.mm`` each tile (memory
         bounded by one tile, not the whole float32 weight)."""
-        x = self._check(x)
+        x = self.checked_input(x)
         y = torch.empty(x.shape[0], self.out_dim, dtype=torch.float32)
         for j in range(0, self.out_dim, _TILE_OUT):
             stop = min(j + _TILE_OUT, self.out_dim)
@@ -228,7 +239,10 @@ def concat_rows(parts: list[GGUFProjection]) -> GGUFProjection:
     rows stacked, as :class:`pagedkv.engine.models.projection.Projection` stacks float weights.
     Raises UnsupportedQuantizationError when the parts differ in type or input size."""
     first = parts[0]
-    if any(p.type_name != first.type_name or p.in_dim != first.in_dim for p in parts):
+    if any(
+        (p.type_name, p.in_dim, p.activations) != (first.type_name, first.in_dim, first.activations)
+        for p in parts
+    ):
         shown = ", ".join(f"{p.type_name} [{p.out_dim}, {p.in_dim}]" for p in parts)
         raise UnsupportedQuantizationError(f"cannot stack GGUF projections {shown}")
     biases = [p.bias for p in parts]
@@ -238,7 +252,7 @@ def concat_rows(parts: list[GGUFProjection]) -> GGUFProjection:
             [torch.zeros(p.out_dim) if b is None else b for p, b in zip(parts, biases, strict=True)]
         )
     blocks = torch.cat([p.blocks for p in parts]).contiguous()
-    return GGUFProjection(first.type_name, blocks, first.in_dim, bias)
+    return GGUFProjection(first.type_name, blocks, first.in_dim, bias, first.activations)
 
 
 def from_gguf_bytes(type_name: str, data: np.ndarray, out_dim: int, in_dim: int) -> GGUFProjection:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.engine import engine_wiring
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.generation_config import GenerationDefaults
+from pagedkv.engine.gguf_q8act import deferred_activations, set_gguf_activations
 from pagedkv.engine.host_alloc import tune_host_allocator
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.kv_event_relay import kv_events_snapshot, publish_kv_events, start_kv_events
@@ -97,11 +98,15 @@ class LLMEngine:
             config = replace(config, dtype=str(model.dtype).removeprefix("torch."))
         max_len = engine_wiring.check_max_model_len(config, mcfg)
         if config.quantization is not None and model.quantization != config.quantization:
-            model.quantize(config.quantization)  # here, so every loader's model gets it
+            with deferred_activations(model, config.gguf_activations):  # the GGUF layers' mode
+                model.quantize(config.quantization)  # here, so every loader's model gets it
+        elif config.gguf_activations != "float32":
+            set_gguf_activations(model, config.gguf_activations)  # refuses: already quantized
         if config.linear_kernel != model.linear_kernel:
             model.set_linear_kernel(config.linear_kernel)
         # what decides the KV content besides the checkpoint joins its id (cache_namespace)
-        config = replace(config, model_id=engine_wiring.cache_namespace(config.model_id, model))
+        namespace = engine_wiring.cache_namespace(config.model_id, model, config.gguf_activations)
+        config = replace(config, model_id=namespace)
         self.config = config
         sections = engine_wiring.build_sections(config, mcfg, max_len)
         self.tier_io = TierIO.try_build(config.tiers, sections.layout, offload)  # see close()

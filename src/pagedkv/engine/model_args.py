@@ -15,6 +15,7 @@ vLLM's names are the primary spelling; pagedkv's earlier spellings stay as alias
     --seed N                                --threads N (torch intra-op threads)
     --quantization int8|gguf                int8 weight-only linears (pagedkv.engine.qlinear);
                                             gguf: keep a .gguf file's Q8_0/Q4_0/Q4_1 blocks
+    --gguf-activations float32|int8         int8: 8-bit activations on those (engine.gguf_q8act)
 
 Exit codes, the same for every command: 2 for bad usage (argparse's, also for a flag value
 :class:`EngineConfig` rejects), 1 for a failure while running (a model folder that cannot be
@@ -30,6 +31,7 @@ import sys
 from pagedkv.engine.dtype import DTYPE_CHOICES
 from pagedkv.engine.engine_config import PREFIX_HASH_ALGOS, EngineConfig
 from pagedkv.engine.fewrow import LINEAR_KERNEL_CHOICES
+from pagedkv.engine.gguf_q8act import ACTIVATION_CHOICES
 from pagedkv.engine.native import add_decode_kernel_argument
 from pagedkv.engine.qlinear import QUANTIZATION_CHOICES
 from pagedkv.errors import PagedKVError
@@ -111,6 +113,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "Q8_0/Q4_0/Q4_1 linears kept quantized (CPU, float32)",
     )
     parser.add_argument(
+        "--gguf-activations",
+        default="float32",
+        choices=ACTIVATION_CHOICES,
+        help="with --quantization gguf: float32 (exact, default) or int8 (activations rounded "
+        "to 8 bits per block of 32 and integer dot products, as llama.cpp; faster, not exact)",
+    )
+    parser.add_argument(
         "--linear-kernel",
         default="torch",
         choices=LINEAR_KERNEL_CHOICES,
@@ -165,6 +174,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             num_speculative_tokens=args.num_speculative_tokens,
             decode_kernel=args.decode_kernel,
             quantization=args.quantization,
+            gguf_activations=args.gguf_activations,
             linear_kernel=args.linear_kernel,
             chat_template=args.chat_template,
             generation_config=args.generation_config,

@@ -3,7 +3,8 @@ build-once :class:`LazyLibrary` every kernel module loads through.
 
 A kernel is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``) into a per-user
 cache (``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv``), keyed by the source, the flags, the
-compiler and the CPU, so a copy built for another machine is never loaded. Without a compiler,
+compiler and the CPU (the source's bytes include the ``csrc/*.h`` headers beside it), so a copy
+built for another machine, or from other headers, is never loaded. Without a compiler,
 or when the build (or a module's load-time check) fails, the library is unavailable: the reason
 is logged once and the caller keeps its torch/numpy path.
 """
@@ -73,7 +74,9 @@ def compile_library(source_path: Path, flag_sets: FlagSets = FLAG_SETS) -> ctype
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
-    source = source_path.read_bytes()
+    # the headers next to the source (shared helpers it may include) are part of its key
+    headers = [h.read_bytes() for h in sorted(source_path.parent.glob("*.h"))]
+    source = b"\0".join([source_path.read_bytes(), *headers])
     stem = source_path.stem
     errors = []
     for cflags, ldflags in flag_sets:

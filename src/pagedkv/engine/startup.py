@@ -44,6 +44,8 @@ def startup_line(engine: LLMEngine, model: str) -> str:
     kernel = "native" if engine.runner.uses_native_decode() else "torch"
     fingerprint = cfg.model_id[:21] + ("..." if len(cfg.model_id) > 21 else "")
     quant = f", {cfg.quantization} weights" if cfg.quantization else ""
+    if cfg.gguf_activations != "float32":
+        quant += f", {cfg.gguf_activations} activations"
     return (
         f"pagedkv: model {model} ({mcfg.model_type}, {fingerprint}) | dtype {cfg.dtype}{quant} | "
         f"context {engine.max_model_len} tokens | KV pool {num_blocks} blocks x "

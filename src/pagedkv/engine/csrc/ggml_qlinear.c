@@ -42,6 +42,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggml_f16.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define GQ_AVX2 1
@@ -55,29 +57,6 @@ enum { GQ_Q8_0 = 0, GQ_Q4_0 = 1, GQ_Q4_1 = 2 };
 
 static inline int64_t type_size(int type) {
     return type == GQ_Q8_0 ? 34 : type == GQ_Q4_0 ? 18 : type == GQ_Q4_1 ? 20 : -1;
-}
-
-/* IEEE half -> float, exact (subnormals, inf, nan included). */
-static inline float f16_to_f32(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        int e = -1;
-        do {
-            man <<= 1;
-            e++;
-        } while (!(man & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
 }
 
 /* The 32 dequantized values of one block (the reference the kernels match). */
