@@ -11,7 +11,8 @@ second, ``argtypes``-free function object of the same symbol with them (as
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -40,12 +41,10 @@ class BoundKernel:
         keep: tuple[object, ...],
         kernel: str,
     ) -> None:
-        types = getattr(lib, symbol).argtypes
+        fn, types = _raw(lib, symbol)
         if not parts or types is None or any(len(p) != len(types) for p in parts):
             raise InvalidRequestError(f"{kernel}: {len(parts)} argument sets for {symbol}")
         self._args = [tuple(t(v) for t, v in zip(types, p, strict=True)) for p in parts]
-        fn = lib[symbol]  # a new function object: no argtypes, so nothing converted per call
-        fn.restype = ctypes.c_int
         self._fn, self.out, self._keep, self._kernel = fn, out, keep, kernel
 
     def __call__(self) -> torch.Tensor:
@@ -60,6 +59,15 @@ class BoundKernel:
         if failed:
             raise InvalidRequestError(f"{self._kernel} rejected its inputs (a bad range)")
         return self.out
+
+
+@functools.cache
+def _raw(lib: ctypes.CDLL, symbol: str) -> tuple[Callable[..., int], Sequence[type] | None]:
+    """``symbol`` as a second function object without ``argtypes`` (so a call converts
+    nothing), and the typed function's ``argtypes``; one per library and symbol."""
+    fn = lib[symbol]
+    fn.restype = ctypes.c_int
+    return fn, getattr(lib, symbol).argtypes
 
 
 def fits(x: torch.Tensor, out: torch.Tensor, in_dim: int, out_dim: int, max_rows: int) -> bool:
