@@ -399,7 +399,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         """``forward`` with the native layer ops (the module docstring): the same bits. Every
         intermediate lives in a buffer reused by each layer, and by the next step of the same
-        size (``ModelLayerOps.step``); the residual stream ``h`` is updated in place."""
+        size (``ModelLayerOps.step``), and so do the linear calls bound to those buffers
+        (``_bound_linears``); the residual stream ``h`` is updated in place."""
         cfg, ops = self.config, self._layer_ops
         assert ops is not None
         self._ensure_rope(meta)
