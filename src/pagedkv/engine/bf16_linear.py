@@ -28,12 +28,14 @@ contract) and is not written, for want of a CPU to test it on.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from pagedkv.engine import native
+from pagedkv.engine import bound_call, native
+from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.errors import InvalidRequestError
 
 MAX_ROWS = 32  # rows the kernel takes; more go to torch.mm over a widened copy
@@ -172,15 +174,49 @@ def linear_nt(
     return y
 
 
+def bind_into(
+    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+) -> BoundKernel | None:
+    """``linear(x, weight_t, bias, out)`` as a call with every argument converted once, for
+    buffers kept across steps: the same kernel and column split at torch's intra-op thread
+    count now, so the same bits. None when the kernel is unavailable or the tensors do not fit
+    it as they are (contiguous float32 ``x [rows <= MAX_ROWS, in]`` and ``out``, a bfloat16
+    ``weight_t`` with unit column stride, a contiguous float32 ``bias [out]``)."""
+    lib = _native.load()
+    in_dim, cols = weight_t.shape
+    if (
+        lib is None
+        or weight_t.dtype is not torch.bfloat16
+        or weight_t.stride(1) != 1
+        or not bound_call.fits(x, out, in_dim, cols, MAX_ROWS)
+        or (bias is not None and (bias.shape != (cols,) or bias.dtype is not torch.float32))
+        or (bias is not None and not bias.is_contiguous())
+    ):
+        return None
+    rows = x.shape[0]
+    b = None if bias is None else bias.data_ptr()
+    head = (x.data_ptr(), in_dim, weight_t.data_ptr(), weight_t.stride(0), b, out.data_ptr(),
+            cols, rows, in_dim, cols)  # fmt: skip
+    cuts = _cuts(cols, rows * in_dim, None)
+    parts = [(*head, a, b) for a, b in itertools.pairwise(cuts)]
+    keep = (x, weight_t, bias)
+    return BoundKernel(lib, "pagedkv_bf16_nn", parts, out, keep, "bf16 linear kernel")
+
+
+def _cuts(cols: int, macs_per_col: int, threads: int | None) -> list[int]:
+    """Column cut points ``[0, ..., cols]``: at most ``threads`` runs (torch's intra-op count
+    by default), each of at least ``_MIN_MACS_PER_THREAD`` multiply-adds, on 16-column
+    panels."""
+    n = torch.get_num_threads() if threads is None else threads
+    parts = max(1, min(n, cols // _COLUMN_ALIGN, cols * macs_per_col // _MIN_MACS_PER_THREAD))
+    if parts == 1:
+        return [0, cols]
+    step = -(-cols // (parts * _COLUMN_ALIGN)) * _COLUMN_ALIGN
+    return [*range(0, cols, step), cols]
+
+
 def _run_split(
     run: Callable[[int, int], int], cols: int, macs_per_col: int, threads: int | None
 ) -> None:
-    """Columns ``[0, cols)`` in at most ``threads`` runs (torch's intra-op count by default),
-    each of at least ``_MIN_MACS_PER_THREAD`` multiply-adds; the first on this thread."""
-    n = torch.get_num_threads() if threads is None else threads
-    parts = max(1, min(n, cols // _COLUMN_ALIGN, cols * macs_per_col // _MIN_MACS_PER_THREAD))
-    cuts = [0, cols]
-    if parts > 1:
-        step = -(-cols // (parts * _COLUMN_ALIGN)) * _COLUMN_ALIGN
-        cuts = [*range(0, cols, step), cols]
-    native.run_ranges(run, cuts, "bf16 linear kernel")
+    """``run`` over the column ranges of :func:`_cuts`; the first on this thread."""
+    native.run_ranges(run, _cuts(cols, macs_per_col, threads), "bf16 linear kernel")

@@ -29,13 +29,15 @@ float32 (:class:`UnsupportedQuantizationError`).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pagedkv.engine import native
+from pagedkv.engine import bound_call, native
+from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -190,6 +192,23 @@ class QuantizedProjection:
             return self.native(x)
         q = unpack(self.packed, self.scale.shape[0])
         return reference_int8_linear(x, q, self.scale, self.bias)
+
+    def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> BoundKernel | None:
+        """``self(x)`` into ``out`` as a call with every argument converted once, for buffers
+        kept across steps: the kernel and tile split ``native`` would run at torch's intra-op
+        thread count now, so the same bits. None when the kernel is unavailable or ``x``/``out``
+        are not contiguous float32 CPU ``[rows <= MAX_KERNEL_ROWS, in]``/``[rows, out]``."""
+        lib = _native.load()
+        in_dim, out_dim, tiles = self._dims
+        if lib is None or not bound_call.fits(x, out, in_dim, out_dim, MAX_KERNEL_ROWS):
+            return None
+        rows = x.shape[0]
+        bias = None if self.bias is None else self.bias.data_ptr()
+        head = (x.data_ptr(), in_dim, self.packed.data_ptr(), self.scale.data_ptr(), bias,
+                out.data_ptr(), out_dim, rows, in_dim, out_dim)  # fmt: skip
+        cuts = _split(tiles, in_dim, rows, torch.get_num_threads())
+        parts = [(*head, a, b) for a, b in itertools.pairwise(cuts)]
+        return BoundKernel(lib, "pagedkv_qlinear_i8", parts, out, (self, x), "int8 kernel")
 
     def native(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """The native kernel: ``[rows, out]`` float32. ``threads`` defaults to torch's

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
@@ -41,10 +42,10 @@ from pagedkv.engine.attention import (
 )
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
+from pagedkv.engine.models.bound_linears import BoundLinears, LayerCalls
 from pagedkv.engine.models.projection import (
     Linear,
     Projection,
-    linear_into,
     to_quantized,
     unit_stride,
 )
@@ -140,6 +141,9 @@ class LlamaModel:
         # the native layer ops (module docstring); fused_layer_ops = False forces the torch ops
         self._layer_ops = self._native_layer_ops(qk_norms)
         self.fused_layer_ops = self._layer_ops is not None
+        # linear calls bound to each kept StepBuffers (_bound_linears); dropped with them
+        self._bound: weakref.WeakKeyDictionary[layer_op_buffers.StepBuffers, BoundLinears]
+        self._bound = weakref.WeakKeyDictionary()
         for i in range(config.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             self._qkv.append(self._project([a + "q_proj", a + "k_proj", a + "v_proj"]))
@@ -395,7 +399,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         """``forward`` with the native layer ops (the module docstring): the same bits. Every
         intermediate lives in a buffer reused by each layer, and by the next step of the same
-        size (``ModelLayerOps.step``); the residual stream ``h`` is updated in place."""
+        size (``ModelLayerOps.step``), and so do the linear calls bound to those buffers
+        (``_bound_linears``); the residual stream ``h`` is updated in place."""
         cfg, ops = self.config, self._layer_ops
         assert ops is not None
         self._ensure_rope(meta)
@@ -410,19 +415,31 @@ class LlamaModel:
             for key, v in distinct.items()
         }
         k_pools, v_pools = cache.k, cache.v
-        for i, view in enumerate(views):
-            buf.rope_write(i, linear_into(self._qkv[i], buf.x, buf.qkv))
+        silu_ = torch._C._nn.silu_  # F.silu(inplace=True)'s call, without its Python wrapper
+        for i, (view, (qkv, o, gate_up, down)) in enumerate(
+            zip(views, self._bound_linears(buf), strict=True)
+        ):
+            buf.rope_write(i, qkv())
             call = bound[id(view)]
             if call is not None:  # a decode-only step: one ctypes call
                 call(k_pools[i], v_pools[i])
             else:
                 attend(i, buf.q, cache, view, self.scale, buf.att)
-            buf.add_post_norm(i, linear_into(self._o[i], buf.att_rows, buf.o))
-            gu = linear_into(self._gate_up[i], buf.x, buf.gate_up)
+            buf.add_post_norm(i, o())
+            gu = gate_up()
             g, u = (buf.gate, buf.up) if gu is buf.gate_up else gu.chunk(2, dim=-1)
-            torch.mul(F.silu(g, inplace=True), u, out=buf.act)
-            buf.add_next_norm(i, linear_into(self._down[i], buf.act, buf.down))
+            torch.mul(silu_(g), u, out=buf.act)
+            buf.add_next_norm(i, down())
         return buf.out
+
+    def _bound_linears(self, buf: layer_op_buffers.StepBuffers) -> list[LayerCalls]:
+        """Every layer's linear calls bound to ``buf`` (:mod:`.bound_linears`), kept with
+        the buffers and bound again when a layer object or the thread count changed."""
+        groups = (self._qkv, self._o, self._gate_up, self._down)
+        bound = self._bound.get(buf)
+        if bound is None or not bound.fits(groups):
+            bound = self._bound[buf] = BoundLinears(groups, buf)
+        return bound.calls
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

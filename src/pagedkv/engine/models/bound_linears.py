@@ -1,0 +1,87 @@
+"""A model's linear layers bound to one step's buffers (:class:`BoundLinears`): for each layer,
+the q/k/v, o, gate/up and down projections as zero-argument calls that write into the
+``StepBuffers`` of the native layer ops and return the output.
+
+At batch 1 a decode step makes ~120 linear calls. Through ``linear_into`` each one pays the
+Python dispatch of its layer type, the kernel wrapper's checks, an output allocation (the
+int8 layers) and the argument conversion of a ctypes call, and a layer output that is not the
+step's own buffer then costs the layer ops a check and a conversion too. Bound once per step
+size and thread count (the buffers are kept across steps, so in practice once), a call is:
+
+- a float32 ``Projection``: ``torch.mm(x, W, out=out)`` (``addmm`` with a bias) through
+  ``functools.partial``, the call ``Projection.into`` makes, so the same bits;
+- a bfloat16 ``Projection``: :func:`bf16_linear.bind_into`'s prebuilt kernel call;
+- an int8 ``QuantizedProjection``: :meth:`QuantizedProjection.bind_into`'s;
+- anything else (the few-row kernel's rows, GGUF blocks, a benchmark's stub, a subclass):
+  ``linear_into`` as before.
+
+Every bound call runs the kernel and thread split its layer would run now, so a step's bits
+do not change.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+
+from pagedkv.engine import bf16_linear, fewrow
+from pagedkv.engine.layer_op_buffers import StepBuffers
+from pagedkv.engine.models.projection import Linear, Projection, linear_into
+from pagedkv.engine.qlinear import QuantizedProjection
+
+Call = Callable[[], torch.Tensor]
+LayerCalls = tuple[Call, Call, Call, Call]  # q/k/v, o, gate/up, down
+
+
+def bind_into(p: Linear, x: torch.Tensor, out: torch.Tensor) -> Call:
+    """``linear_into(p, x, out)`` as a zero-argument call (module docstring)."""
+    if type(p) is Projection:
+        w, bias = p.weight_t, p.bias
+        if w.dtype is torch.bfloat16 and x.dtype is torch.float32:
+            bound = bf16_linear.bind_into(x, w, bias, out)
+            if bound is not None:
+                return bound
+        elif not (p.few_rows and fewrow.accepts(x)) and w.dtype is x.dtype is out.dtype:
+            if bias is None:
+                return partial(torch.mm, x, w, out=out)
+            return partial(torch.addmm, bias, x, w, out=out)
+    elif type(p) is QuantizedProjection:
+        bound = p.bind_into(x, out)
+        if bound is not None:
+            return bound
+    return partial(linear_into, p, x, out)
+
+
+class BoundLinears:
+    """Every layer's linear calls over one step's buffers (``calls[i]``, :data:`LayerCalls`),
+    and what they were bound for.
+
+    Invariants: ``calls[i]`` computes layer ``i``'s projections of ``buf``'s inputs into
+    ``buf``'s outputs with the layer objects in ``linears`` (held, so their weights outlive
+    the calls) at ``threads`` intra-op threads; ``fits`` is True only while the model's layers
+    are those same objects (by identity) and the thread count is the same.
+    Complexity: binding O(layers); ``fits`` O(layers), in C (``map``)."""
+
+    def __init__(self, groups: Sequence[Sequence[Linear]], buf: StepBuffers) -> None:
+        self.threads = torch.get_num_threads()
+        self.linears = [list(g) for g in groups]
+        qkv, o, gate_up, down = self.linears
+        self.calls: list[LayerCalls] = [
+            (
+                bind_into(qkv[i], buf.x, buf.qkv),
+                bind_into(o[i], buf.att_rows, buf.o),
+                bind_into(gate_up[i], buf.x, buf.gate_up),
+                bind_into(down[i], buf.act, buf.down),
+            )
+            for i in range(len(qkv))
+        ]
+
+    def fits(self, groups: Sequence[Sequence[Linear]]) -> bool:
+        """Whether these calls still compute the model's layers ``groups``."""
+        return self.threads == torch.get_num_threads() and all(
+            len(g) == len(mine) and not any(map(operator.is_not, g, mine))
+            for g, mine in zip(groups, self.linears, strict=True)
+        )
