@@ -214,6 +214,10 @@ def test_models_health_and_metrics(client: openai.OpenAI, srv: ServerHandle) -> 
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert models.data[0].object == "model"
+    max_len = srv.engine.engine.max_model_len
+    assert models.data[0].model_extra == {"max_model_len": max_len}  # vLLM's extra field
+    one = get(srv, f"/v1/models/{MODEL_NAME}").json()
+    assert one == models.data[0].model_dump(exclude_none=True)
     assert get(srv, "/health").status_code == 200
 
     client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=5, temperature=0)

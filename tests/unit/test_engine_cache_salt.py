@@ -122,3 +122,15 @@ def test_llm_generate_queues_all_prompts_or_none(
     assert llm.engine.scheduler.manager.pool.num_used_blocks == 0
     (out,) = llm.generate([PROMPT], GREEDY, progress=False)
     assert out.finished
+
+
+def test_llm_takes_vllms_keyword_names_and_reports_the_prompt_text(model_dir: Path) -> None:
+    llm = LLM(str(model_dir), block_size=4, num_blocks=256, max_model_len=128)
+    (by_alias,) = llm.generate(["hello world"], sampling_params=GREEDY, use_tqdm=False)
+    (plain,) = llm.generate(["hello world"], GREEDY, progress=False)
+    assert by_alias.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert by_alias.prompt == "hello world"  # vLLM's RequestOutput.prompt
+    (ids_only,) = llm.generate([PROMPT], sampling_params=GREEDY, use_tqdm=False)
+    assert ids_only.prompt is None
+    with pytest.raises(InvalidRequestError, match="not both"):
+        llm.generate(["hi"], GREEDY, sampling_params=GREEDY, use_tqdm=False)

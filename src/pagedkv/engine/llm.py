@@ -111,8 +111,14 @@ class LLM:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         progress: bool = True,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt (text or token ids); results in the prompts' order."""
+        """Generate for every prompt (text, token ids or a prompt dict); results in the
+        prompts' order. ``sampling_params`` and ``use_tqdm`` are vLLM's names for
+        ``sampling`` and ``progress``."""
+        sampling = _either("sampling", sampling, "sampling_params", sampling_params)
+        progress = progress if use_tqdm is None else use_tqdm
         items: list[Prompt]
         if isinstance(prompts, str | Mapping) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -165,6 +171,8 @@ class LLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         progress: bool = True,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[GenerationOutput]:
         """Generate for one conversation or a list of them, as vLLM's ``LLM.chat``: each is
         rendered by the model's chat template and tokenized as the server does
@@ -196,6 +204,8 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs,
             )
             prompts.append(ids)
+        sampling = _either("sampling", sampling, "sampling_params", sampling_params)
+        progress = progress if use_tqdm is None else use_tqdm
         return self.generate(prompts, sampling, progress=progress)
 
     def _drain(self, results: dict[str, GenerationOutput], on_step: Any) -> None:
@@ -205,6 +215,13 @@ class LLM:
                 if out.finished:
                     results[out.request_id] = out
             on_step()
+
+
+def _either(name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    """``value`` or ``alias_value`` (vLLM's keyword for the same argument), not both."""
+    if value is not None and alias_value is not None:
+        raise InvalidRequestError(f"give {name} or {alias}, not both")
+    return alias_value if value is None else value
 
 
 def _unpack_prompt(item: Prompt) -> tuple[str | Sequence[int], str | None]:

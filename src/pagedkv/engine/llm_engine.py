@@ -189,7 +189,8 @@ class LLMEngine:
         ids = prompt_token_ids(request_id, prompt, self.tokenizer, vocab, self.max_model_len)
         grammar = check_features(params, self.tokenizer, vocab, self.structured_outputs)
         stops = stop_token_ids(params, self.eos_token_ids)
-        self._requests.add(request_id, params, ids, stops, grammar, salt)
+        text = prompt if isinstance(prompt, str) else None
+        self._requests.add(request_id, params, ids, stops, grammar, salt, text)
 
     def structured_outputs(self) -> StructuredOutputManager:
         """The grammar engine over this model's tokenizer (built on first use)."""

@@ -44,3 +44,4 @@ class GenerationOutput:
     # per prompt token (None for the first), once the prompt is computed, when asked for
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     queue_s: float | None = None  # arrival to first scheduled; None until scheduled
+    prompt: str | None = None  # the prompt's text when it was given as text (vLLM's field)

@@ -79,6 +79,7 @@ class RequestGroups:
         stops: tuple[int, ...],
         grammar: str | None,
         cache_salt: str | None = None,
+        prompt: str | None = None,
     ) -> None:
         """Register a checked request and queue its samples; a scheduler refusal (raised
         before anything is registered) leaves everything unchanged. Every sequence of the
@@ -86,6 +87,7 @@ class RequestGroups:
         group = RequestGroup(request_id, params, ids, stops, time.perf_counter())
         group.grammar = grammar
         group.cache_salt = cache_salt
+        group.prompt = prompt
         fork = params.n > 1 and len(ids) > 1 and ids[-1] not in stops
         if fork:  # see the module docstring: the last prompt token is "sampled" for sample 0
             sample0 = self.new_sample(group, 0, force_token=ids[-1])

@@ -122,4 +122,5 @@ def build_output(group: RequestGroup, now: float) -> GenerationOutput:
         now - group.arrival_s,
         None if group.prompt_logprobs is None else tuple(group.prompt_logprobs),
         None if queued is None else queued - group.arrival_s,
+        group.prompt,
     )

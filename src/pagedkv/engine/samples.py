@@ -75,6 +75,7 @@ class RequestGroup:
     num_cached_tokens: int = 0
     grammar: str | None = None  # the compiled structured-output grammar, one matcher per sample
     cache_salt: str | None = None  # seeds every sample's block-hash chain (add_request)
+    prompt: str | None = None  # the prompt's text, when it was given as text
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, token 1, ...] when asked
 
     def record_prompt_logprobs(self, start: int, rows: torch.Tensor) -> None:

@@ -43,7 +43,12 @@ from pagedkv.server.responses import completion_body, error_response, sse_comple
 from pagedkv.server.sampling import sampling_params
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pagedkv.server.tool_calls import TOOL_CALL_PARSERS, ToolPlan, plan_tools
-from pagedkv.server.utility_routes import ModelNotFoundError, add_utility_routes, check_model
+from pagedkv.server.utility_routes import (
+    ModelNotFoundError,
+    add_utility_routes,
+    check_model,
+    model_card,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +176,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _add_admin_routes(app: FastAPI, engine: AsyncEngine, created: int) -> None:
     """``/health``, the utility routes, ``/v1/models``, ``/reset_prefix_cache``, ``/metrics``."""
-    model_name = engine.model_name
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -181,8 +185,7 @@ def _add_admin_routes(app: FastAPI, engine: AsyncEngine, created: int) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "pagedkv"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(engine, created)]}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:

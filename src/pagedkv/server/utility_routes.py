@@ -61,6 +61,17 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
+def model_card(engine: AsyncEngine, created: int) -> dict[str, Any]:
+    """The served model in ``/v1/models``: OpenAI's fields and vLLM's ``max_model_len``."""
+    return {
+        "id": engine.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "pagedkv",
+        "max_model_len": engine.engine.max_model_len,
+    }
+
+
 def add_utility_routes(app: FastAPI, engine: AsyncEngine, created: int) -> None:
     """Register ``/tokenize``, ``/detokenize``, ``/version`` and ``/v1/models/{model_id}``."""
     served = engine.model_name
@@ -71,9 +82,9 @@ def add_utility_routes(app: FastAPI, engine: AsyncEngine, created: int) -> None:
         return {"version": __version__}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model_card(model_id: str) -> dict[str, Any]:
+    async def one_model(model_id: str) -> dict[str, Any]:
         check_model(model_id, served)
-        return {"id": served, "object": "model", "created": created, "owned_by": "pagedkv"}
+        return model_card(engine, created)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
