@@ -173,7 +173,8 @@ def test_echo_with_logprobs_gives_prompt_logprobs(
         ref = torch.log_softmax(hf(torch.tensor([prompt_ids])).logits[0].double(), dim=-1)
     for i in range(1, n):
         assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, prompt_ids[i]]), abs=1e-4)
-        assert len(lp.top_logprobs[i]) <= 2
+        assert len(lp.top_logprobs[i]) <= 3  # the top 2 and the prompt's own token
+        assert lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 3)]
     text, tokens, values = "", [], []
     for chunk in client.completions.create(**kw, stream=True):

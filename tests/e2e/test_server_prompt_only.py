@@ -78,3 +78,20 @@ def test_zero_tokens_without_echo_is_refused(client: openai.OpenAI) -> None:
         client.chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=0
         )
+
+
+def test_top_logprobs_always_hold_the_chosen_token(client: openai.OpenAI) -> None:
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be
+    up to logprobs+1 elements"; ``logprobs: 0`` is the chosen token alone (lm-evaluation-harness
+    reads the most likely key of each position)."""
+    for k, temperature in ((0, 0.0), (1, 1.5), (2, 1.5)):
+        lp = client.completions.create(
+            model=MODEL_NAME, prompt=TEXT, max_tokens=12, logprobs=k, temperature=temperature,
+            seed=5, echo=True,
+        ).choices[0].logprobs  # fmt: skip
+        rows = zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True)
+        for tok, val, top in rows:
+            assert tok in top  # its value may be another id's of the same text ("\ufffd")
+            assert len(top) <= k + 1
+            if k == 0:
+                assert top == {tok: val}

@@ -5,6 +5,9 @@ Completions (``logprobs: k``)::
     {"tokens": [str], "token_logprobs": [float], "top_logprobs": [{str: float}],
      "text_offset": [int]}
 
+where each ``top_logprobs`` entry holds the chosen token and the ``k`` most likely (up to
+``k + 1`` entries, as OpenAI documents and vLLM answers).
+
 Chat (``logprobs: true, top_logprobs: k``)::
 
     {"content": [{"token": str, "logprob": float, "bytes": [int],
@@ -59,9 +62,18 @@ class LogprobFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": [_finite(r.logprob) for r in records],
-            "top_logprobs": [{self.token(t): _finite(v) for t, v in r.top} for r in records],
+            "top_logprobs": [self._top(r) for r in records],
             "text_offset": offsets,
         }
+
+    def _top(self, r: TokenLogprob) -> dict[str, float]:
+        """A completions position's ``top_logprobs``: the top ``k`` and the chosen token.
+        OpenAI: "the API will always return the logprob of the sampled token, so there may be
+        up to logprobs+1 elements" (vLLM does the same, so ``logprobs: 0`` gives the chosen
+        token alone)."""
+        top = {self.token(t): _finite(v) for t, v in r.top}
+        top.setdefault(self.token(r.token_id), _finite(r.logprob))
+        return top
 
     def prompt(
         self, prompt_ids: Sequence[int], records: Sequence[TokenLogprob | None]
@@ -77,10 +89,7 @@ class LogprobFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": [None if r is None else _finite(r.logprob) for r in records],
-            "top_logprobs": [
-                None if r is None else {self.token(t): _finite(v) for t, v in r.top}
-                for r in records
-            ],
+            "top_logprobs": [None if r is None else self._top(r) for r in records],
             "text_offset": offsets,
         }
 
