@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
@@ -167,6 +168,17 @@ def running_server(
             server.force_exit = True
             thread.join(timeout=5)
         async_engine.shutdown()
+
+
+@contextmanager
+def openai_client(model_dir: Path, config: EngineConfig | None = None) -> Iterator[openai.OpenAI]:
+    """The official ``openai`` client (no retries, 30 s timeout) of a :func:`running_server`
+    on ``model_dir``; both closed when the ``with`` block ends."""
+    with (
+        running_server(model_dir, config=config) as handle,
+        openai.OpenAI(base_url=handle.v1, api_key="unused", max_retries=0, timeout=30) as c,
+    ):
+        yield c
 
 
 def get(handle: ServerHandle, path: str, *, token: str | None = None) -> httpx.Response:

@@ -27,8 +27,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
 
 
 @pytest.fixture(scope="module")
-def client(srv: ServerHandle) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0)
+def client(srv: ServerHandle) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
 
 
 def _complete(client: openai.OpenAI, salt: str | None, prompt: Any = PROMPT) -> Any:

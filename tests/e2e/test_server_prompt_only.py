@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from e2e.server_fixtures import MODEL_NAME, running_server
+from e2e.server_fixtures import MODEL_NAME, openai_client
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.tiny import write_tiny_model
 from pagedkv.engine.tokenizer import Tokenizer
@@ -28,9 +28,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def client(model: Path) -> Iterator[openai.OpenAI]:
-    cfg = EngineConfig(max_model_len=256, check_invariants=True)
-    with running_server(model, config=cfg) as handle:
-        yield openai.OpenAI(base_url=handle.v1, api_key="unused", max_retries=0)
+    with openai_client(model, EngineConfig(max_model_len=256, check_invariants=True)) as c:
+        yield c
 
 
 def _score(client: openai.OpenAI, prompt: Any, max_tokens: int, **kw: Any) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from e2e.server_fixtures import MODEL_NAME, running_server, write_endless_model
+from e2e.server_fixtures import MODEL_NAME, openai_client, write_endless_model
 from pagedkv.engine.engine_config import EngineConfig
 
 pytestmark = pytest.mark.engine
@@ -23,8 +23,8 @@ PROMPT = list(range(1, 20))
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     model: Path = write_endless_model(tmp_path_factory.mktemp("srv-usage") / "m")
-    with running_server(model, config=EngineConfig(max_model_len=256)) as handle:
-        yield openai.OpenAI(base_url=handle.v1, api_key="unused", max_retries=0)
+    with openai_client(model, EngineConfig(max_model_len=256)) as c:
+        yield c
 
 
 def _events(client: openai.OpenAI, prompt: Any, **opts: Any) -> list[Any]:

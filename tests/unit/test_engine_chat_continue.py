@@ -114,3 +114,8 @@ def test_llm_chat_continues_the_final_message(model_dir: Path) -> None:
     tok = llm.tokenizer
     want = encode_chat(tok, CHAT, add_generation_prompt=False, continue_final_message=True)
     assert list(out.prompt_token_ids) == want
+    (alias,) = llm.chat(  # vLLM's keyword names reach generate
+        CHAT, sampling_params=greedy, use_tqdm=False, add_generation_prompt=False,
+        continue_final_message=True,
+    )  # fmt: skip
+    assert alias.outputs[0].token_ids == out.outputs[0].token_ids

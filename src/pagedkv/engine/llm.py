@@ -204,9 +204,9 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs,
             )
             prompts.append(ids)
-        sampling = _either("sampling", sampling, "sampling_params", sampling_params)
-        progress = progress if use_tqdm is None else use_tqdm
-        return self.generate(prompts, sampling, progress=progress)
+        return self.generate(
+            prompts, sampling, progress=progress, sampling_params=sampling_params, use_tqdm=use_tqdm
+        )
 
     def _drain(self, results: dict[str, GenerationOutput], on_step: Any) -> None:
         engine = self.engine
