@@ -140,3 +140,28 @@ def test_argmax_rows_declines_what_it_does_not_take() -> None:
     assert layer_ops.argmax_rows(torch.zeros(3)) is None
     assert layer_ops.argmax_rows(torch.zeros(2, 0)) is None
     assert layer_ops.argmax_rows(torch.zeros(49152)[None].expand(1, -1)) == [0]
+
+
+def test_the_load_check_finds_torchs_lane_order_when_its_dispatch_width_is_wrong(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.13 on an AVX512 CPU dispatches at 16 lanes but sums floats in the 8-lane order:
+    the check must try the other orders, not refuse the kernels (it did, on that CPU)."""
+    lib = layer_ops.library()
+    right = layer_ops.vector_width()
+    wrong = 16 if right == 8 else 8
+    assert not layer_ops._matches_torch(lib, wrong)  # the fixture would not test anything
+    capability = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(layer_ops, "_VECTOR_WIDTH", {capability: wrong, "OTHER": right})
+    assert layer_ops._bind_and_check(lib) == right
+
+
+def test_the_load_check_refuses_the_kernels_when_no_lane_order_matches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lib = layer_ops.library()
+    wrong = 16 if layer_ops.vector_width() == 8 else 8
+    capability = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(layer_ops, "_VECTOR_WIDTH", {capability: wrong})
+    with pytest.raises(OSError, match=f"every lane order tried \\({wrong} lanes"):
+        layer_ops._bind_and_check(lib)

@@ -11,8 +11,11 @@ Exactness: every float32 result equals torch's reference formulas (``models.llam
 the same IEEE operations in the same order; the sum of squares follows the order of torch's
 CPU sum kernel, whose vector width depends on the CPU torch dispatches to. So ``available()``
 compiles the library (no -ffast-math, no FMA contraction), then checks it against torch on
-random rows of several widths for torch's vector width, and refuses it (logging why) when any
-bit differs: the model then keeps the torch ops (``LlamaModel.fused_layer_ops`` is the switch).
+random rows of several widths, trying the lane order of torch's dispatch width first and then
+the other known widths (torch 2.13 on an AVX512 CPU dispatches at 16 lanes but its float sum
+follows the 8-lane order), keeps the first order that matches at every width, and refuses the
+kernels (logging why) when none does: the model then keeps the torch ops
+(``LlamaModel.fused_layer_ops`` is the switch).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ _FLAG_SETS: native.FlagSets = (
     (["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC"], ["-shared"]),
     (["-O2", "-ffp-contract=off", "-fno-math-errno", "-fPIC"], ["-shared"]),
 )
-# torch's float vector width per CPU capability (ATen's Vectorized<float>::size())
+# torch's float vector width per CPU capability (ATen's Vectorized<float>::size()); the lane
+# order its float sum follows is probed at load (``_bind_and_check``)
 _VECTOR_WIDTH = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}
 _CHECK_WIDTHS = (8, 16, 24, 64, 100, 128, 576, 1000, 2048, 4099)
 
@@ -63,21 +67,35 @@ def _bind_and_check(lib: ctypes.CDLL) -> int:
     ):
         fn.restype = ctypes.c_int
     capability = torch.backends.cpu.get_cpu_capability()
-    width = _VECTOR_WIDTH.get(capability)
-    if width is None:
-        raise OSError(f"torch's CPU capability {capability} has no known vector width")
+    # The capability's width first, then the others: torch does not reduce at its dispatch
+    # width everywhere (torch 2.13 on an AVX512 CPU sums floats in the 8-lane order).
+    first = _VECTOR_WIDTH.get(capability, 8)
+    tried = []
+    for width in dict.fromkeys((first, *_VECTOR_WIDTH.values())):
+        if _matches_torch(lib, width):
+            return width
+        tried.append(str(width))
+    raise OSError(
+        f"RMSNorm differs from torch's at every lane order tried ({', '.join(tried)} lanes; "
+        f"torch's CPU capability {capability})"
+    )
+
+
+def _matches_torch(lib: ctypes.CDLL, width: int) -> bool:
+    """Whether RMSNorm in the order of ``width`` lanes equals torch's bit for bit on random
+    rows of every checked size the kernel takes (``d >= width``)."""
     gen = torch.Generator().manual_seed(0)
     for d in _CHECK_WIDTHS:
         x = torch.randn(3, d, generator=gen) * 3
         w = torch.randn(d, generator=gen)
+        if d < width:  # the kernel refuses rows narrower than one vector (``supports``)
+            continue
         out = torch.empty_like(x)
         code = lib.pagedkv_rms_norm_f32(x.data_ptr(), d, w.data_ptr(), out.data_ptr(), 3, d,
                                         1e-5, width)  # fmt: skip
         if code or not torch.equal(out, _reference_norm(x, w, 1e-5)):
-            raise OSError(
-                f"RMSNorm of width {d} differs from torch's ({capability}, {width} lanes)"
-            )
-    return width
+            return False
+    return True
 
 
 _LIB = native.LazyLibrary(_SOURCE, _bind_and_check, "native layer ops", "using torch's", _FLAG_SETS)
