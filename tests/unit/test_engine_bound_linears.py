@@ -28,7 +28,11 @@ from pagedkv.engine.tiny import write_tiny_model
 
 pytestmark = pytest.mark.skipif(
     not (layer_ops.available() and qlinear.available() and bf16_linear.available()),
-    reason="no C compiler",
+    reason=(
+        "native kernels unavailable: "
+        f"layer ops {layer_ops.unavailable_reason()}, int8 {qlinear.available()}, "
+        f"bf16 {bf16_linear.unavailable_reason()}"
+    ),
 )
 
 
