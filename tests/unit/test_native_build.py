@@ -71,3 +71,18 @@ def test_a_source_that_does_not_compile_names_the_compiler_error(source: Path) -
     assert lazy.load() is None
     assert lazy.error is not None
     assert "error" in lazy.error
+
+
+def test_every_kernel_loads_on_a_cpu_torch_dispatches_to_with_vectors() -> None:
+    """With a compiler, on an AVX2/AVX512 CPU, no kernel may be refused: the suite would
+    otherwise go green by skipping them (the layer ops were refused on an AVX512 CPU, and
+    every test of theirs skipped, until their load check probed torch's lane order)."""
+    import torch
+
+    from pagedkv.engine import bf16_linear, fewrow, gguf_qlinear, layer_ops, qlinear
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip(f"torch dispatches to {torch.backends.cpu.get_cpu_capability()} here")
+    assert layer_ops.available(), layer_ops.unavailable_reason()
+    assert bf16_linear.available(), bf16_linear.unavailable_reason()
+    assert qlinear.available() and fewrow.available() and gguf_qlinear.available()
