@@ -85,4 +85,6 @@ def test_every_kernel_loads_on_a_cpu_torch_dispatches_to_with_vectors() -> None:
         pytest.skip(f"torch dispatches to {torch.backends.cpu.get_cpu_capability()} here")
     assert layer_ops.available(), layer_ops.unavailable_reason()
     assert bf16_linear.available(), bf16_linear.unavailable_reason()
-    assert qlinear.available() and fewrow.available() and gguf_qlinear.available()
+    assert qlinear.available()
+    assert fewrow.available()
+    assert gguf_qlinear.available()
