@@ -69,10 +69,24 @@ def _q8_call(lib: Any, p: GGUFProjection, x: torch.Tensor, packed: bool = False)
     fn = lib.pagedkv_q8_linear_f32
     if packed:
         w = torch.empty_like(p.blocks)
-        assert lib.pagedkv_q8_pack16(p.type_code, p.blocks.data_ptr(), p.in_dim, out, w.data_ptr()) == 0
+        assert (
+            lib.pagedkv_q8_pack16(p.type_code, p.blocks.data_ptr(), p.in_dim, out, w.data_ptr())
+            == 0
+        )
         fn = lib.pagedkv_q8_linear16_f32
     bias = None if p.bias is None else p.bias.data_ptr()
-    rc = fn(p.type_code, x.data_ptr(), p.in_dim, w.data_ptr(), bias, y.data_ptr(), out, rows, p.in_dim, out)
+    rc = fn(
+        p.type_code,
+        x.data_ptr(),
+        p.in_dim,
+        w.data_ptr(),
+        bias,
+        y.data_ptr(),
+        out,
+        rows,
+        p.in_dim,
+        out,
+    )
     assert rc == 0
     return y
 
@@ -133,7 +147,12 @@ def test_q8act_16_output_kernel_refuses_a_bad_range() -> None:
 def _i8_case(rows: int, in_dim: int, out: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     q, scale = qlinear.quantize_int8(torch.randn(in_dim, out, generator=g))
-    return torch.randn(rows, in_dim, generator=g), qlinear.pack(q), scale, torch.randn(out, generator=g)
+    return (
+        torch.randn(rows, in_dim, generator=g),
+        qlinear.pack(q),
+        scale,
+        torch.randn(out, generator=g),
+    )
 
 
 def _i8_call(lib: Any, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,

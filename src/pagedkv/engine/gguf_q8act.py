@@ -196,7 +196,18 @@ def forward(proj: GGUFProjection, x: torch.Tensor) -> torch.Tensor:
         packed = proj.packed16
         w = proj.blocks if packed is None else packed
         fn = lib.pagedkv_q8_linear_f32 if packed is None else lib.pagedkv_q8_linear16_f32
-        if fn(proj.type_code, x.data_ptr(), in_dim, w.data_ptr(), bias, y.data_ptr(), out, rows, in_dim, out):
+        if fn(
+            proj.type_code,
+            x.data_ptr(),
+            in_dim,
+            w.data_ptr(),
+            bias,
+            y.data_ptr(),
+            out,
+            rows,
+            in_dim,
+            out,
+        ):
             raise MemoryError(f"GGUF int8-activation kernel: no memory for {rows} x {in_dim}")
         return y
     if rows <= MAX_KERNEL_ROWS:
