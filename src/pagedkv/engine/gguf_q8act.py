@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 ACTIVATION_CHOICES = ("float32", "int8")  # EngineConfig.gguf_activations
 _QK = 32
 MAX_KERNEL_ROWS = 64  # above, rounded activations + dequantize/torch.mm tiles (forward)
+PACK_OUTPUTS = 16  # the 16-output layout's group (pack16); its splits fall on multiples
 _MIN_MACS_PER_THREAD = 1 << 20
 _SOURCE = Path(__file__).with_name("csrc") / "ggml_q8act.c"
 
@@ -54,6 +55,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pagedkv_q8_linear_f32.argtypes = [i32, p, i64, p, p, p, i64, i64, i64, i64]
     lib.pagedkv_q8_linear_f32.restype = i32
     lib.pagedkv_q8_has_avx2.restype = i32
+    lib.pagedkv_q8_isa.restype = i32
+    lib.pagedkv_q8_has_pack16.restype = i32
+    lib.pagedkv_q8_pack16.argtypes = [i32, p, i64, i64, p]
+    lib.pagedkv_q8_pack16.restype = i32
+    lib.pagedkv_q8_linear16.argtypes = [i32, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64]
+    lib.pagedkv_q8_linear16.restype = i32
+    lib.pagedkv_q8_linear16_f32.argtypes = [i32, p, i64, p, p, p, i64, i64, i64, i64]
+    lib.pagedkv_q8_linear16_f32.restype = i32
 
 
 _native = native.LazyLibrary(
@@ -134,6 +143,27 @@ def has_avx2() -> bool:
     return lib is not None and bool(lib.pagedkv_q8_has_avx2())
 
 
+def isa() -> int:
+    """The built kernel's widest path: 3 AVX-512 VNNI (the 16-output layout, :func:`pack16`),
+    2 AVX2 with 256-bit VNNI, 1 AVX2, 0 portable only; -1 when it cannot be built."""
+    lib = _native.load()
+    return -1 if lib is None else int(lib.pagedkv_q8_isa())
+
+
+def pack16(type_code: int, blocks: torch.Tensor, in_dim: int) -> torch.Tensor | None:
+    """The file's blocks ``[out, row bytes]`` in the C file's 16-output layout (the same
+    bytes, regrouped so one zmm holds one lane of 16 outputs), or None when this build has no
+    16-output kernel (no AVX-512 VNNI) or ``out`` is not a multiple of 16."""
+    lib = _native.load()
+    out = blocks.shape[0]
+    if lib is None or not lib.pagedkv_q8_has_pack16() or out % PACK_OUTPUTS:
+        return None
+    packed = torch.empty_like(blocks)
+    if lib.pagedkv_q8_pack16(type_code, blocks.data_ptr(), in_dim, out, packed.data_ptr()):
+        raise UnsupportedQuantizationError(f"int8 activations: cannot pack {tuple(blocks.shape)}")
+    return packed
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 1 of the C header for a contiguous float32 ``x [rows, in]``: the int8 quants
     ``[rows, in]``, the block scales and the scaled block sums (float32 ``[rows, in / 32]``)."""
@@ -163,8 +193,21 @@ def forward(proj: GGUFProjection, x: torch.Tensor) -> torch.Tensor:
     ):
         y = torch.empty(rows, out, dtype=torch.float32)
         bias = None if proj.bias is None else proj.bias.data_ptr()
-        args = (proj.type_code, x.data_ptr(), in_dim, proj.blocks.data_ptr(), bias, y.data_ptr())
-        if lib.pagedkv_q8_linear_f32(*args, out, rows, in_dim, out):
+        packed = proj.packed16
+        w = proj.blocks if packed is None else packed
+        fn = lib.pagedkv_q8_linear_f32 if packed is None else lib.pagedkv_q8_linear16_f32
+        if fn(
+            proj.type_code,
+            x.data_ptr(),
+            in_dim,
+            w.data_ptr(),
+            bias,
+            y.data_ptr(),
+            out,
+            rows,
+            in_dim,
+            out,
+        ):
             raise MemoryError(f"GGUF int8-activation kernel: no memory for {rows} x {in_dim}")
         return y
     if rows <= MAX_KERNEL_ROWS:
@@ -192,23 +235,32 @@ def linear(
     xq, xd, xs = quantize_rows(x)
     y = torch.empty(rows, out, dtype=torch.float32)
     bias = None if proj.bias is None else proj.bias.data_ptr()
-    head = (proj.type_code, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), proj.blocks.data_ptr())
+    packed = None if portable else proj.packed16
+    w = proj.blocks if packed is None else packed
+    head = (proj.type_code, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), w.data_ptr())
     tail = (bias, y.data_ptr(), out, rows, in_dim, out)
-    fn = lib.pagedkv_q8_linear
+    if packed is None:
+        fn = partial(lib.pagedkv_q8_linear, *head, *tail)
+        flag: tuple[int, ...] = (int(portable),)
+    else:
+        fn, flag = partial(lib.pagedkv_q8_linear16, *head, *tail), ()
 
     def run(a: int, b: int) -> int:  # outputs a..b-1; ctypes releases the GIL
-        return int(fn(*head, *tail, a, b, int(portable)))
+        return int(fn(a, b, *flag))
 
     nthreads = torch.get_num_threads() if threads is None else threads
-    native.run_ranges(run, _split(out, in_dim, rows, nthreads), "GGUF int8-activation kernel")
+    step = 8 if packed is None else PACK_OUTPUTS
+    cuts = _split(out, in_dim, rows, nthreads, step)
+    native.run_ranges(run, cuts, "GGUF int8-activation kernel")
     return y
 
 
-def _split(out: int, in_dim: int, rows: int, threads: int) -> list[int]:
-    """Output cut points ``[0, ..., out]`` on multiples of 8 (the one-row tile): at most
-    ``threads`` runs, each with at least ``_MIN_MACS_PER_THREAD`` multiply-adds."""
-    tiles = -(-out // 8)
+def _split(out: int, in_dim: int, rows: int, threads: int, step: int = 8) -> list[int]:
+    """Output cut points ``[0, ..., out]`` on multiples of ``step`` (8: the one-row tile; 16:
+    the 16-output layout's groups): at most ``threads`` runs, each with at least
+    ``_MIN_MACS_PER_THREAD`` multiply-adds."""
+    tiles = -(-out // step)
     parts = max(1, min(threads, tiles, rows * out * in_dim // _MIN_MACS_PER_THREAD))
     if parts == 1:
         return [0, out]
-    return sorted({min(out, 8 * round(tiles * i / parts)) for i in range(parts + 1)})
+    return sorted({min(out, step * round(tiles * i / parts)) for i in range(parts + 1)})

@@ -93,6 +93,9 @@ class GGUFProjection:
     bias: torch.Tensor | None = None
     activations: str = "float32"  # "int8": gguf_q8act's 8-bit activations (not exact)
     _code: int = field(init=False, repr=False, compare=False)  # the C type code (KEPT_TYPES)
+    # activations "int8" on an AVX-512 VNNI build: ``blocks`` regrouped in 16 outputs
+    # (gguf_q8act.pack16), the bytes the integer kernel reads; else None
+    packed16: torch.Tensor | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.type_name not in KEPT_TYPES:
@@ -123,6 +126,10 @@ class GGUFProjection:
             )
         gguf_q8act.check_activations(self.activations, "gguf")
         object.__setattr__(self, "_code", KEPT_TYPES.index(self.type_name))
+        packed = None
+        if self.activations == "int8":
+            packed = gguf_q8act.pack16(self._code, b, self.in_dim)
+        object.__setattr__(self, "packed16", packed)
 
     @property
     def type_code(self) -> int:

@@ -48,6 +48,17 @@
 #else
 #define Q8_AVX2 0
 #endif
+#if Q8_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define Q8_AVX512 1 /* two outputs per zmm, vpdpbusd (tile512) */
+#else
+#define Q8_AVX512 0
+#endif
+#if Q8_AVX2 && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+#define Q8_VNNI256 1 /* lane_dot's maddubs + madd as one vpdpbusd (the same exact sums) */
+#else
+#define Q8_VNNI256 0
+#endif
 
 enum { GQ_Q8_0 = 0, GQ_Q4_0 = 1, GQ_Q4_1 = 2 }; /* ggml_qlinear.c's codes */
 #define QK 32
@@ -58,6 +69,9 @@ static inline int64_t type_size(int type) {
 }
 
 int pagedkv_q8_has_avx2(void) { return Q8_AVX2; }
+
+/* 3: this build has the AVX-512 VNNI tiles, 2: AVX2 with 256-bit VNNI, 1: AVX2, 0: portable. */
+int pagedkv_q8_isa(void) { return Q8_AVX512 ? 3 : Q8_VNNI256 ? 2 : Q8_AVX2; }
 
 /* Step 1 for rows x in values of x (row stride ldx): xq [rows, in] int8, xd and xs
  * [rows, in / 32] float32. One scalar implementation for both paths (a call quantizes
@@ -163,7 +177,15 @@ static inline __attribute__((always_inline)) __m256 lane_dot(const int type, __m
                                                              __m256i sgn, const int8_t *q) {
     __m256i x = _mm256_loadu_si256((const __m256i *)q);
     if (type != GQ_Q4_1) x = _mm256_sign_epi8(x, sgn);
+#if Q8_VNNI256 /* u8 x s8, four products per lane: the same exact lane sums */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+    __m256i p = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#endif
+#else
     __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
     return _mm256_cvtepi32_ps(p);
 }
 
@@ -253,6 +275,374 @@ ROWS(GQ_Q4_1, 4, 2)
 #undef TILE
 #endif
 
+#if Q8_AVX512
+/* AVX-512: outputs j and j + 1 share one zmm (tile512), so one vpdpbusd makes both outputs'
+ * 8 exact lane sums of step 2 and one FMA adds both outputs' block terms: half the vector
+ * operations of the AVX2 tile per weight. Every lane still does the header's operations in
+ * block order (fma(dw * dx, lane, acc), Q4_1's fma(m, sx, summs) on a lane of its own), and
+ * the final tree is lanes_sum's, so the bits are the AVX2 and portable paths'.
+ *
+ * Lane layouts (32-bit lanes of the zmm; jL = output j's lane L, kL = output j + 1's):
+ *   Q8_0 (32 signed quant bytes per block): j0..j7 | k0..k7  (two 32-byte halves)
+ *   Q4_0, Q4_1 (16 nibble bytes):           j0..j3 | k0..k3 | j4..j7 | k4..k7
+ *     (128-bit quarters: the low nibbles of j's bytes, of j + 1's, then the high nibbles)
+ * The activation block is laid out to match (pair_x), once per block and row. Signed
+ * weights (Q8_0, Q4_0: q - 8) multiply |w| by x negated where w < 0 (vpdpbusd is u8 x s8). */
+static inline __attribute__((always_inline)) __m512i pair_x(const int type, const int8_t *q) {
+    __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)q));
+    if (type == GQ_Q8_0) return x;
+    return _mm512_shuffle_i64x2(x, x, 0x50); /* quarters 0, 0, 1, 1: values 0..15 twice, 16..31 twice */
+}
+
+/* Both outputs' weight bytes (*u unsigned factor, *neg the lanes' bytes where w < 0) and
+ * their block scales as float32 (Q4_1: d_j, m_j, d_k, m_k; else d_j, d_k in lanes 0, 1). */
+static inline __attribute__((always_inline)) __m512i pair_w(const int type, const uint8_t *bj,
+                                                            const uint8_t *bk, __mmask64 *neg,
+                                                            __m128 *dm) {
+    if (type == GQ_Q4_1) {
+        *dm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(*(const int32_t *)bj),
+                                            *(const int32_t *)bk, 1));
+    } else {
+        *dm = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(*(const uint16_t *)bj),
+                                            *(const uint16_t *)bk, 1));
+    }
+    __m512i w;
+    if (type == GQ_Q8_0) {
+        w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(bj + 2))),
+                               _mm256_loadu_si256((const __m256i *)(bk + 2)), 1);
+    } else {
+        const int off = type == GQ_Q4_0 ? 2 : 4;
+        __m256i t = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(bj + off))),
+            _mm_loadu_si128((const __m128i *)(bk + off)), 1);
+        w = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1),
+            _mm512_set1_epi8(0x0f));
+        if (type == GQ_Q4_1) return w;
+        w = _mm512_sub_epi8(w, _mm512_set1_epi8(8));
+    }
+    *neg = _mm512_movepi8_mask(w);
+    return _mm512_abs_epi8(w);
+}
+
+/* The per-lane weight scale of the layout: lanes of j take dm[0], of j + 1 dm[1] (Q4_1: dm[2]). */
+static inline __m512i scale_index(const int type) {
+    if (type == GQ_Q8_0) return _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int k = type == GQ_Q4_1 ? 2 : 1;
+    return _mm512_set_epi32(k, k, k, k, 0, 0, 0, 0, k, k, k, k, 0, 0, 0, 0);
+}
+
+/* Output j's (h = 0) or j + 1's (h = 1) lane L from the 16 accumulated lanes. */
+static inline float lane_of(const int type, const float *a, int h, int l) {
+    if (type == GQ_Q8_0) return a[8 * h + l];
+    return a[(l < 4 ? 0 : 8) + 4 * h + (l & 3)];
+}
+
+static inline float pair_out(const int type, const float *a, int h) {
+    float l[8];
+    for (int i = 0; i < 8; i++) l[i] = lane_of(type, a, h, i);
+    return lanes_sum(l);
+}
+
+/* NP output pairs x NR rows (1 x 4 pairs or 2 x 2). */
+#define Z_ROW(p, r)                                                                          \
+    if (NR > r) {                                                                            \
+        __m512i xv = NEG ? _mm512_mask_sub_epi8(x##r, neg, _mm512_setzero_si512(), x##r) : x##r; \
+        __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv)); \
+        const __m512 d = _mm512_mul_ps(dwv, _mm512_set1_ps(xd[(r) * nb + b]));               \
+        a##p##r = _mm512_fmadd_ps(d, lanes, a##p##r);                                        \
+        if (type == GQ_Q4_1)                                                                 \
+            m##p##r = _mm_fmadd_ps(dm, _mm_set1_ps(xs[(r) * nb + b]), m##p##r);              \
+    }
+#define Z_P(p)                                                                               \
+    if (NP > p) {                                                                            \
+        const uint8_t *bj = w + (2 * (p)) * row_bytes + b * ts, *bk = bj + row_bytes;        \
+        _mm_prefetch((const char *)((uintptr_t)bj + 2 * NP * row_bytes), _MM_HINT_T0);       \
+        _mm_prefetch((const char *)((uintptr_t)bk + 2 * NP * row_bytes), _MM_HINT_T0);       \
+        __mmask64 neg = 0;                                                                   \
+        __m128 dm;                                                                           \
+        const __m512i u = pair_w(type, bj, bk, &neg, &dm);                                   \
+        const __m512 dwv = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(dm));          \
+        Z_ROW(p, 0) Z_ROW(p, 1)                                                              \
+    }
+#define Z_OUT(p, r)                                                                          \
+    if (NP > p && NR > r) {                                                                  \
+        float a[16], ms[4];                                                                  \
+        _mm512_storeu_ps(a, a##p##r);                                                        \
+        _mm_storeu_ps(ms, m##p##r);                                                          \
+        for (int h = 0; h < 2; h++) {                                                        \
+            float v = pair_out(type, a, h);                                                  \
+            if (type == GQ_Q4_1) v = v + ms[1 + 2 * h];                                      \
+            const int j = 2 * (p) + h;                                                       \
+            y[(r) * ldy + j] = bias ? v + bias[j] : v;                                       \
+        }                                                                                    \
+    }
+static inline __attribute__((always_inline)) void tile512(
+    const int type, const int NP, const int NR, const int8_t *xq, const float *xd,
+    const float *xs, int64_t in, const uint8_t *w, const float *bias, float *y, int64_t ldy) {
+    const int64_t ts = type_size(type), nb = in / QK, row_bytes = nb * ts;
+    const int NEG = type != GQ_Q4_1;
+    const __m512i sidx = scale_index(type);
+    __m512 z = _mm512_setzero_ps();
+    __m512 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a30 = z;
+    __m128 mz = _mm_setzero_ps();
+    __m128 m00 = mz, m01 = mz, m10 = mz, m11 = mz, m20 = mz, m30 = mz;
+    __m128 m21 = mz, m31 = mz;
+    __m512 a21 = z, a31 = z;
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512i x0 = pair_x(type, xq + b * QK);
+        const __m512i x1 = NR > 1 ? pair_x(type, xq + in + b * QK) : _mm512_setzero_si512();
+        Z_P(0) Z_P(1) Z_P(2) Z_P(3)
+    }
+    Z_OUT(0, 0) Z_OUT(0, 1) Z_OUT(1, 0) Z_OUT(1, 1) Z_OUT(2, 0) Z_OUT(3, 0)
+    (void)a21; (void)a31; (void)m21; (void)m31;
+}
+#undef Z_ROW
+#undef Z_P
+#undef Z_OUT
+
+/* Outputs [j_begin, j_end) of rows (<= ROW_CHUNK) rows: 4 pairs x 1 row at one row, else 2
+ * pairs over every pair of rows (the last row alone when odd); the outputs left over (fewer
+ * than a tile) through the AVX2 tiles one by one (the same bits). */
+#define TILEZ(np, nr, jj) tile512(type, np, nr, q, d, s, in, w + (jj) * rb, bias ? bias + (jj) : NULL, yr + (jj), ldy)
+#define TILE1(nr, jj) tile(type, 1, nr, q, d, s, in, w + (jj) * rb, bias ? bias + (jj) : NULL, yr + (jj), ldy)
+#define ROWSZ(T)                                                                             \
+    static void rowsz_##T(const int8_t *xq, const float *xd, const float *xs, int64_t in,    \
+                          const uint8_t *w, const float *bias, float *y, int64_t ldy,        \
+                          int64_t rows, int64_t j_begin, int64_t j_end) {                    \
+        const int type = T, nj = rows == 1 ? 8 : 4;                                          \
+        const int64_t nb = in / QK, rb = nb * type_size(T);                                 \
+        for (int64_t j = j_begin; j < j_end; j += nj) {                                      \
+            const int left = j_end - j < nj ? (int)(j_end - j) : nj;                         \
+            for (int64_t r = 0; r < rows; r += 2) {                                          \
+                const int nr = rows - r >= 2 ? 2 : 1;                                        \
+                const int8_t *q = xq + r * in;                                               \
+                const float *d = xd + r * nb, *s = xs + r * nb;                              \
+                float *yr = y + r * ldy;                                                     \
+                if (left == nj && rows == 1) TILEZ(4, 1, j);                                 \
+                else if (left == nj && nr == 2) TILEZ(2, 2, j);                              \
+                else if (left == nj) TILEZ(2, 1, j);                                         \
+                else {                                                                       \
+                    for (int i = 0; i < left; i++) {                                         \
+                        if (nr == 2) TILE1(2, j + i);                                        \
+                        else TILE1(1, j + i);                                                \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }
+ROWSZ(GQ_Q8_0)
+ROWSZ(GQ_Q4_0)
+ROWSZ(GQ_Q4_1)
+#undef ROWSZ
+#undef TILEZ
+#undef TILE1
+#endif
+
+#if Q8_AVX512
+/* ---- The 16-output layout (AVX-512 VNNI builds; pagedkv_q8_pack16 writes it) ----
+ *
+ * tile512 above still spends most of its vector operations gathering two outputs' scales
+ * and nibbles into one register. Repacked once at load, 16 outputs' block b sit together:
+ *
+ *   group g (outputs 16g .. 16g + 15), block b, 16 x type-size bytes:
+ *     d[16] f16 | (Q4_1) m[16] f16 | chunk 0 | chunk 1 | ... (4 chunks for Q4, 8 for Q8_0)
+ *     chunk c, 64 bytes: bytes 4c .. 4c + 3 of the 16 outputs' quant bytes, output o at 4o
+ *
+ * so one zmm holds one lane (step 2's lane) of 16 outputs: chunk c's low nibbles are lane c
+ * and its high nibbles lane c + 4 (Q4; value i + 16 is byte i's high nibble), Q8_0's chunk c
+ * is lane c. A block of 16 outputs then costs one vpdpbusd, one conversion and one FMA per
+ * lane (8 of each), one scale load and conversion, and the nibble masks: ~42 vector
+ * operations per 512 weights, against ~104 in tile512. The activations' four bytes of a lane
+ * are one broadcast load. The integer lane sums are exact: Q4_1 nibbles are u8 already;
+ * Q4_0's (q - 8) x = q x - 8 x and Q8_0's w x = (w + 128) x - 128 x, with the 8 x / 128 x
+ * lane sums of the activation block subtracted up front (vpdpbusd's accumulator input).
+ * The float operations are the header's, per lane, in block order, then lanes_sum's tree,
+ * + summs, + bias: the bits of the AVX2 and portable paths. */
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 4 /* prefetch distance, in group blocks */
+#endif
+static inline int64_t chunks_of(int type) { return type == GQ_Q8_0 ? 8 : 4; }
+static inline int64_t scale_bytes(int type) { return type == GQ_Q4_1 ? 64 : 32; }
+#endif
+
+
+/* The 16-output layout above from the file's blocks w [out, in / 32 blocks] into dst (the
+ * same number of bytes); out a multiple of 16. Plain C (run once at load). */
+int pagedkv_q8_pack16(int type, const uint8_t *w, int64_t in, int64_t out, uint8_t *dst) {
+    const int64_t ts = type_size(type);
+    if (ts < 0 || in <= 0 || in % QK || out < 0 || out % 16) return -1;
+    const int64_t nb = in / QK, q0 = type == GQ_Q4_1 ? 4 : 2, sb = type == GQ_Q4_1 ? 4 : 2;
+    const int64_t nq = type == GQ_Q8_0 ? 32 : 16; /* quant bytes per block */
+    for (int64_t g = 0; g < out / 16; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = dst + (g * nb + b) * 16 * ts;
+            for (int64_t j = 0; j < 16; j++) {
+                const uint8_t *blk = w + ((16 * g + j) * nb + b) * ts;
+                memcpy(o + 2 * j, blk, 2);                           /* d */
+                if (type == GQ_Q4_1) memcpy(o + 32 + 2 * j, blk + 2, 2); /* m */
+                for (int64_t i = 0; i < nq; i++)
+                    o[16 * sb + (i / 4) * 64 + 4 * j + (i % 4)] = blk[q0 + i];
+            }
+        }
+    }
+    return 0;
+}
+
+#if Q8_AVX512
+/* The activation side of the 16-output kernel for one row: per block and lane the exact
+ * correction -k * sum(x of the lane) (k = 8 for Q4_0, 128 for Q8_0, 0 for Q4_1). */
+static void lane_corrections(int type, const int8_t *xq, int64_t nb, int32_t *corr) {
+    const int32_t k = type == GQ_Q8_0 ? 128 : type == GQ_Q4_0 ? 8 : 0;
+    for (int64_t b = 0; b < nb; b++)
+        for (int l = 0; l < 8; l++) {
+            const int8_t *q = xq + b * QK + 4 * l;
+            corr[b * 8 + l] = -k * (q[0] + q[1] + q[2] + q[3]);
+        }
+}
+
+/* One group of 16 outputs, NR (1 or 2) rows; g points at the group's first block. */
+#define P_LANE(r, l, u)                                                                       \
+    if (NR > r) {                                                                            \
+        __m512i xb = _mm512_set1_epi32(*(const int32_t *)(xq + (r) * in + b * QK + 4 * (l))); \
+        __m512i init = type == GQ_Q4_1 ? _mm512_setzero_si512()                             \
+                                       : _mm512_set1_epi32(corr[(r) * nb * 8 + b * 8 + (l)]); \
+        __m512 lane = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, xb));                 \
+        a##r##l = _mm512_fmadd_ps(d##r, lane, a##r##l);                                      \
+    }
+#define P_Q4(c, c4)                                                                          \
+    {                                                                                        \
+        const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * (c)));                  \
+        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib); \
+        P_LANE(0, c, lo) P_LANE(1, c, lo) P_LANE(0, c4, hi) P_LANE(1, c4, hi)              \
+    }
+#define P_Q8(c)                                                                              \
+    {                                                                                        \
+        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + 64 * (c))), sgn); \
+        P_LANE(0, c, u) P_LANE(1, c, u)                                                      \
+    }
+#define P_OUT(r)                                                                             \
+    if (NR > r) {                                                                            \
+        __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a##r##0, a##r##4), _mm512_add_ps(a##r##2, a##r##6)), \
+                                 _mm512_add_ps(_mm512_add_ps(a##r##1, a##r##5), _mm512_add_ps(a##r##3, a##r##7))); \
+        if (type == GQ_Q4_1) v = _mm512_add_ps(v, s##r);                                     \
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));                               \
+        _mm512_storeu_ps(y + (r) * ldy, v);                                                  \
+    }
+static inline __attribute__((always_inline)) void group16(
+    const int type, const int NR, const int8_t *xq, const float *xd, const float *xs,
+    const int32_t *corr, int64_t in, const uint8_t *g, const float *bias, float *y, int64_t ldy) {
+    const int64_t nb = in / QK, gb = 16 * type_size(type), sb = scale_bytes(type);
+    const __m512i nib = _mm512_set1_epi8(0x0f), sgn = _mm512_set1_epi8((char)0x80);
+    __m512 z = _mm512_setzero_ps();
+    __m512 a00 = z, a01 = z, a02 = z, a03 = z, a04 = z, a05 = z, a06 = z, a07 = z;
+    __m512 a10 = z, a11 = z, a12 = z, a13 = z, a14 = z, a15 = z, a16 = z, a17 = z;
+    __m512 s0 = z, s1 = z;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gb, *q = blk + sb;
+        _mm_prefetch((const char *)blk + PF_BLOCKS * gb, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PF_BLOCKS * gb + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PF_BLOCKS * gb + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PF_BLOCKS * gb + 192, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PF_BLOCKS * gb + 256, _MM_HINT_T0);
+        if (type == GQ_Q8_0) {
+            _mm_prefetch((const char *)blk + PF_BLOCKS * gb + 320, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PF_BLOCKS * gb + 384, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PF_BLOCKS * gb + 448, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PF_BLOCKS * gb + 512, _MM_HINT_T0);
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 d0 = _mm512_mul_ps(dw, _mm512_set1_ps(xd[b]));
+        const __m512 d1 = NR > 1 ? _mm512_mul_ps(dw, _mm512_set1_ps(xd[nb + b])) : z;
+        if (type == GQ_Q4_1) {
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+            s0 = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[b]), s0);
+            if (NR > 1) s1 = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[nb + b]), s1);
+        }
+        if (type == GQ_Q8_0) {
+            P_Q8(0) P_Q8(1) P_Q8(2) P_Q8(3) P_Q8(4) P_Q8(5) P_Q8(6) P_Q8(7)
+        } else {
+            P_Q4(0, 4) P_Q4(1, 5) P_Q4(2, 6) P_Q4(3, 7)
+        }
+    }
+    P_OUT(0) P_OUT(1)
+}
+#undef P_LANE
+#undef P_Q4
+#undef P_Q8
+#undef P_OUT
+
+#define GROUPS(T)                                                                            \
+    static void groups_##T(const int8_t *xq, const float *xd, const float *xs,               \
+                           const int32_t *corr, int64_t in, const uint8_t *w,                \
+                           const float *bias, float *y, int64_t ldy, int64_t rows,           \
+                           int64_t j_begin, int64_t j_end) {                                 \
+        const int64_t nb = in / QK, gbytes = nb * 16 * type_size(T);                         \
+        for (int64_t j = j_begin; j < j_end; j += 16) {                                      \
+            const uint8_t *g = w + (j / 16) * gbytes;                                        \
+            const float *bj = bias ? bias + j : NULL;                                        \
+            for (int64_t r = 0; r < rows; r += 2) {                                          \
+                const int8_t *q = xq + r * in;                                               \
+                const float *d = xd + r * nb, *s = xs + r * nb;                              \
+                const int32_t *c = corr + r * nb * 8;                                        \
+                if (rows - r >= 2) group16(T, 2, q, d, s, c, in, g, bj, y + r * ldy + j, ldy); \
+                else group16(T, 1, q, d, s, c, in, g, bj, y + r * ldy + j, ldy);             \
+            }                                                                                \
+        }                                                                                    \
+    }
+GROUPS(GQ_Q8_0)
+GROUPS(GQ_Q4_0)
+GROUPS(GQ_Q4_1)
+#undef GROUPS
+#endif
+
+/* 1: this build has the 16-output kernel (pagedkv_q8_linear16), 0: it does not. */
+int pagedkv_q8_has_pack16(void) { return Q8_AVX512; }
+
+/* pagedkv_q8_linear on pagedkv_q8_pack16's layout: outputs [j_begin, j_end), both multiples
+ * of 16. -3 when this build has no 16-output kernel, -2 when the corrections' buffer cannot
+ * be allocated. */
+int pagedkv_q8_linear16(int type, const int8_t *xq, const float *xd, const float *xs,
+                        const uint8_t *w, const float *bias, float *y, int64_t ldy, int64_t rows,
+                        int64_t in, int64_t out, int64_t j_begin, int64_t j_end) {
+    if (type_size(type) < 0 || rows < 0 || in <= 0 || in % QK || out % 16 || j_begin < 0 ||
+        j_end > out || j_begin > j_end || j_begin % 16 || j_end % 16 || ldy < out)
+        return -1;
+#if Q8_AVX512
+    const int64_t nb = in / QK;
+    int32_t stack[2 * 8 * 64], *corr = stack; /* rows x nb x 8 */
+    if (rows * nb * 8 > (int64_t)(sizeof stack / sizeof *stack)) {
+        corr = malloc((size_t)(rows * nb * 8) * sizeof *corr);
+        if (!corr) return -2;
+    }
+    for (int64_t r = 0; r < rows; r++) lane_corrections(type, xq + r * in, nb, corr + r * nb * 8);
+    if (type == GQ_Q8_0) groups_GQ_Q8_0(xq, xd, xs, corr, in, w, bias, y, ldy, rows, j_begin, j_end);
+    else if (type == GQ_Q4_0) groups_GQ_Q4_0(xq, xd, xs, corr, in, w, bias, y, ldy, rows, j_begin, j_end);
+    else groups_GQ_Q4_1(xq, xd, xs, corr, in, w, bias, y, ldy, rows, j_begin, j_end);
+    if (corr != stack) free(corr);
+    return 0;
+#else
+    (void)xq; (void)xd; (void)xs; (void)w; (void)bias; (void)y;
+    return -3;
+#endif
+}
+
+/* Quantize + pagedkv_q8_linear16 over every output (the one-thread fast path). */
+int pagedkv_q8_linear16_f32(int type, const float *x, int64_t ldx, const uint8_t *w,
+                            const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
+                            int64_t out) {
+    if (rows < 0 || in <= 0 || in % QK || ldx < in) return -1;
+    const int64_t nb = in / QK;
+    void *buf = malloc((size_t)(rows * in) + 2 * (size_t)(rows * nb) * sizeof(float) + 1);
+    if (!buf) return -2;
+    float *xd = (float *)buf, *xs = xd + rows * nb;
+    int8_t *xq = (int8_t *)(xs + rows * nb);
+    int rc = pagedkv_q8_quantize(x, ldx, rows, in, xq, xd, xs);
+    if (!rc) rc = pagedkv_q8_linear16(type, xq, xd, xs, w, bias, y, ldy, rows, in, out, 0, out);
+    free(buf);
+    return rc;
+}
+
 /* y [rows, ldy] for outputs [j_begin, j_end) from pagedkv_q8_quantize's xq/xd/xs;
  * portable != 0 forces the portable path (the same bits). */
 int pagedkv_q8_linear(int type, const int8_t *xq, const float *xd, const float *xs,
@@ -269,9 +659,15 @@ int pagedkv_q8_linear(int type, const int8_t *xq, const float *xd, const float *
             const int8_t *q = xq + r * in;
             const float *d = xd + r * nb, *s = xs + r * nb;
             float *yr = y + r * ldy;
+#if Q8_AVX512
+            if (type == GQ_Q8_0) rowsz_GQ_Q8_0(q, d, s, in, w, bias, yr, ldy, n, j_begin, j_end);
+            else if (type == GQ_Q4_0) rowsz_GQ_Q4_0(q, d, s, in, w, bias, yr, ldy, n, j_begin, j_end);
+            else rowsz_GQ_Q4_1(q, d, s, in, w, bias, yr, ldy, n, j_begin, j_end);
+#else
             if (type == GQ_Q8_0) rows_GQ_Q8_0(q, d, s, in, w, bias, yr, ldy, n, j_begin, j_end);
             else if (type == GQ_Q4_0) rows_GQ_Q4_0(q, d, s, in, w, bias, yr, ldy, n, j_begin, j_end);
             else rows_GQ_Q4_1(q, d, s, in, w, bias, yr, ldy, n, j_begin, j_end);
+#endif
         }
         return 0;
     }

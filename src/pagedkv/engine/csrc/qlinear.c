@@ -33,6 +33,11 @@
 #else
 #define QL_AVX2 0
 #endif
+#if QL_AVX2 && defined(__AVX512F__)
+#define QL_AVX512 1 /* one zmm holds a whole tile's 16 columns (see tiles_avx512) */
+#else
+#define QL_AVX512 0
+#endif
 
 #define TILE_J 16
 #define ROW_BLOCK 6 /* tile_avx2 names 6 rows of accumulators */
@@ -156,6 +161,106 @@ static inline __attribute__((always_inline)) void tiles_avx2(
 #undef QT_OUT
 #endif
 
+#if QL_AVX512
+/* AVX-512: one tile's 16 columns are one zmm, so a k step of a tile is one 16-byte load,
+ * one widening (vpmovsxbd), one conversion and one FMA where AVX2 needs two of each: the
+ * one-row kernel was bound by the widening, not by memory (RESULTS.md, helper step1). Each
+ * output still adds its products in increasing k with one fused multiply-add each, so every
+ * output has the AVX2 path's bits. NT tiles (8 at one row: 8 FMA chains hide the latency of
+ * the two 512-bit FMA ports; 4 at two rows) x NR <= 2 rows; the same prefetch as tiles_avx2
+ * (one line of the tile NT ahead per 4 k). */
+static inline __m512 load16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#define QZ_FMA(t)                                                                  \
+    if (NT > t) {                                                                  \
+        __m512 wv = load16(wt + (t) * in * TILE_J + k * TILE_J);                   \
+        c0##t = _mm512_fmadd_ps(x0, wv, c0##t);                                    \
+        if (NR > 1) c1##t = _mm512_fmadd_ps(x1, wv, c1##t);                        \
+    }
+#define QZ_PF(t)                                                                   \
+    if (NT > t)                                                                    \
+        _mm_prefetch((const char *)((uintptr_t)wt + ((t) + NT) * in * TILE_J + k * TILE_J), _MM_HINT_T0);
+#define QZ_OUT(r, t)                                                               \
+    if (NR > r && NT > t) {                                                        \
+        _mm512_storeu_ps(acc, c##r##t);                                            \
+        int64_t jt = j0 + (t) * TILE_J, left = nj - (t) * TILE_J;                  \
+        if (left > 0) finish(acc, scale, bias, y + (r) * ldy, jt, left < TILE_J ? left : TILE_J); \
+    }
+static inline __attribute__((always_inline)) void tiles_avx512(
+    const float *x, int64_t ldx, const int8_t *wt, const float *scale, const float *bias,
+    float *y, int64_t ldy, const int NR, const int NT, int64_t in, int64_t j0, int64_t nj) {
+    __m512 z = _mm512_setzero_ps();
+    __m512 c00 = z, c01 = z, c02 = z, c03 = z, c04 = z, c05 = z, c06 = z, c07 = z;
+    __m512 c10 = z, c11 = z, c12 = z, c13 = z, c14 = z, c15 = z, c16 = z, c17 = z; /* NR 2: NT <= 4 */
+    for (int64_t k = 0; k < in; k++) {
+        if ((k & 3) == 0) { QZ_PF(0) QZ_PF(1) QZ_PF(2) QZ_PF(3) QZ_PF(4) QZ_PF(5) QZ_PF(6) QZ_PF(7) }
+        __m512 x0 = _mm512_set1_ps(x[k]);
+        __m512 x1 = NR > 1 ? _mm512_set1_ps(x[ldx + k]) : z;
+        QZ_FMA(0) QZ_FMA(1) QZ_FMA(2) QZ_FMA(3) QZ_FMA(4) QZ_FMA(5) QZ_FMA(6) QZ_FMA(7)
+    }
+    float acc[TILE_J];
+    QZ_OUT(0, 0) QZ_OUT(0, 1) QZ_OUT(0, 2) QZ_OUT(0, 3) QZ_OUT(0, 4) QZ_OUT(0, 5)
+    QZ_OUT(0, 6) QZ_OUT(0, 7) QZ_OUT(1, 0) QZ_OUT(1, 1) QZ_OUT(1, 2) QZ_OUT(1, 3)
+}
+#undef QZ_FMA
+#undef QZ_PF
+#undef QZ_OUT
+
+/* NR <= ROW_BLOCK rows over two adjacent tiles (NT = 1 or 2): 2 x 6 zmm accumulators, the
+ * two weight vectors converted once per k for all the rows (tile_avx2's loop, 32 columns). */
+#define QR_ROW(r)                                                         \
+    if (nr > r) {                                                         \
+        __m512 xv = _mm512_set1_ps(x[(r) * ldx + k]);                     \
+        c##r##a = _mm512_fmadd_ps(xv, w0, c##r##a);                       \
+        if (NT > 1) c##r##b = _mm512_fmadd_ps(xv, w1, c##r##b);           \
+    }
+#define QR_OUT(r)                                                         \
+    if (nr > r) {                                                         \
+        _mm512_storeu_ps(acc, c##r##a);                                   \
+        finish(acc, scale, bias, y + (r) * ldy, j0, nj < TILE_J ? nj : TILE_J); \
+        if (NT > 1 && nj > TILE_J) {                                      \
+            _mm512_storeu_ps(acc, c##r##b);                               \
+            finish(acc, scale, bias, y + (r) * ldy, j0 + TILE_J, nj - TILE_J); \
+        }                                                                 \
+    }
+static inline __attribute__((always_inline)) void tile_avx512(
+    const float *x, int64_t ldx, const int8_t *wt, const float *scale, const float *bias,
+    float *y, int64_t ldy, const int nr, const int NT, int64_t in, int64_t j0, int64_t nj) {
+    __m512 z = _mm512_setzero_ps();
+    __m512 c0a = z, c0b = z, c1a = z, c1b = z, c2a = z, c2b = z;
+    __m512 c3a = z, c3b = z, c4a = z, c4b = z, c5a = z, c5b = z;
+    for (int64_t k = 0; k < in; k++) {
+        __m512 w0 = load16(wt + k * TILE_J);
+        __m512 w1 = NT > 1 ? load16(wt + in * TILE_J + k * TILE_J) : z;
+        QR_ROW(0) QR_ROW(1) QR_ROW(2) QR_ROW(3) QR_ROW(4) QR_ROW(5)
+    }
+    float acc[TILE_J];
+    QR_OUT(0) QR_OUT(1) QR_OUT(2) QR_OUT(3) QR_OUT(4) QR_OUT(5)
+}
+#undef QR_ROW
+#undef QR_OUT
+
+/* Rows [0, nr) of tiles [t, t + nt) (nt = 1 or 2), nr <= ROW_BLOCK. */
+static void rowblock_avx512(const float *x, int64_t ldx, const int8_t *wt, const float *scale,
+                            const float *bias, float *y, int64_t ldy, int64_t nr, int nt,
+                            int64_t in, int64_t j0, int64_t nj) {
+#define QR_CASE(n)                                                                          \
+    case n:                                                                                 \
+        if (nt > 1) tile_avx512(x, ldx, wt, scale, bias, y, ldy, n, 2, in, j0, nj);         \
+        else tile_avx512(x, ldx, wt, scale, bias, y, ldy, n, 1, in, j0, nj);                \
+        break;
+    switch (nr) {
+        QR_CASE(1) QR_CASE(2) QR_CASE(3) QR_CASE(4) QR_CASE(5)
+        default: QR_CASE(6)
+    }
+#undef QR_CASE
+}
+#endif
+
+/* 2: this build has the AVX-512 tiles, 1: the AVX2 ones, 0: only the portable loops. */
+int pagedkv_qlinear_isa(void) { return QL_AVX512 ? 2 : QL_AVX2; }
+
 int pagedkv_qlinear_i8(const float *x, int64_t ldx, const int8_t *w, const float *scale,
                        const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
                        int64_t out, int64_t t_begin, int64_t t_end) {
@@ -163,6 +268,36 @@ int pagedkv_qlinear_i8(const float *x, int64_t ldx, const int8_t *w, const float
     if (rows < 0 || in < 0 || t_begin < 0 || t_end > tiles || t_begin > t_end || ldx < in ||
         ldy < out)
         return -1;
+#if QL_AVX512
+    for (int64_t t = t_begin; t < t_end;) {
+        const int8_t *wt = w + t * in * TILE_J;
+        int64_t j0 = t * TILE_J;
+        if (rows <= 2) { /* 8 (one row) or 4 (two rows) tiles a step, then fewer at the end */
+            int64_t nt = rows == 1 ? 8 : 4;
+            while (nt > t_end - t) nt >>= 1;
+            int64_t njt = out - j0 < nt * TILE_J ? out - j0 : nt * TILE_J;
+#define QZ_CALL(NR, NT) tiles_avx512(x, ldx, wt, scale, bias, y, ldy, NR, NT, in, j0, njt)
+            if (rows == 1) {
+                if (nt == 8) QZ_CALL(1, 8); else if (nt == 4) QZ_CALL(1, 4);
+                else if (nt == 2) QZ_CALL(1, 2); else QZ_CALL(1, 1);
+            } else if (rows == 2) {
+                if (nt == 4) QZ_CALL(2, 4); else if (nt == 2) QZ_CALL(2, 2); else QZ_CALL(2, 1);
+            }
+#undef QZ_CALL
+            t += rows ? nt : t_end - t;
+            continue;
+        }
+        int nt = t + 2 <= t_end ? 2 : 1;
+        int64_t njt = out - j0 < nt * TILE_J ? out - j0 : nt * TILE_J;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+            int64_t nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+            rowblock_avx512(x + r0 * ldx, ldx, wt, scale, bias, y + r0 * ldy, ldy, nr, nt, in,
+                            j0, njt);
+        }
+        t += nt;
+    }
+    return 0;
+#endif
     for (int64_t t = t_begin; t < t_end; t++) {
         const int8_t *wt = w + t * in * TILE_J;
         int64_t j0 = t * TILE_J, nj = out - j0 < TILE_J ? out - j0 : TILE_J;
