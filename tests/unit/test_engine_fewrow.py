@@ -4,12 +4,13 @@ portable path's bits, refusals, and the model/engine switch."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
 import torch
 
-from pagedkv.engine import fewrow
+from pagedkv.engine import fewrow, native_build
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.errors import InvalidRequestError
 
@@ -144,3 +145,85 @@ def test_the_engine_switch_routes_decode_rows_and_refuses_bfloat16(tmp_path: Pat
     with pytest.raises(InvalidRequestError, match="float32"):
         bf16.set_linear_kernel("native")
     assert bf16.linear_kernel == "torch"
+
+
+def _builds() -> dict[str, ctypes.CDLL]:
+    """The kernel compiled three ways: the default flags (``-march=native``: AVX-512 where
+    the CPU has it), ``-mno-avx512f`` (the AVX2 path on an AVX-512 CPU) and without
+    ``-march=native`` (the portable C)."""
+    default, portable = native_build.FLAG_SETS[0], native_build.FLAG_SETS[1]
+    avx2 = ([*default[0], "-mno-avx512f"], default[1])
+    out = {}
+    for name, flags in (("default", default), ("avx2", avx2), ("portable", portable)):
+        lib = native_build.compile_library(fewrow._SOURCE, (flags,))
+        fewrow._bind(lib)
+        out[name] = lib
+    return out
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[str, ctypes.CDLL]:
+    return _builds()
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return f" {flag} " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
+def test_each_build_runs_the_vector_path_its_flags_allow(builds: dict[str, ctypes.CDLL]) -> None:
+    bits = {name: lib.pagedkv_fewrow_vector_bits() for name, lib in builds.items()}
+    assert bits["portable"] == 0
+    if _cpu_has("avx2") and _cpu_has("fma"):
+        assert bits["avx2"] == 256
+        assert bits["default"] == (512 if _cpu_has("avx512f") and _cpu_has("avx512vl") else 256)
+    assert fewrow.vector_bits() == bits["default"]
+
+
+def _nn(lib: ctypes.CDLL, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None,
+        j0: int, j1: int) -> torch.Tensor:  # fmt: skip
+    y = torch.full((x.shape[0], w_t.shape[1]), -1.0)
+    bias = None if b is None else b.data_ptr()
+    code = lib.pagedkv_fewrow_nn(x.data_ptr(), x.stride(0), w_t.data_ptr(), w_t.shape[1], bias,
+                                 y.data_ptr(), y.shape[1], x.shape[0], x.shape[1], w_t.shape[1],
+                                 j0, j1)  # fmt: skip
+    assert code == 0
+    return y
+
+
+def _nt(lib: ctypes.CDLL, x: torch.Tensor, e: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
+    y = torch.full((x.shape[0], e.shape[0]), -1.0)
+    code = lib.pagedkv_fewrow_nt(x.data_ptr(), x.stride(0), e.data_ptr(), e.shape[1],
+                                 y.data_ptr(), y.shape[1], x.shape[0], x.shape[1], e.shape[0],
+                                 j0, j1)  # fmt: skip
+    assert code == 0
+    return y
+
+
+@pytest.mark.parametrize("in_dim", [1, 7, 8, 13, 33, 77, 576])
+@pytest.mark.parametrize("out_dim", [1, 15, 16, 17, 47, 48, 49, 100, 203])
+def test_the_avx512_avx2_and_portable_builds_give_the_same_bits(
+    builds: dict[str, ctypes.CDLL], in_dim: int, out_dim: int
+) -> None:
+    """Every register block and tail: rows 1..17 and 31..33 (blocks of 8 rows / 4 pairs and
+    their remainders, an odd last row), 1..49+ columns (48-column panels, masked vectors,
+    4-column embedding blocks and their rest), in % 8 != 0 (the scalar tail), a column range
+    that starts and ends inside a panel (a thread's part), with and without a bias."""
+    gen = torch.Generator().manual_seed(in_dim * 101 + out_dim)
+    w_t = torch.randn(in_dim, out_dim, generator=gen)
+    e = torch.randn(out_dim, in_dim, generator=gen)
+    bias = torch.randn(out_dim, generator=gen)
+    ranges = [(0, out_dim), (out_dim // 3, out_dim - out_dim // 4)]
+    for rows in [*range(1, 18), 31, 32, 33]:
+        x = torch.randn(rows, in_dim, generator=gen)
+        for j0, j1 in ranges:
+            for b in (None, bias):
+                want = _nn(builds["portable"], x, w_t, b, j0, j1)
+                for name in ("default", "avx2"):
+                    got = _nn(builds[name], x, w_t, b, j0, j1)
+                    assert torch.equal(got, want), (name, rows, j0, j1, b is None)
+            want = _nt(builds["portable"], x, e, j0, j1)
+            for name in ("default", "avx2"):
+                assert torch.equal(_nt(builds[name], x, e, j0, j1), want), (name, rows, j0, j1)

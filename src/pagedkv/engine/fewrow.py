@@ -47,6 +47,8 @@ def _bind(lib: ctypes.CDLL) -> None:
         nt = getattr(lib, "pagedkv_fewrow_nt" + suffix)
         nt.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64]
         nn.restype = nt.restype = ctypes.c_int
+    lib.pagedkv_fewrow_vector_bits.argtypes = []
+    lib.pagedkv_fewrow_vector_bits.restype = ctypes.c_int
 
 
 _native = native.LazyLibrary(
@@ -57,6 +59,14 @@ _native = native.LazyLibrary(
 def available() -> bool:
     """Whether the kernel is built (building it on the first call) and loaded."""
     return _native.load() is not None
+
+
+def vector_bits() -> int:
+    """The vector path the loaded build runs: 512 (AVX-512F/VL, chosen at compile time where
+    ``-march=native`` has it), 256 (AVX2 + FMA) or 0 (portable C); 0 when unavailable. All
+    three give the same bits (csrc/fewrow.c)."""
+    lib = _native.load()
+    return 0 if lib is None else int(lib.pagedkv_fewrow_vector_bits())
 
 
 def check_linear_kernel(kernel: str, device: str, quantization: str | None = None) -> None:
