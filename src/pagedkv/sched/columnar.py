@@ -104,19 +104,26 @@ class _ColumnarPlan(StepPlan):
         return ids
 
 
-def _first_special(
-    reqs: list[Request], toks: Sequence[int], start: int, max_len: int
-) -> int:
+def _first_special(reqs: list[Request], toks: Sequence[int], start: int, max_len: int) -> int:
     """The index from ``start`` of the first member that is not a plain decode that keeps
     running (``update``'s inlined ``stop_reason_one``; ``len(reqs)`` if none): not running,
     a bad token id, a stop token, its ``max_tokens``-th output or ``max_model_len``."""
+    n = len(reqs)
+    rest = toks[start:] if start else toks
+    # exact ints in [0, 2**32), checked in C for the whole rest (as commit_decodes does)
+    if list(map(type, rest)).count(int) != n - start or (
+        rest and (min(rest) < 0 or max(rest) >= _MAX_TOKEN_ID)
+    ):
+        for j in range(start, n):
+            tok = toks[j]
+            if type(tok) is not int or not 0 <= tok < _MAX_TOKEN_ID:
+                n = j  # the members before it are checked below
+                break
     j = start
-    for req, tok in zip(reqs[start:], toks[start:], strict=True):
+    for req, tok in zip(reqs[start:n] if start or n < len(reqs) else reqs, rest):
         num_after = len(req.all_token_ids) + 1
         if (
             req.status is not _RUNNING
-            or type(tok) is not int
-            or not 0 <= tok < _MAX_TOKEN_ID
             or tok in req.stop_token_ids
             or num_after - req.num_prompt_tokens >= req.max_tokens
             or num_after >= max_len
@@ -250,7 +257,7 @@ class ColumnarStepMixin(PreemptionMixin):
                 "outstanding columnar step"
             )
         items, last_run = self._validate_columns(output, decode_tokens, sampled)
-        unknown = set(failed_loads).difference(output.output.loading_ids)
+        unknown = set(failed_loads).difference(output.output.loading_ids) if failed_loads else ()
         if unknown:
             raise InvalidRequestError(
                 f"failed_loads names {sorted(unknown)}, which step {output.output.step} did "
@@ -302,8 +309,10 @@ class ColumnarStepMixin(PreemptionMixin):
             a = 0  # members [a, j) keep running and join the commit run
             while a < n:
                 j = _first_special(seg.requests, col, a, max_len) if plain else a
-                if j > a:
-                    ids = ids + seg.ids[a:j]  # new lists: a segment's own are never changed
+                if j == n and not a and not ids:  # the whole segment (most steps): its lists
+                    ids, tokens, reqs = seg.ids, list(col), seg.requests
+                elif j > a:
+                    ids = ids + seg.ids[a:j]  # new lists: the commit never changes its inputs
                     tokens = tokens + list(col[a:j])
                     reqs = reqs + seg.requests[a:j]
                 if j == n:

@@ -81,6 +81,7 @@ def scan_columns(
     token column and tracks, the empty slots, the cost totals (the same sums; a plain decode
     at position p adds p + 1 to context and pairs, one to decodes and rows)."""
     tracks = run.tracks
+    getitem = tracks.__getitem__
     bs = run.block_size
     seed = run.cfg.seed
     sampled: dict[str, list[int]] = {}
@@ -92,15 +93,15 @@ def scan_columns(
         if type(seg) is DecodeColumns:
             # A plain decode's request computed its prompt in an earlier step, so its track
             # has started (sched_s >= 0) and holds its outputs.
-            trs = [tracks[rid] for rid in seg.ids]
-            toks = []
-            add = toks.append
-            for tr, pos in zip(trs, seg.positions, strict=True):
-                end = pos + 1
-                empty += -end % bs
-                decode_ends += end
-                add(tr.output[end - tr.num_prompt_tokens])
-            num_plain += len(trs)
+            trs = list(map(getitem, seg.ids))
+            positions = seg.positions
+            # its output index: the outputs so far (its position is its last token's)
+            toks = [tr.output[p + 1 - tr.num_prompt_tokens] for tr, p in zip(trs, positions)]
+            n = len(trs)
+            # a decode at p has end p + 1 and -(p + 1) % bs == bs - 1 - p % bs empty slots
+            decode_ends += sum(positions) + n
+            empty += n * (bs - 1) - sum(map(bs.__rmod__, positions))
+            num_plain += n
             columns.append(toks)
             run_tracks.append(trs)
             continue
