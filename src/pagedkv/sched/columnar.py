@@ -120,7 +120,9 @@ def _first_special(reqs: list[Request], toks: Sequence[int], start: int, max_len
                 n = j  # the members before it are checked below
                 break
     j = start
-    for req, tok in zip(reqs[start:n] if start or n < len(reqs) else reqs, rest):
+    for req, tok in zip(
+        reqs[start:n] if start or n < len(reqs) else reqs, rest, strict=False
+    ):  # rest may be longer (a bad id cut n)
         num_after = len(req.all_token_ids) + 1
         if (
             req.status is not _RUNNING
@@ -138,6 +140,7 @@ class ColumnarStepMixin(PreemptionMixin):
     and the shared phases)."""
 
     _outstanding_columns: ColumnarOutput | None
+    _step: int
 
     def _check_no_outstanding_step(self) -> None:
         raise NotImplementedError
@@ -225,7 +228,9 @@ class ColumnarStepMixin(PreemptionMixin):
                 mgr.append_slot_mapping(rid, pos, n, slots)
                 table = views(rid)
             tokens = [all_ids[-1], *drafts] if drafts else [all_ids[-1]]
-            sr = ScheduledRequest(rid, pos, tokens, n, table, step_slots, False, True, n - 1, offset)
+            sr = ScheduledRequest(
+                rid, pos, tokens, n, table, step_slots, False, True, n - 1, offset
+            )
             scheduled.append(sr)
             segments.append(sr)
             plan.num_phase1_entries += 1
