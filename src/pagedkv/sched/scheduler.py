@@ -31,6 +31,8 @@ import bisect
 import logging
 import time
 
+import numpy as np
+
 from pagedkv.core.config import CacheConfig
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.errors import (
@@ -44,6 +46,7 @@ from pagedkv.errors import (
     UnknownRequestError,
 )
 from pagedkv.sched.checks import check_scheduler
+from pagedkv.sched.columnar import ColumnarOutput, ColumnarStepMixin
 from pagedkv.sched.config import SchedulerConfig
 from pagedkv.sched.decode_phase import DecodePhaseMixin
 from pagedkv.sched.kv_sharing import TierIndex
@@ -55,8 +58,11 @@ from pagedkv.sched.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
+_EMPTY = np.zeros(0, dtype=np.int32)  # a lean prefill entry's table and slots (read-only)
+_EMPTY.flags.writeable = False
 
-class Scheduler(DecodePhaseMixin):
+
+class Scheduler(ColumnarStepMixin, DecodePhaseMixin):
     """Decides, each step, which requests compute which tokens, within the budget and the pool.
 
     Invariants (``check_invariants()`` verifies each):
@@ -96,6 +102,7 @@ class Scheduler(DecodePhaseMixin):
         self.sending: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # finished or aborted since the last schedule()
         self._outstanding: SchedulerOutput | None = None  # scheduled, not yet updated
+        self._outstanding_columns: ColumnarOutput | None = None  # schedule_columnar's (columnar.py)
         self._preempted_outside_step: list[str] = []  # by reset_prefix_cache (reported next)
         self.max_len = config.max_model_len
         self._step = 0
@@ -277,10 +284,13 @@ class Scheduler(DecodePhaseMixin):
         plan.num_admitted += 1
         return True
 
-    def _build_output(self, plan: StepPlan, admission_s: float) -> SchedulerOutput:
+    def _build_output(
+        self, plan: StepPlan, admission_s: float, num_unlisted: int = 0
+    ) -> SchedulerOutput:
         """Phase 4: the step's stats and the output (the step's slots become one int32 array
-        when a runner first reads a ``slot_mapping``)."""
-        offset = len(plan.step_slots.slots)  # every scheduled position has one slot
+        when a runner first reads a ``slot_mapping``). ``num_unlisted``: scheduled requests
+        not in ``plan.scheduled`` (``schedule_columnar``'s plain decodes)."""
+        offset = len(plan.step_slots.slots) + plan.num_unlisted_slots  # one slot a position
         finished = self._finished_ids
         self._finished_ids = []
         preempted = plan.preempted
@@ -290,7 +300,7 @@ class Scheduler(DecodePhaseMixin):
         self.num_scheduled_tokens_total += offset
         self._last_step = StepStats(
             step=self._step,
-            num_scheduled_requests=len(plan.scheduled),
+            num_scheduled_requests=len(plan.scheduled) + num_unlisted,
             num_scheduled_tokens=offset,
             num_admitted=plan.num_admitted,
             num_preempted=len(plan.preempted),
@@ -308,27 +318,33 @@ class Scheduler(DecodePhaseMixin):
         )
 
     def _check_no_outstanding_step(self) -> None:
-        """Raise SchedulerStateError if the last output still has positions to apply.
+        """Raise SchedulerStateError if the last output (of ``schedule`` or
+        ``schedule_columnar``) still has positions to apply.
 
         An output whose requests all finished or were aborted since (the engine fails a step
         that way) is simply dropped.
         """
-        out = self._outstanding
-        if out is None:
+        out, cols = self._outstanding, self._outstanding_columns
+        if out is None and cols is None:
             return
         mgr = self.manager
-        for sr in out.scheduled:
-            req = self.requests.get(sr.request_id)
+        if out is not None:
+            step, ids = out.step, [sr.request_id for sr in out.scheduled]
+        else:
+            assert cols is not None
+            step, ids = cols.output.step, cols.request_ids()
+        for rid in ids:
+            req = self.requests.get(rid)
             if (
                 req is not None
                 and req.status is RequestStatus.RUNNING
-                and mgr.num_pending_tokens(sr.request_id)
+                and mgr.num_pending_tokens(rid)
             ):
                 raise SchedulerStateError(
-                    f"step {out.step} was scheduled and not updated yet (request "
-                    f"{sr.request_id!r} has uncommitted positions); call update() first"
+                    f"step {step} was scheduled and not updated yet (request "
+                    f"{rid!r} has uncommitted positions); call update() first"
                 )
-        self._outstanding = None
+        self._outstanding = self._outstanding_columns = None
 
     def reset_prefix_cache(self, reset_running: bool = False) -> None:
         """Forget every cached prefix on the device (vLLM's ``reset_prefix_cache``).
@@ -404,6 +420,9 @@ class Scheduler(DecodePhaseMixin):
     ) -> ScheduledRequest:
         start = req.num_computed_tokens
         rid = req.request_id
+        if plan.lean_prefill:  # schedule_columnar: positions and counts only (nobody reads more)
+            plan.num_unlisted_slots += n
+            return ScheduledRequest(rid, start, [], n, _EMPTY, _EMPTY, True, last_chunk, 0, 0)
         step_slots = plan.step_slots
         offset = len(step_slots.slots)
         self.manager.append_slot_mapping(rid, start, n, step_slots.slots)

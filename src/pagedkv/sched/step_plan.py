@@ -28,6 +28,10 @@ class StepPlan:
     preempted: list[str] = field(default_factory=list)
     loads: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, hash) from tiers
     num_admitted: int = 0
+    # schedule_columnar (sched/columnar.py): prefill entries carry positions and counts only
+    # (no inputs, table or slots: its caller reads none); their slots are counted here
+    lean_prefill: bool = False
+    num_unlisted_slots: int = 0
 
     def scheduled_ids(self) -> set[str]:
         """The ids scheduled so far this step (built on demand: only a preemption asks)."""

@@ -49,6 +49,7 @@ from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request
 from pagedkv.sched.scheduler import Scheduler
 from pagedkv.sim.allocators import Allocator, reserved_max_tokens
+from pagedkv.sim.columnar_step import run_columnar_step
 from pagedkv.sim.cost_model import CostModel, StepCost
 from pagedkv.sim.recorder import Recorder
 from pagedkv.sim.report import SimReport
@@ -97,6 +98,7 @@ class SimConfig:
     router: str = "round-robin"  # a pagedkv.route policy: least-load, cache-aware (_ accepted)
     tiers: tuple[TierSpec, ...] = ()  # KV tiers below the device pool, top first (sim.tiers)
     kv_bytes_per_token: int | None = None  # a tier block's bytes / block_size (None: derived)
+    fast_decodes: bool = True  # plain decodes in columns (sim.columnar_step): same results
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -199,6 +201,8 @@ class _Run:
         self.rec.capacity_tokens = self.capacity_tokens
         self.max_len = cfg.scheduler.max_model_len
         self.block_size = cfg.cache.block_size
+        # the columnar step (identical results); tiers read every entry's hashes (tier_step)
+        self.columnar = cfg.fast_decodes and self.tier_stack is None
 
     # -------------------------------------------------------------- arrivals and finishes
     def release(self, rid: str, at: float) -> None:
@@ -259,6 +263,9 @@ class _Run:
     # ---------------------------------------------------------------------- one step
     def run_step(self) -> None:
         """Schedule, advance the clock by the step's cost, feed the sampled tokens back."""
+        if self.columnar:
+            run_columnar_step(self)
+            return
         sched, tracks, rec = self.sched, self.tracks, self.rec
         wall_ns = time.perf_counter_ns
         # the thread CPU clock is a ~3 µs system call: sampled every cpu_timing_stride steps
