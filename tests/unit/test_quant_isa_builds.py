@@ -20,6 +20,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import itertools  # noqa: E402
+
 from pagedkv.engine import gguf_q8act, native, qlinear  # noqa: E402
 from pagedkv.engine.gguf_qlinear import KEPT_TYPES, GGUFProjection  # noqa: E402
 from unit.test_gguf_qlinear import random_projection  # noqa: E402
@@ -31,8 +33,8 @@ _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
 # build name -> (flag sets, the isa() answer it must give, else the test is skipped)
 BUILDS: dict[str, tuple[native.FlagSets, int]] = {
     "avx512": (((_CFLAGS, _LINK),), 3),
-    "vnni256": (((_CFLAGS + ["-mno-avx512f"], _LINK),), 2),
-    "avx2": (((_CFLAGS + ["-mno-avx512f", "-mno-avxvnni"], _LINK),), 1),
+    "vnni256": ((([*_CFLAGS, "-mno-avx512f"], _LINK),), 2),
+    "avx2": ((([*_CFLAGS, "-mno-avx512f", "-mno-avxvnni"], _LINK),), 1),
 }
 
 
@@ -161,7 +163,7 @@ def _i8_call(lib: Any, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     out = scale.shape[0]
     y = torch.full((rows, out), float("nan"))
     b = None if bias is None else bias.data_ptr()
-    for t0, t1 in zip(cuts, cuts[1:], strict=False):
+    for t0, t1 in itertools.pairwise(cuts):
         rc = lib.pagedkv_qlinear_i8(x.data_ptr(), in_dim, packed.data_ptr(), scale.data_ptr(),
                                     b, y.data_ptr(), out, rows, in_dim, out, t0, t1)  # fmt: skip
         assert rc == 0
