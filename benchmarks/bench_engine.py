@@ -17,6 +17,11 @@ decode1   one request, a 32-token prompt, 64 greedy tokens; time per generated t
           transformers: ``generate(max_new_tokens=64, min_new_tokens=64, do_sample=False)``.
 decode16  16 concurrent requests, prompts of 16..256 tokens (mixed), 64 tokens each; time per
           generated token. transformers: one left-padded batch through ``generate``.
+          Both decode fixtures also give ``decodeN steps`` rows, timed in the same rounds: only
+          the steps after every request has its first token (pagedkv: from the end of the
+          step at which the last request got it; transformers: from its first logits-processor
+          call, which follows the prefill forward), per token generated in those steps. The
+          whole-run rows include the prompts' prefill, which the decode limit does not count.
 ttft      TTFT of a 2,048-token prompt (max_tokens=1) whose first 1,920 tokens are cached (a
           previous request computed them) vs uncached (prefix cache reset before each round).
 prefill   uncached prefill of a 1,024- and a 256-token prompt (``--quick``: 256), max_tokens=1,
@@ -60,6 +65,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -71,6 +77,7 @@ import torch
 from _harness import (
     Case,
     Result,
+    Timing,
     add_ratios,
     base_parser,
     print_table,
@@ -97,24 +104,93 @@ MODEL = {
 }
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> int:
+@dataclass(slots=True)
+class _DecodeClock:
+    """The decode-only part of each call of a decode fixture: (thread CPU ns, wall ns, tokens)
+    from the moment every request has its first token (its prefill done) to the end of the
+    call. ``mark`` is called once per call at that moment with the tokens generated so far,
+    ``stop`` at the end with all of them. The first ``warmup`` calls are dropped."""
+
+    warmup: int
+    samples: list[tuple[int, int, int]] = field(default_factory=list)
+    _t0: tuple[int, int, int] | None = None
+
+    def mark(self, tokens: int) -> None:
+        self._t0 = (time.thread_time_ns(), time.perf_counter_ns(), tokens)
+
+    def stop(self, tokens: int) -> None:
+        w, c = time.perf_counter_ns(), time.thread_time_ns()
+        if self._t0 is None:
+            raise RuntimeError("decode clock stopped before every request had its first token")
+        c0, w0, n0 = self._t0
+        self.samples.append((c - c0, w - w0, tokens - n0))
+        self._t0 = None
+
+    def timing(self) -> Timing:
+        """Seconds per decode token, one entry per timed call."""
+        kept = self.samples[self.warmup :]
+        return Timing(
+            tuple(c / 1e9 / n for c, _, n in kept),
+            tuple(w / 1e9 / n for _, w, n in kept),
+            kept[0][2],
+        )
+
+
+def _run(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    clock: _DecodeClock | None = None,
+) -> int:
+    """Run ``prompts`` to the end; returns the tokens generated. ``clock`` is marked after the
+    first step at whose end every request has at least one token."""
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
     n = 0
+    have: dict[str, int] = {}
+    marked = clock is None
     while engine.has_unfinished_requests():
         for out in engine.step():
+            have[out.request_id] = len(out.outputs[0].token_ids)
             if out.finished:
                 n += len(out.outputs[0].token_ids)
+        if not marked and len(have) == len(prompts) and min(have.values()) > 0:
+            assert clock is not None
+            clock.mark(sum(have.values()))
+            marked = True
+    if clock is not None:
+        clock.stop(n)
     return n
 
 
-def _hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> int:
+class _HFDecodeMark:
+    """A transformers logits processor that marks ``clock`` at its first call: that call
+    follows the prefill forward, when every row is about to get its first token."""
+
+    def __init__(self, clock: _DecodeClock, rows: int) -> None:
+        self.clock, self.rows, self.calls = clock, rows, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.calls == 0:
+            self.clock.mark(self.rows)  # the first tokens count as prefill's, as ours do
+        self.calls += 1
+        return scores
+
+
+def _hf_generate(
+    hf: Any, prompts: list[list[int]], new_tokens: int, clock: _DecodeClock | None = None
+) -> int:
     longest = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), longest, dtype=torch.long)
     mask = torch.zeros(len(prompts), longest, dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding, as batched generation needs
         ids[i, longest - len(p) :] = torch.tensor(p)
         mask[i, longest - len(p) :] = 1
+    extra: dict[str, Any] = {}
+    if clock is not None:
+        from transformers import LogitsProcessorList
+
+        extra["logits_processor"] = LogitsProcessorList([_HFDecodeMark(clock, len(prompts))])
     with torch.no_grad():
         out = hf.generate(
             ids,
@@ -123,16 +199,21 @@ def _hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> int:
             min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
+            **extra,
         )
-    return int(out.shape[0] * (out.shape[1] - longest))
+    n = int(out.shape[0] * (out.shape[1] - longest))
+    if clock is not None:
+        clock.stop(n)
+    return n
 
 
 def decode_cases(
     model_dir: Path, hf: Any, batch: int, quick: bool, kernel: str, dtype: str = "float32"
-) -> tuple[list[Case], dict[str, int], dict[str, int]]:
-    """The fixture's cases, the tokens each generated (filled in as they run) and, per pagedkv
-    row, the bytes of weights a decode step reads (every linear and the vocabulary
-    projection, at their stored dtype)."""
+) -> tuple[list[Case], dict[str, int], dict[str, int], dict[str, _DecodeClock]]:
+    """The fixture's cases, the tokens each generated (filled in as they run), per pagedkv
+    row the bytes of weights a decode step reads (every linear and the vocabulary
+    projection, at their stored dtype), and per row its decode-only clock (filled in as they
+    run: the steps after every request has its first token)."""
     from bench_qlinear import weight_bytes_per_token
 
     cfg = EngineConfig(
@@ -154,24 +235,30 @@ def decode_cases(
     name = f"decode{batch}"
     case = f"batch={batch} prompts={min(lengths)}..{max(lengths)} new={new}"
     total = batch * new
+    clocks: dict[str, _DecodeClock] = {}
+
+    def clock(impl: str) -> _DecodeClock:
+        return clocks.setdefault(impl, _DecodeClock(warmup=1))
 
     def ours() -> None:
         engine.model.fused_layer_ops = fused
         engine.model.set_linear_kernel("torch")
-        counts["pagedkv"] = _run(engine, prompts, params)
+        counts["pagedkv"] = _run(engine, prompts, params, clock("pagedkv"))
 
     def torch_ops() -> None:
         engine.model.fused_layer_ops = False
         engine.model.set_linear_kernel("torch")
-        counts["pagedkv torch-ops"] = _run(engine, prompts, params)
+        counts["pagedkv torch-ops"] = _run(engine, prompts, params, clock("pagedkv torch-ops"))
 
     def native_linear() -> None:
         engine.model.fused_layer_ops = fused
         engine.model.set_linear_kernel("native")
-        counts["pagedkv native-linear"] = _run(engine, prompts, params)
+        counts["pagedkv native-linear"] = _run(
+            engine, prompts, params, clock("pagedkv native-linear")
+        )
 
     def theirs() -> None:
-        counts["transformers"] = _hf_generate(hf, prompts, new)
+        counts["transformers"] = _hf_generate(hf, prompts, new, clock("transformers"))
 
     fp32 = None
     if dtype != "float32":  # the float32 engine on the same file, interleaved
@@ -180,7 +267,7 @@ def decode_cases(
 
     def ours_fp32() -> None:
         assert fp32 is not None
-        counts["pagedkv float32"] = _run(fp32, prompts, params)
+        counts["pagedkv float32"] = _run(fp32, prompts, params, clock("pagedkv float32"))
 
     rounds = 2 if quick else 5  # interleaved rounds; the median of 5 steadies a noisy host
     common: dict[str, Any] = {"ops": total, "rounds": rounds, "warmup": 1, "interleave": name}
@@ -193,7 +280,18 @@ def decode_cases(
     if fp32 is not None:
         cases.append(Case(name, case, "pagedkv float32", "token", ours_fp32, **common))
     cases.append(Case(name, case, "transformers", "token", theirs, **common))
-    return cases, counts, step_bytes
+    return cases, counts, step_bytes, clocks
+
+
+def decode_only_results(res: list[Result], clocks: dict[str, _DecodeClock]) -> list[Result]:
+    """Rows ``decodeN steps``: each of ``res``'s rows timed over its decode steps only (from
+    the end of the step at which every request has its first token to the end), seconds per
+    token generated in those steps; the same rounds as the whole-run rows."""
+    return [
+        Result(f"{r.bench} steps", r.case, r.impl, "token", clocks[r.impl].timing())
+        for r in res
+        if r.impl in clocks
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +451,8 @@ def _decode_limit(res: list[Result], batch: int, step_bytes: dict[str, int]) -> 
         if r.impl in step_bytes:
             limit = batch * gbs * 1e9 / step_bytes[r.impl]
             shares.append(
-                f"{r.impl} {1 / r.timing.median_s:.0f} tok/s = "
+                f"{r.impl}{' steps' if r.bench.endswith(' steps') else ''} "
+                f"{1 / r.timing.median_s:.0f} tok/s = "
                 f"{100 / r.timing.median_s / limit:.0f}% of {limit:.0f} "
                 f"({step_bytes[r.impl] / 1e6:.0f} MB per step)"
             )
@@ -410,15 +509,16 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (1, 16):
             if f"decode{batch}" not in only:
                 continue
-            cases, counts, step_bytes = decode_cases(
+            cases, counts, step_bytes, clocks = decode_cases(
                 model_dir, hf, batch, args.quick, args.decode_kernel, args.dtype
             )
             res = run_cases(cases)
             expected = cases[0].ops
             if set(counts.values()) != {expected} or "transformers" not in counts:
                 raise RuntimeError(f"decode{batch}: generated {counts}, expected {expected} each")
-            results += res
-            footer.append(_decode_limit(res, batch, step_bytes))
+            steps = decode_only_results(res, clocks)
+            results += res + steps
+            footer.append(_decode_limit(res + steps, batch, step_bytes))
         if "overhead" in only:
             results += run_cases(overhead_cases(model_dir, args.quick, args.decode_kernel))
         if "ttft" in only:
@@ -440,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for r in results:
         if r.impl == "transformers" and r.ratio is not None and r.bench.startswith("decode"):
-            target = "1/1.2" if r.bench == "decode1" else "1.5"
+            target = {"decode1": "1/1.2", "decode16": "1.5"}[r.bench.split()[0]]
+            if r.bench == "decode16 steps":
+                target = "2 (issue 15)"
             footer.append(
                 f"{r.bench}: transformers time / pagedkv time = {r.ratio:.2f} "
                 f"(target >= {target}); "
