@@ -39,6 +39,7 @@ class _Request:
         self.request_id = request_id
         self.all_token_ids = list(token_ids)
         self.prompt_token_ids = self.all_token_ids
+        self._all_token_ids = self.all_token_ids  # vLLM 0.34's hasher reads the private name
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0
         self.num_in_flight_tokens = 0
@@ -52,6 +53,13 @@ class _Request:
         self.skip_reading_prefix_cache = False
         self.session_id = None
         self.shared_prefix_boundary = 0
+        self.prefix_cache_hit_limit: int | None = None  # vLLM 0.34: unbounded (no prompt logprobs)
+        self._prompt_embeds_per_block_hashes = None  # vLLM 0.34's hasher (no prompt embeds)
+
+    def get_max_cache_hit_length(self, bound: int | None = None) -> int:
+        """vLLM 0.34's ``Request.get_max_cache_hit_length`` (the last token is recomputed)."""
+        limit = self.num_tokens - 1
+        return limit if bound is None else min(limit, bound)
 
     @property
     def num_tokens(self) -> int:

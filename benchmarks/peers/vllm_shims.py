@@ -114,6 +114,9 @@ SHIMS: dict[str, Callable[[types.ModuleType], None]] = {
 REAL = (
     "vllm.utils.math_utils",
     "vllm.utils.hashing",
+    "vllm.utils.gc_utils",
+    "vllm.utils.collection_utils",
+    "vllm.v1.token_buffer",
     "vllm.v1.kv_cache_interface",
     "vllm.v1.kv_cache_layout",
     "vllm.v1.kv_cache_spec_registry",
