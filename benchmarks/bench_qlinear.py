@@ -220,7 +220,10 @@ def try_llamacpp(folder: Path | None, model: Path) -> Peer | None:
             )
         llm = peers[threads]
         llm.reset()
-        llm.eval(list(range(100, 108)))  # the 8-token prompt, as decode_tok_s
+        # The 8-token prompt, as decode_tok_s, one token per eval (untimed): on AMX CPUs
+        # llama.cpp 0.3.36's AMX matmul segfaults on a multi-token batch of this model.
+        for prompt_token in range(100, 108):
+            llm.eval([prompt_token])
         vocab = llm.n_vocab()
 
         def greedy_next() -> int:  # its last logits (the private context: eval keeps none)
