@@ -13,7 +13,13 @@ import httpx
 import pytest
 import uvicorn
 
-from e2e.server_fixtures import MODEL_NAME, free_port, running_server, write_endless_model
+from e2e.server_fixtures import (
+    MODEL_NAME,
+    free_port,
+    running_server,
+    wait_until,
+    write_endless_model,
+)
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.kvevents.config import KVEventsConfig
 from pagedkv.router.app import build_router_app
@@ -58,19 +64,24 @@ def test_a_full_engines_429_moves_the_request_and_models_pass_through(model_dir:
         assert models.json()["data"][0]["id"] == MODEL_NAME
         results: dict[int, httpx.Response] = {}
 
-        def send(i: int) -> None:
+        def send(i: int, max_tokens: int) -> None:
             results[i] = httpx.post(
                 f"{base}/v1/completions",
-                json={"model": MODEL_NAME, "prompt": [5 + i] * 8, "max_tokens": 40},
+                json={"model": MODEL_NAME, "prompt": [5 + i] * 8, "max_tokens": max_tokens},
                 timeout=60,
             )
 
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
-        for t in threads:  # round-robin: full, roomy, full (busy: 429) -> roomy
-            t.start()
-            time.sleep(0.3)
-        for t in threads:
-            t.join(60)
+        # Round-robin: full, roomy, full (busy: 429) -> roomy. Each step waits for the state
+        # it needs (no sleeps): request 0 holds full's one slot (200 steps of >= 20 ms) while
+        # request 1 runs to its end on roomy and request 2 arrives.
+        first = threading.Thread(target=send, args=(0, 200))
+        first.start()
+        wait_until(lambda: full.num_in_flight() == 1, 20, lambda: "request 0 never reached full")
+        send(1, 8)
+        assert results[1].headers["x-pagedkv-engine"] == roomy.base_url
+        assert full.num_in_flight() == 1, "request 0 ended before request 2 could meet it"
+        send(2, 8)
+        first.join(60)
         stats = httpx.get(f"{base}/router/stats", timeout=5).json()
     assert [results[i].status_code for i in range(3)] == [200, 200, 200]
     assert results[2].headers["x-pagedkv-engine"] == roomy.base_url
