@@ -163,10 +163,14 @@ class FreePathMixin:
         # A short table (a short request, the usual case under load): one read-modify-write
         # loop that also sorts the blocks reaching 0 by their hashed flag. Fewer C facilities
         # entered than the passes below, which is what a short free pays for (cold caches).
+        # The branches test the usual counts first and store constants: 1 (an exclusive block,
+        # the cached free) then 2 (a prefix another request holds, the shared free). Blocks
+        # going from 2 to 1 are not counted one by one: every block takes exactly one branch,
+        # so they are ``num`` less the zeros and the deeper ones (``num_deep``, ref > 2).
         ref, hashed = self._ref, self._hashed
         cached: list[int] = []
         uncached: list[int] = []
-        num_unshared = 0  # blocks going from 2 to 1
+        num_deep = 0  # blocks going from r > 2 to r - 1 (still shared)
         for b in block_ids:
             r = ref[b]
             if r == 1:
@@ -175,17 +179,19 @@ class FreePathMixin:
                     cached.append(b)
                 else:
                     uncached.append(b)
-            elif r > 1:
+            elif r == 2:
+                ref[b] = 1
+            elif r > 2:
                 ref[b] = r - 1
-                if r == 2:
-                    num_unshared += 1
+                num_deep += 1
             else:
                 i = block_ids.index(b)  # the blocks are distinct (M1): b's own position
                 for u in block_ids[:i]:  # undo: nothing changes on failure
                     ref[u] += 1
                 self._raise_not_in_use(block_ids, i)
-        self._num_shared -= num_unshared
         num_zeros = len(cached) + len(uncached)
+        if num_zeros + num_deep != num:  # some went from 2 to 1 (no longer shared)
+            self._num_shared -= num - num_zeros - num_deep
         if not num_zeros:
             return
         if cached:
