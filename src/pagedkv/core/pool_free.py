@@ -164,7 +164,8 @@ class FreePathMixin:
         # loop that also sorts the blocks reaching 0 by their hashed flag. Fewer C facilities
         # entered than the passes below, which is what a short free pays for (cold caches).
         # The branches test the usual counts first and store constants: 1 (an exclusive block,
-        # the cached free) then 2 (a prefix another request holds, the shared free). Blocks
+        # the cached free), 2 (a prefix another request holds, the shared free), 3 (nested
+        # prefixes: two other holders), then any deeper count. Blocks
         # going from 2 to 1 are not counted one by one: every block takes exactly one branch,
         # so they are ``num`` less the zeros and the deeper ones (``num_deep``, ref > 2).
         ref, hashed = self._ref, self._hashed
@@ -181,7 +182,10 @@ class FreePathMixin:
                     uncached.append(b)
             elif r == 2:
                 ref[b] = 1
-            elif r > 2:
+            elif r == 3:  # a prefix two other requests hold (nested prefixes)
+                ref[b] = 2
+                num_deep += 1
+            elif r > 3:
                 ref[b] = r - 1
                 num_deep += 1
             else:
