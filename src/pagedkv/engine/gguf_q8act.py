@@ -144,16 +144,17 @@ def has_avx2() -> bool:
 
 
 def isa() -> int:
-    """The built kernel's widest path: 3 AVX-512 VNNI (the 16-output layout, :func:`pack16`),
-    2 AVX2 with 256-bit VNNI, 1 AVX2, 0 portable only; -1 when it cannot be built."""
+    """The built kernel's widest path: 3 AVX-512 VNNI, 2 AVX2 with 256-bit VNNI, 1 AVX2 (each
+    with the 16-output layout, :func:`pack16`), 0 portable only; -1 when it cannot be built."""
     lib = _native.load()
     return -1 if lib is None else int(lib.pagedkv_q8_isa())
 
 
 def pack16(type_code: int, blocks: torch.Tensor, in_dim: int) -> torch.Tensor | None:
     """The file's blocks ``[out, row bytes]`` in the C file's 16-output layout (the same
-    bytes, regrouped so one zmm holds one lane of 16 outputs), or None when this build has no
-    16-output kernel (no AVX-512 VNNI) or ``out`` is not a multiple of 16."""
+    bytes, regrouped so one zmm holds one lane of 16 outputs, one ymm one lane of 8), or None
+    when this build has no 16-output kernel (portable only: no AVX2) or ``out`` is not a
+    multiple of 16."""
     lib = _native.load()
     out = blocks.shape[0]
     if lib is None or not lib.pagedkv_q8_has_pack16() or out % PACK_OUTPUTS:

@@ -93,7 +93,7 @@ class GGUFProjection:
     bias: torch.Tensor | None = None
     activations: str = "float32"  # "int8": gguf_q8act's 8-bit activations (not exact)
     _code: int = field(init=False, repr=False, compare=False)  # the C type code (KEPT_TYPES)
-    # activations "int8" on an AVX-512 VNNI build: ``blocks`` regrouped in 16 outputs
+    # activations "int8" on an AVX2 or AVX-512 build: ``blocks`` regrouped in 16 outputs
     # (gguf_q8act.pack16), the bytes the integer kernel reads; else None
     packed16: torch.Tensor | None = field(init=False, repr=False, compare=False)
 

@@ -439,8 +439,8 @@ ROWSZ(GQ_Q4_1)
 #undef TILE1
 #endif
 
-#if Q8_AVX512
-/* ---- The 16-output layout (AVX-512 VNNI builds; pagedkv_q8_pack16 writes it) ----
+#if Q8_AVX2
+/* ---- The 16-output layout (AVX2 and AVX-512 builds; pagedkv_q8_pack16 writes it) ----
  *
  * tile512 above still spends most of its vector operations gathering two outputs' scales
  * and nibbles into one register. Repacked once at load, 16 outputs' block b sit together:
@@ -489,7 +489,7 @@ int pagedkv_q8_pack16(int type, const uint8_t *w, int64_t in, int64_t out, uint8
     return 0;
 }
 
-#if Q8_AVX512
+#if Q8_AVX2
 /* The activation side of the 16-output kernel for one row: per block and lane the exact
  * correction -k * sum(x of the lane) (k = 8 for Q4_0, 128 for Q8_0, 0 for Q4_1). */
 static void lane_corrections(int type, const int8_t *xq, int64_t nb, int32_t *corr) {
@@ -500,6 +500,9 @@ static void lane_corrections(int type, const int8_t *xq, int64_t nb, int32_t *co
             corr[b * 8 + l] = -k * (q[0] + q[1] + q[2] + q[3]);
         }
 }
+#endif
+
+#if Q8_AVX512
 
 /* One group of 16 outputs, NR (1 or 2) rows; g points at the group's first block. */
 #define P_LANE(r, l, u)                                                                       \
@@ -596,8 +599,113 @@ GROUPS(GQ_Q4_1)
 #undef GROUPS
 #endif
 
-/* 1: this build has the 16-output kernel (pagedkv_q8_linear16), 0: it does not. */
-int pagedkv_q8_has_pack16(void) { return Q8_AVX512; }
+#if Q8_AVX2 && !Q8_AVX512
+/* AVX2 on the 16-output layout: one ymm holds one lane of 8 outputs (half of a chunk: the
+ * group's outputs 8h .. 8h + 7 for h = 0, 1), so a block of 8 outputs costs per lane one
+ * maddubs + madd (or one vpdpbusd with 256-bit VNNI), one conversion and one FMA, and one
+ * scale conversion for the 8 outputs, against ~15 operations per output in tile(). The lane
+ * sums are exact: Q4_1 and Q4_0 nibbles are u8 (Q4_0's - 8 x as lane_corrections' integer,
+ * added after); Q8_0 multiplies |w| by sign(x, w) as unpack() does (|w| <= 128, so a
+ * maddubs pair is at most 2 * 128 * 127 < 32767: no saturation). The float operations are
+ * the header's per lane and block in block order, then lanes_sum's tree, + summs, + bias:
+ * the bits of tile() and of the portable path. One row at a time (8 accumulators, the
+ * scale, the masks and the temporaries fill the 16 ymm registers); the group's blocks stay
+ * in L1/L2 for the call's other rows and the other half. */
+static inline __attribute__((always_inline)) __m256i dot8(__m256i u, __m256i x) {
+#if Q8_VNNI256
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#endif
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+#define H_LANE(l, u, xv)                                                                     \
+    {                                                                                        \
+        __m256i p = dot8(u, xv);                                                             \
+        if (type == GQ_Q4_0) p = _mm256_add_epi32(p, _mm256_set1_epi32(corr[b * 8 + (l)]));  \
+        a##l = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), a##l);                              \
+    }
+#define H_X(l) _mm256_set1_epi32(*(const int32_t *)(xq + b * QK + 4 * (l)))
+#define H_Q4(c, c4)                                                                          \
+    {                                                                                        \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * (c)));               \
+        H_LANE(c, _mm256_and_si256(v, nib), H_X(c))                                          \
+        H_LANE(c4, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), H_X(c4))                  \
+    }
+#define H_Q8(c)                                                                              \
+    {                                                                                        \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * (c)));               \
+        H_LANE(c, _mm256_sign_epi8(v, v), _mm256_sign_epi8(H_X(c), v))                       \
+    }
+static inline __attribute__((always_inline)) void half8(
+    const int type, const int8_t *xq, const float *xd, const float *xs, const int32_t *corr,
+    int64_t in, const uint8_t *g, int h, const float *bias, float *y) {
+    const int64_t nb = in / QK, gb = 16 * type_size(type), sb = scale_bytes(type);
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    __m256 z = _mm256_setzero_ps();
+    __m256 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z, s = z;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gb, *q = blk + sb + 32 * h;
+        _mm_prefetch((const char *)q + PF_BLOCKS * gb, _MM_HINT_T0);
+        _mm_prefetch((const char *)q + PF_BLOCKS * gb + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)q + PF_BLOCKS * gb + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)q + PF_BLOCKS * gb + 192, _MM_HINT_T0);
+        if (type == GQ_Q8_0) {
+            _mm_prefetch((const char *)q + PF_BLOCKS * gb + 256, _MM_HINT_T0);
+            _mm_prefetch((const char *)q + PF_BLOCKS * gb + 320, _MM_HINT_T0);
+            _mm_prefetch((const char *)q + PF_BLOCKS * gb + 384, _MM_HINT_T0);
+            _mm_prefetch((const char *)q + PF_BLOCKS * gb + 448, _MM_HINT_T0);
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(xd[b]));
+        if (type == GQ_Q4_1) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+            s = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[b]), s);
+        }
+        if (type == GQ_Q8_0) {
+            H_Q8(0) H_Q8(1) H_Q8(2) H_Q8(3) H_Q8(4) H_Q8(5) H_Q8(6) H_Q8(7)
+        } else {
+            H_Q4(0, 4) H_Q4(1, 5) H_Q4(2, 6) H_Q4(3, 7)
+        }
+    }
+    __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a4), _mm256_add_ps(a2, a6)),
+                             _mm256_add_ps(_mm256_add_ps(a1, a5), _mm256_add_ps(a3, a7)));
+    if (type == GQ_Q4_1) v = _mm256_add_ps(v, s);
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
+    _mm256_storeu_ps(y + 8 * h, v);
+}
+#undef H_LANE
+#undef H_X
+#undef H_Q4
+#undef H_Q8
+
+#define GROUPS(T)                                                                            \
+    static void groups_##T(const int8_t *xq, const float *xd, const float *xs,               \
+                           const int32_t *corr, int64_t in, const uint8_t *w,                \
+                           const float *bias, float *y, int64_t ldy, int64_t rows,           \
+                           int64_t j_begin, int64_t j_end) {                                 \
+        const int64_t nb = in / QK, gbytes = nb * 16 * type_size(T);                         \
+        for (int64_t j = j_begin; j < j_end; j += 16) {                                      \
+            const uint8_t *g = w + (j / 16) * gbytes;                                        \
+            const float *bj = bias ? bias + j : NULL;                                        \
+            for (int h = 0; h < 2; h++)                                                      \
+                for (int64_t r = 0; r < rows; r++)                                           \
+                    half8(T, xq + r * in, xd + r * nb, xs + r * nb, corr + r * nb * 8, in,   \
+                          g, h, bj, y + r * ldy + j);                                        \
+        }                                                                                    \
+    }
+GROUPS(GQ_Q8_0)
+GROUPS(GQ_Q4_0)
+GROUPS(GQ_Q4_1)
+#undef GROUPS
+#endif
+
+/* 1: this build has the 16-output kernel (pagedkv_q8_linear16: AVX-512 VNNI or AVX2), 0: it
+ * does not (portable only). */
+int pagedkv_q8_has_pack16(void) { return Q8_AVX2; }
 
 /* pagedkv_q8_linear on pagedkv_q8_pack16's layout: outputs [j_begin, j_end), both multiples
  * of 16. -3 when this build has no 16-output kernel, -2 when the corrections' buffer cannot
@@ -608,7 +716,7 @@ int pagedkv_q8_linear16(int type, const int8_t *xq, const float *xd, const float
     if (type_size(type) < 0 || rows < 0 || in <= 0 || in % QK || out % 16 || j_begin < 0 ||
         j_end > out || j_begin > j_end || j_begin % 16 || j_end % 16 || ldy < out)
         return -1;
-#if Q8_AVX512
+#if Q8_AVX2
     const int64_t nb = in / QK;
     int32_t stack[2 * 8 * 64], *corr = stack; /* rows x nb x 8 */
     if (rows * nb * 8 > (int64_t)(sizeof stack / sizeof *stack)) {
