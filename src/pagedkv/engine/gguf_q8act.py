@@ -23,6 +23,7 @@ the native kernel cannot be built: there is no slow fallback for a speed-only op
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -31,7 +32,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from pagedkv.engine import native
+from pagedkv.engine import bound_call, native
+from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.engine.qlinear import UnsupportedQuantizationError
 
 if TYPE_CHECKING:
@@ -63,6 +65,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pagedkv_q8_linear16.restype = i32
     lib.pagedkv_q8_linear16_f32.argtypes = [i32, p, i64, p, p, p, i64, i64, i64, i64]
     lib.pagedkv_q8_linear16_f32.restype = i32
+    lib.pagedkv_q8_linear_f32_range.argtypes = [i32, i32, p, i64, p, p, p, i64, i64, i64, i64]
+    lib.pagedkv_q8_linear_f32_range.argtypes += [i64, i64]
+    lib.pagedkv_q8_linear_f32_range.restype = i32
 
 
 _native = native.LazyLibrary(
@@ -214,6 +219,30 @@ def forward(proj: GGUFProjection, x: torch.Tensor) -> torch.Tensor:
     if rows <= MAX_KERNEL_ROWS:
         return linear(proj, x)
     return proj.tiled_mm(rounded_activations(proj.checked_input(x)))
+
+
+def bind_into(proj: GGUFProjection, x: torch.Tensor, out: torch.Tensor) -> BoundKernel | None:
+    """``forward(proj, x)`` into ``out`` as a call with every argument converted once
+    (:class:`pagedkv.engine.bound_call.BoundKernel`, for a step's buffers kept across steps):
+    the integer kernel on the layout ``forward`` reads (``packed16`` where there is one), its
+    outputs split as :func:`linear` splits them at torch's intra-op thread count now, each
+    part quantizing ``x`` itself (the same bits: a row's quantization depends only on the
+    row). None when the kernel is not built or ``x``/``out`` are not contiguous float32 CPU
+    ``[rows <= MAX_KERNEL_ROWS, in]``/``[rows, out]``."""
+    lib = _native.lib
+    in_dim, out_dim = proj.in_dim, proj.out_dim
+    if lib is None or not bound_call.fits(x, out, in_dim, out_dim, MAX_KERNEL_ROWS):
+        return None
+    rows, packed = x.shape[0], proj.packed16
+    w = proj.blocks if packed is None else packed
+    bias = None if proj.bias is None else proj.bias.data_ptr()
+    head = (proj.type_code, int(packed is not None), x.data_ptr(), in_dim, w.data_ptr(), bias,
+            out.data_ptr(), out_dim, rows, in_dim, out_dim)  # fmt: skip
+    step = 8 if packed is None else PACK_OUTPUTS
+    cuts = _split(out_dim, in_dim, rows, torch.get_num_threads(), step)
+    parts = [(*head, a, b) for a, b in itertools.pairwise(cuts)]
+    name = "GGUF int8-activation kernel"
+    return BoundKernel(lib, "pagedkv_q8_linear_f32_range", parts, out, (proj, w, x), name)
 
 
 def rounded_activations(x: torch.Tensor) -> torch.Tensor:

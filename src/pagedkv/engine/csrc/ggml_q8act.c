@@ -801,3 +801,27 @@ int pagedkv_q8_linear_f32(int type, const float *x, int64_t ldx, const uint8_t *
     free(buf);
     return rc;
 }
+
+/* Both steps for outputs [j_begin, j_end) only (one part of a thread split, bound once:
+ * gguf_q8act.bind_into): x quantized into a buffer of this call (each part quantizes the
+ * same rows to the same bits), then pagedkv_q8_linear16 when packed (w in pack16's layout,
+ * the range on multiples of 16), else pagedkv_q8_linear on the file's blocks. -2 when the
+ * buffer cannot be allocated. */
+int pagedkv_q8_linear_f32_range(int type, int packed, const float *x, int64_t ldx,
+                                const uint8_t *w, const float *bias, float *y, int64_t ldy,
+                                int64_t rows, int64_t in, int64_t out, int64_t j_begin,
+                                int64_t j_end) {
+    if (rows < 0 || in < 0 || in % QK || ldx < in) return -1;
+    const int64_t nb = in / QK;
+    void *buf = malloc((size_t)(rows * in) + 2 * (size_t)(rows * nb) * sizeof(float) + 1);
+    if (!buf) return -2;
+    float *xd = (float *)buf, *xs = xd + rows * nb;
+    int8_t *xq = (int8_t *)(xs + rows * nb);
+    int rc = pagedkv_q8_quantize(x, ldx, rows, in, xq, xd, xs);
+    if (!rc && packed)
+        rc = pagedkv_q8_linear16(type, xq, xd, xs, w, bias, y, ldy, rows, in, out, j_begin, j_end);
+    else if (!rc)
+        rc = pagedkv_q8_linear(type, xq, xd, xs, w, bias, y, ldy, rows, in, out, j_begin, j_end, 0);
+    free(buf);
+    return rc;
+}
