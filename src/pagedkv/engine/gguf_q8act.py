@@ -23,7 +23,6 @@ the native kernel cannot be built: there is no slow fallback for a speed-only op
 from __future__ import annotations
 
 import ctypes
-import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -68,6 +67,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pagedkv_q8_linear_f32_range.argtypes = [i32, i32, p, i64, p, p, p, i64, i64, i64, i64]
     lib.pagedkv_q8_linear_f32_range.argtypes += [i64, i64]
     lib.pagedkv_q8_linear_f32_range.restype = i32
+    lib.pagedkv_q8_linear_f32_par.argtypes = [i32, i32, p, i64, p, p, p, i64, i64, i64, i64, i32]
+    lib.pagedkv_q8_linear_f32_par.restype = i32
 
 
 _native = native.LazyLibrary(
@@ -186,8 +187,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def forward(proj: GGUFProjection, x: torch.Tensor) -> torch.Tensor:
     """``proj(x)`` with 8-bit activations (``GGUFProjection.__call__`` with
-    ``activations="int8"``): up to ``MAX_KERNEL_ROWS`` rows the integer kernel (one C call when
-    it needs one thread), above (prefill) the same rounded activations, dequantized, through
+    ``activations="int8"``): up to ``MAX_KERNEL_ROWS`` rows the integer kernel in one C call
+    (``pagedkv_q8_linear_f32_par`` splits the outputs among torch's intra-op thread count
+    with the C file's own spinning workers; the bits do not depend on the split), above
+    (prefill) the same rounded activations, dequantized, through
     the float32 layer's dequantize + ``torch.mm`` tiles, where MKL's float32 product is faster
     than AVX2's integer one (no VNNI): within float32 summation order of the kernel's values,
     as the exact path is on both sides of its own row limit."""
@@ -217,16 +220,26 @@ def forward(proj: GGUFProjection, x: torch.Tensor) -> torch.Tensor:
             raise MemoryError(f"GGUF int8-activation kernel: no memory for {rows} x {in_dim}")
         return y
     if rows <= MAX_KERNEL_ROWS:
-        return linear(proj, x)
+        x = proj.checked_input(x)
+        lib = require_available()
+        y = torch.empty(rows, out, dtype=torch.float32)
+        packed = proj.packed16
+        w = proj.blocks if packed is None else packed
+        bias = None if proj.bias is None else proj.bias.data_ptr()
+        args = (proj.type_code, int(packed is not None), x.data_ptr(), in_dim, w.data_ptr())
+        dims = (out, rows, in_dim, out, torch.get_num_threads())
+        if lib.pagedkv_q8_linear_f32_par(*args, bias, y.data_ptr(), *dims):
+            raise MemoryError(f"GGUF int8-activation kernel: cannot run {rows} x {in_dim}")
+        return y
     return proj.tiled_mm(rounded_activations(proj.checked_input(x)))
 
 
 def bind_into(proj: GGUFProjection, x: torch.Tensor, out: torch.Tensor) -> BoundKernel | None:
     """``forward(proj, x)`` into ``out`` as a call with every argument converted once
     (:class:`pagedkv.engine.bound_call.BoundKernel`, for a step's buffers kept across steps):
-    the integer kernel on the layout ``forward`` reads (``packed16`` where there is one), its
-    outputs split as :func:`linear` splits them at torch's intra-op thread count now, each
-    part quantizing ``x`` itself (the same bits: a row's quantization depends only on the
+    the integer kernel on the layout ``forward`` reads (``packed16`` where there is one), one
+    ``pagedkv_q8_linear_f32_par`` call at torch's intra-op thread count now (its parts each
+    quantize ``x`` themselves: the same bits, a row's quantization depends only on the
     row). None when the kernel is not built or ``x``/``out`` are not contiguous float32 CPU
     ``[rows <= MAX_KERNEL_ROWS, in]``/``[rows, out]``."""
     lib = _native.lib
@@ -236,13 +249,10 @@ def bind_into(proj: GGUFProjection, x: torch.Tensor, out: torch.Tensor) -> Bound
     rows, packed = x.shape[0], proj.packed16
     w = proj.blocks if packed is None else packed
     bias = None if proj.bias is None else proj.bias.data_ptr()
-    head = (proj.type_code, int(packed is not None), x.data_ptr(), in_dim, w.data_ptr(), bias,
-            out.data_ptr(), out_dim, rows, in_dim, out_dim)  # fmt: skip
-    step = 8 if packed is None else PACK_OUTPUTS
-    cuts = _split(out_dim, in_dim, rows, torch.get_num_threads(), step)
-    parts = [(*head, a, b) for a, b in itertools.pairwise(cuts)]
+    args = (proj.type_code, int(packed is not None), x.data_ptr(), in_dim, w.data_ptr(), bias,
+            out.data_ptr(), out_dim, rows, in_dim, out_dim, torch.get_num_threads())  # fmt: skip
     name = "GGUF int8-activation kernel"
-    return BoundKernel(lib, "pagedkv_q8_linear_f32_range", parts, out, (proj, w, x), name)
+    return BoundKernel(lib, "pagedkv_q8_linear_f32_par", [args], out, (proj, w, x), name)
 
 
 def rounded_activations(x: torch.Tensor) -> torch.Tensor:

@@ -825,3 +825,152 @@ int pagedkv_q8_linear_f32_range(int type, int packed, const float *x, int64_t ld
     free(buf);
     return rc;
 }
+
+/* ---- Threads for one call (pagedkv_q8_linear_f32_par) ----
+ *
+ * A batch-1 decode step makes ~150 calls of 20-300 µs; handing half of each to a Python
+ * worker (native.run_ranges, a futex wake-up per call) costs more than the half saves. Here
+ * the caller runs part 0 and up to PAR_MAX - 1 threads of this library, started on first
+ * use, run the others: each spins (pause) on a job counter for up to PAR_SPIN_NS after its
+ * last part, then sleeps on a condition variable until the next job. Every started worker
+ * acks every job (a counter the caller waits on), so the job is never rewritten while a
+ * worker may still read it. One job at a time (a mutex); a caller that finds it held runs
+ * the whole range itself. A forked child starts with no workers (pthread_atfork). The parts are outputs
+ * [cut_p, cut_p+1) of one pagedkv_q8_linear_f32_range each, and a part's outputs do not
+ * depend on the split (the header), so the bits are the one-thread call's. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#define PAR_MAX 8
+#ifndef PAR_SPIN_NS
+#define PAR_SPIN_NS 500000L /* 0.5 ms: longer than the gaps between a step's calls */
+#endif
+typedef struct {
+    int type, packed;
+    const float *x;
+    int64_t ldx;
+    const uint8_t *w;
+    const float *bias;
+    float *y;
+    int64_t ldy, rows, in, out;
+    int64_t cuts[PAR_MAX + 1];
+    int parts;
+} par_job;
+
+static pthread_mutex_t par_call = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time */
+static pthread_mutex_t par_sleep = PTHREAD_MUTEX_INITIALIZER; /* with par_wake */
+static pthread_cond_t par_wake = PTHREAD_COND_INITIALIZER;
+static par_job par_cur;
+static atomic_long par_seq;           /* job counter: a new value = a new job */
+static atomic_int par_left;           /* workers that have not acked the current job */
+static atomic_int par_rc;             /* first non-zero part result of the current job */
+static int par_threads;               /* workers started (1 .. PAR_MAX - 1) */
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static int run_part(const par_job *j, int p) {
+    return pagedkv_q8_linear_f32_range(j->type, j->packed, j->x, j->ldx, j->w, j->bias, j->y,
+                                       j->ldy, j->rows, j->in, j->out, j->cuts[p],
+                                       j->cuts[p + 1]);
+}
+
+static long par_seen0[PAR_MAX]; /* worker i's first `seen`: the counter when it was made */
+
+static void *par_worker(void *arg) {
+    const int me = (int)(intptr_t)arg; /* runs part `me` of each job that has one */
+    long seen = par_seen0[me];
+    for (;;) {
+        long seq = atomic_load_explicit(&par_seq, memory_order_acquire);
+        if (seq == seen) {
+            const int64_t until = now_ns() + PAR_SPIN_NS;
+            int spins = 0;
+            while ((seq = atomic_load_explicit(&par_seq, memory_order_acquire)) == seen) {
+#if Q8_AVX2
+                _mm_pause();
+#endif
+                if (++spins % 256 == 0 && now_ns() > until) {
+                    pthread_mutex_lock(&par_sleep);
+                    while ((seq = atomic_load(&par_seq)) == seen)
+                        pthread_cond_wait(&par_wake, &par_sleep);
+                    pthread_mutex_unlock(&par_sleep);
+                    break;
+                }
+            }
+        }
+        seen = seq; /* the caller posts the next job only after every worker's ack */
+        if (me < par_cur.parts) {
+            const int rc = run_part(&par_cur, me);
+            if (rc) {
+                int zero = 0;
+                atomic_compare_exchange_strong(&par_rc, &zero, rc);
+            }
+        }
+        atomic_fetch_sub_explicit(&par_left, 1, memory_order_release); /* the ack */
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's workers: start again from none. */
+static void par_child(void) {
+    pthread_mutex_init(&par_call, NULL);
+    pthread_mutex_init(&par_sleep, NULL);
+    pthread_cond_init(&par_wake, NULL);
+    par_threads = 0;
+}
+
+/* pagedkv_q8_linear_f32_range over outputs [0, out) in `threads` parts (on multiples of 16
+ * when packed, else 8; fewer when a part would have under 2^20 multiply-adds): the caller's
+ * and this library's workers'. The same bits as one call. -4 when a worker cannot start. */
+int pagedkv_q8_linear_f32_par(int type, int packed, const float *x, int64_t ldx,
+                              const uint8_t *w, const float *bias, float *y, int64_t ldy,
+                              int64_t rows, int64_t in, int64_t out, int threads) {
+    const int64_t step = packed ? 16 : 8, tiles = (out + step - 1) / step;
+    int64_t parts = threads < PAR_MAX ? threads : PAR_MAX;
+    if (parts > tiles) parts = tiles;
+    if (parts > rows * out * in / (1 << 20)) parts = rows * out * in / (1 << 20);
+    if (parts <= 1 || pthread_mutex_trylock(&par_call) != 0)
+        return pagedkv_q8_linear_f32_range(type, packed, x, ldx, w, bias, y, ldy, rows, in, out,
+                                           0, out);
+    if (par_threads == 0 && pthread_atfork(NULL, NULL, par_child)) {
+        pthread_mutex_unlock(&par_call);
+        return -4;
+    }
+    while (par_threads < parts - 1) {
+        pthread_t t;
+        par_seen0[par_threads + 1] = atomic_load(&par_seq); /* before the next job's post */
+        if (pthread_create(&t, NULL, par_worker, (void *)(intptr_t)(par_threads + 1))) {
+            pthread_mutex_unlock(&par_call);
+            return -4;
+        }
+        pthread_detach(t);
+        par_threads++;
+    }
+    par_job *j = &par_cur;
+    *j = (par_job){type, packed, x, ldx, w, bias, y, ldy, rows, in, out, {0}, (int)parts};
+    for (int64_t p = 0; p <= parts; p++) {
+        const int64_t c = step * ((tiles * p + parts / 2) / parts);
+        j->cuts[p] = c < out ? c : out;
+    }
+    atomic_store(&par_rc, 0);
+    atomic_store(&par_left, par_threads); /* every worker acks, the idle ones too */
+    pthread_mutex_lock(&par_sleep);
+    atomic_fetch_add_explicit(&par_seq, 1, memory_order_release);
+    pthread_cond_broadcast(&par_wake);
+    pthread_mutex_unlock(&par_sleep);
+    int rc = run_part(j, 0);
+    for (int spins = 0; atomic_load_explicit(&par_left, memory_order_acquire) > 0; spins++) {
+#if Q8_AVX2
+        _mm_pause();
+#endif
+        if (spins > 4096) sched_yield(); /* a worker without a core: let it have this one */
+    }
+    const int wrc = atomic_load(&par_rc);
+    pthread_mutex_unlock(&par_call);
+    return rc ? rc : wrc;
+}
