@@ -611,6 +611,9 @@ GROUPS(GQ_Q4_1)
  * the bits of tile() and of the portable path. One row at a time (8 accumulators, the
  * scale, the masks and the temporaries fill the 16 ymm registers); the group's blocks stay
  * in L1/L2 for the call's other rows and the other half. */
+#ifndef H_PF_ALL
+#define H_PF_ALL 0 /* 1: prefetch in both halves (measured no better) */
+#endif
 static inline __attribute__((always_inline)) __m256i dot8(__m256i u, __m256i x) {
 #if Q8_VNNI256
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -649,11 +652,13 @@ static inline __attribute__((always_inline)) void half8(
     __m256 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z, s = z;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gb, *q = blk + sb + 32 * h;
+        if (H_PF_ALL || h == 0) { /* the second half reads the lines the first one fetched */
         _mm_prefetch((const char *)q + PF_BLOCKS * gb, _MM_HINT_T0);
         _mm_prefetch((const char *)q + PF_BLOCKS * gb + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)q + PF_BLOCKS * gb + 128, _MM_HINT_T0);
         _mm_prefetch((const char *)q + PF_BLOCKS * gb + 192, _MM_HINT_T0);
-        if (type == GQ_Q8_0) {
+        }
+        if ((H_PF_ALL || h == 0) && type == GQ_Q8_0) {
             _mm_prefetch((const char *)q + PF_BLOCKS * gb + 256, _MM_HINT_T0);
             _mm_prefetch((const char *)q + PF_BLOCKS * gb + 320, _MM_HINT_T0);
             _mm_prefetch((const char *)q + PF_BLOCKS * gb + 384, _MM_HINT_T0);
@@ -691,10 +696,12 @@ static inline __attribute__((always_inline)) void half8(
         for (int64_t j = j_begin; j < j_end; j += 16) {                                      \
             const uint8_t *g = w + (j / 16) * gbytes;                                        \
             const float *bj = bias ? bias + j : NULL;                                        \
-            for (int h = 0; h < 2; h++)                                                      \
-                for (int64_t r = 0; r < rows; r++)                                           \
-                    half8(T, xq + r * in, xd + r * nb, xs + r * nb, corr + r * nb * 8, in,   \
-                          g, h, bj, y + r * ldy + j);                                        \
+            for (int64_t r = 0; r < rows; r++)                                               \
+                half8(T, xq + r * in, xd + r * nb, xs + r * nb, corr + r * nb * 8, in, g, 0, \
+                      bj, y + r * ldy + j);                                                  \
+            for (int64_t r = 0; r < rows; r++)                                               \
+                half8(T, xq + r * in, xd + r * nb, xs + r * nb, corr + r * nb * 8, in, g, 1, \
+                      bj, y + r * ldy + j);                                                  \
         }                                                                                    \
     }
 GROUPS(GQ_Q8_0)
