@@ -228,8 +228,9 @@ def forward(proj: GGUFProjection, x: torch.Tensor) -> torch.Tensor:
         bias = None if proj.bias is None else proj.bias.data_ptr()
         args = (proj.type_code, int(packed is not None), x.data_ptr(), in_dim, w.data_ptr())
         dims = (out, rows, in_dim, out, torch.get_num_threads())
-        if lib.pagedkv_q8_linear_f32_par(*args, bias, y.data_ptr(), *dims):
-            raise MemoryError(f"GGUF int8-activation kernel: cannot run {rows} x {in_dim}")
+        rc = lib.pagedkv_q8_linear_f32_par(*args, bias, y.data_ptr(), *dims)
+        if rc:  # -2: no memory for the quantized rows, -4: a worker thread did not start
+            raise MemoryError(f"GGUF int8-activation kernel: {rows} x {in_dim} failed ({rc})")
         return y
     return proj.tiled_mm(rounded_activations(proj.checked_input(x)))
 
@@ -242,7 +243,7 @@ def bind_into(proj: GGUFProjection, x: torch.Tensor, out: torch.Tensor) -> Bound
     quantize ``x`` themselves: the same bits, a row's quantization depends only on the
     row). None when the kernel is not built or ``x``/``out`` are not contiguous float32 CPU
     ``[rows <= MAX_KERNEL_ROWS, in]``/``[rows, out]``."""
-    lib = _native.lib
+    lib = _native.load()
     in_dim, out_dim = proj.in_dim, proj.out_dim
     if lib is None or not bound_call.fits(x, out, in_dim, out_dim, MAX_KERNEL_ROWS):
         return None
