@@ -458,7 +458,8 @@ ROWSZ(GQ_Q4_1)
  * Q4_0's (q - 8) x = q x - 8 x and Q8_0's w x = (w + 128) x - 128 x, with the 8 x / 128 x
  * lane sums of the activation block subtracted up front (vpdpbusd's accumulator input).
  * The float operations are the header's, per lane, in block order, then lanes_sum's tree,
- * + summs, + bias: the bits of the AVX2 and portable paths. */
+ * + summs, + bias: the bits of the AVX2 and portable paths. AVX2 builds read the same
+ * layout half a chunk per ymm (half8 below: one lane of 8 outputs). */
 #ifndef PF_BLOCKS
 #define PF_BLOCKS 4 /* prefetch distance, in group blocks */
 #endif
