@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkv.engine import bf16_linear, layer_ops, qlinear
+from differential.gguf_files import write_tiny_gguf
+from pagedkv.engine import bf16_linear, gguf_q8act, layer_ops, qlinear
 from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.gguf_qlinear import GGUFProjection
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.loader import load_model
 from pagedkv.engine.models import bound_linears
@@ -25,6 +27,7 @@ from pagedkv.engine.models.projection import Linear, Projection, linear_into
 from pagedkv.engine.qlinear import QuantizedProjection
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
+from unit.test_gguf_qlinear import random_projection
 
 pytestmark = pytest.mark.skipif(
     not (layer_ops.available() and qlinear.available() and bf16_linear.available()),
@@ -56,7 +59,21 @@ def _layers(in_dim: int, out_dim: int) -> dict[str, Linear]:
         "bf16 bias": Projection(w.bfloat16(), b),
         "int8": QuantizedProjection.from_float(w, None),
         "int8 bias": QuantizedProjection.from_float(w, b),
+        **_gguf_layers(in_dim, out_dim, b),
     }
+
+
+def _gguf_layers(in_dim: int, out_dim: int, b: torch.Tensor) -> dict[str, Linear]:
+    """GGUF blocks (Q4_1, Q8_0) with float32 and with 8-bit activations (the latter on
+    ``packed16`` where the build has the 16-output layout), with and without a bias."""
+    layers: dict[str, Linear] = {}
+    for t in ("Q4_1", "Q8_0"):
+        p = random_projection(t, out_dim, in_dim, seed=in_dim + out_dim)
+        for acts in ("float32", "int8"):
+            for bias in (None, b):
+                name = f"gguf {t} {acts}{'' if bias is None else ' bias'}"
+                layers[name] = GGUFProjection(t, p.blocks, in_dim, bias, acts)
+    return layers
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -71,7 +88,7 @@ def test_bound_call_writes_linear_intos_bits(
         assert call() is out, name
         assert torch.equal(out, linear_into(p, x, torch.empty(rows, out_dim))), name
         # what each layer type binds to: a prebuilt kernel call, torch.mm, or linear_into
-        if name.startswith(("bf16", "int8")):
+        if name.startswith(("bf16", "int8", "gguf")):
             assert isinstance(call, BoundKernel), name
         elif name == "fp32 few-rows" and rows > 1:  # the few-row kernel's rows
             assert isinstance(call, partial), name
@@ -133,6 +150,27 @@ def test_a_decode_run_is_the_same_with_and_without_bound_calls(
     assert kinds == ({partial} if dtype == "float32" and quantization is None else {BoundKernel})
     monkeypatch.setattr(bound_linears, "bind_into", partial(partial, linear_into))
     unbound = LLMEngine.from_model_dir(str(model_dir), cfg)
+    assert _logprobs(unbound) == ours  # token ids and log-probabilities, bit for bit
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_a_gguf_decode_run_is_the_same_with_and_without_bound_calls(
+    tmp_path: Path, activations: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny Q4_1 GGUF with its blocks kept (``--quantization gguf``, float32 or 8-bit
+    activations): every linear call is a prebuilt kernel call, and the tokens and
+    log-probabilities equal those of ``linear_into`` everywhere."""
+    if activations == "int8" and gguf_q8act._native.load() is None:
+        pytest.skip("no int8-activation kernel")
+    path, _ = write_tiny_gguf(tmp_path, tensor_type="Q4_1")
+    cfg = EngineConfig(num_blocks=64, quantization="gguf", gguf_activations=activations)
+    bound = LLMEngine.from_model_dir(str(path), cfg)
+    assert bound.model.fused_layer_ops
+    ours = _logprobs(bound)
+    kinds = {type(c) for layer in next(iter(bound.model._bound.values())).calls for c in layer}
+    assert kinds == {BoundKernel}
+    monkeypatch.setattr(bound_linears, "bind_into", partial(partial, linear_into))
+    unbound = LLMEngine.from_model_dir(str(path), cfg)
     assert _logprobs(unbound) == ours  # token ids and log-probabilities, bit for bit
 
 

@@ -5,6 +5,7 @@ independence, and the refusals."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -188,6 +189,46 @@ def test_a_rows_output_depends_on_neither_the_other_rows_nor_the_threads(type_na
     for r in (0, 5, 36):
         assert torch.equal(p(x[r : r + 1]), together[r : r + 1]), r
     assert torch.equal(p(x[3:5]), together[3:5])
+
+
+def _par(p: GGUFProjection, x: torch.Tensor, threads: int) -> torch.Tensor:
+    """One ``pagedkv_q8_linear_f32_par`` call on the layout ``forward`` reads."""
+    lib = gguf_q8act.require_available()
+    y = torch.full((x.shape[0], p.out_dim), float("nan"))
+    w = p.blocks if p.packed16 is None else p.packed16
+    bias = None if p.bias is None else p.bias.data_ptr()
+    dims = (p.out_dim, x.shape[0], p.in_dim, p.out_dim, threads)
+    rc = lib.pagedkv_q8_linear_f32_par(
+        p.type_code, int(p.packed16 is not None), x.data_ptr(), p.in_dim, w.data_ptr(), bias,
+        y.data_ptr(), *dims,
+    )  # fmt: skip
+    assert rc == 0
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", KEPT_TYPES)
+def test_the_c_workers_split_gives_the_one_thread_bits(type_name: str) -> None:
+    """``pagedkv_q8_linear_f32_par`` at 1-5 threads (its own workers, started on first use,
+    more of them later) against the one-thread kernel, call after call (a worker that ran a
+    part twice, or read a job being rewritten, would show as a wrong or NaN output), and
+    from two Python threads at once (one of them then runs its whole call alone)."""
+    g = torch.Generator().manual_seed(8)
+    p = _int8(random_projection(type_name, 1024, 1024, seed=9))
+    p = GGUFProjection(p.type_name, p.blocks, p.in_dim, torch.randn(1024, generator=g), "int8")
+    xs = [torch.randn(rows, 1024, generator=g) for rows in (1, 2, 3, 1, 64)]
+    want = [gguf_q8act.linear(p, x, 1) for x in xs]
+    for threads in (1, 2, 3, 5, 2):
+        for _ in range(20):
+            for x, y in zip(xs, want, strict=True):
+                assert torch.equal(_par(p, x, threads), y), threads
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(_par, p, xs[i % 5], 2) for i in range(200)]
+        for i, f in enumerate(futures):
+            assert torch.equal(f.result(), want[i % 5]), i
+    small = _int8(random_projection(type_name, 48, 64, seed=1))  # under 2^20 MACs: one part
+    x = torch.randn(1, 64, generator=g)
+    assert torch.equal(_par(small, x, 2), gguf_q8act.linear(small, x, 1))
 
 
 @needs_kernel

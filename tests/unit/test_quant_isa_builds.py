@@ -4,7 +4,8 @@ VNNI tiles where the CPU has them; the same with AVX-512 turned off, which keeps
 VNNI where the CPU has AVX-VNNI; with AVX-VNNI off too, the AVX2 path; and, for the 8-bit
 activation and GGUF kernels, the portable build) and every build's outputs are compared with
 the portable/AVX2 reference bit for bit. The 16-output layout of the 8-bit activation kernel
-(``gguf_q8act.pack16``) is compared with the file layout's path the same way.
+(``gguf_q8act.pack16``, on every vector build) is compared with the portable path the same
+way.
 
 A build whose instruction set the CPU (or the compiler) lacks is skipped by its own ``isa``
 answer, so on an AVX2-only machine only the AVX2 and portable builds run."""
@@ -113,11 +114,13 @@ def test_q8act_builds_give_the_portable_bits(name: str, type_name: str) -> None:
             assert torch.equal(_q8_call(lib, p, x), _q8_portable(p, x)), (out, rows)
 
 
+@pytest.mark.parametrize("name", list(BUILDS))
 @pytest.mark.parametrize("type_name", KEPT_TYPES)
-def test_q8act_16_output_layout_gives_the_portable_bits(type_name: str) -> None:
-    """pack16's layout through the 16-output kernel: 1, 2 and odd row counts, a bias, 3
-    groups, every float16 scale; and the projection (``activations="int8"``) uses it."""
-    lib = _q8_lib("avx512")
+def test_q8act_16_output_layout_gives_the_portable_bits(name: str, type_name: str) -> None:
+    """pack16's layout through the 16-output kernel of every build (AVX-512's zmm groups,
+    the AVX2/VNNI-256 half groups): 1, 2 and odd row counts, a bias, 3 groups, every float16
+    scale; and the projection (``activations="int8"``) uses it."""
+    lib = _q8_lib(name)
     g = torch.Generator().manual_seed(6)
     for in_dim, seed in ((320, 3), (96, 4)):
         p = random_projection(type_name, 48, in_dim, seed=seed, any_f16=True)
@@ -127,7 +130,7 @@ def test_q8act_16_output_layout_gives_the_portable_bits(type_name: str) -> None:
             want = _q8_portable(p, x)
             assert torch.equal(_q8_call(lib, p, x, packed=True), want), (in_dim, rows)
     q = GGUFProjection(p.type_name, p.blocks, p.in_dim, p.bias, "int8")
-    if gguf_q8act.isa() == 3:
+    if gguf_q8act.isa() >= 1:
         assert q.packed16 is not None
         for threads in (1, 2):
             x = torch.randn(9, in_dim, generator=g)
@@ -135,8 +138,9 @@ def test_q8act_16_output_layout_gives_the_portable_bits(type_name: str) -> None:
             assert torch.equal(q(x[:1]), _q8_portable(p, x[:1]))
 
 
-def test_q8act_16_output_kernel_refuses_a_bad_range() -> None:
-    lib = _q8_lib("avx512")
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_q8act_16_output_kernel_refuses_a_bad_range(name: str) -> None:
+    lib = _q8_lib(name)
     p = random_projection("Q4_1", 32, 64, seed=1)
     xq = torch.zeros(1, 64, dtype=torch.int8)
     xd = torch.zeros(1, 2)

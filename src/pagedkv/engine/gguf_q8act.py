@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from pagedkv.engine import native
+from pagedkv.engine import bound_call, native
+from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.engine.qlinear import UnsupportedQuantizationError
 
 if TYPE_CHECKING:
@@ -63,6 +64,11 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pagedkv_q8_linear16.restype = i32
     lib.pagedkv_q8_linear16_f32.argtypes = [i32, p, i64, p, p, p, i64, i64, i64, i64]
     lib.pagedkv_q8_linear16_f32.restype = i32
+    lib.pagedkv_q8_linear_f32_range.argtypes = [i32, i32, p, i64, p, p, p, i64, i64, i64, i64]
+    lib.pagedkv_q8_linear_f32_range.argtypes += [i64, i64]
+    lib.pagedkv_q8_linear_f32_range.restype = i32
+    lib.pagedkv_q8_linear_f32_par.argtypes = [i32, i32, p, i64, p, p, p, i64, i64, i64, i64, i32]
+    lib.pagedkv_q8_linear_f32_par.restype = i32
 
 
 _native = native.LazyLibrary(
@@ -144,16 +150,17 @@ def has_avx2() -> bool:
 
 
 def isa() -> int:
-    """The built kernel's widest path: 3 AVX-512 VNNI (the 16-output layout, :func:`pack16`),
-    2 AVX2 with 256-bit VNNI, 1 AVX2, 0 portable only; -1 when it cannot be built."""
+    """The built kernel's widest path: 3 AVX-512 VNNI, 2 AVX2 with 256-bit VNNI, 1 AVX2 (each
+    with the 16-output layout, :func:`pack16`), 0 portable only; -1 when it cannot be built."""
     lib = _native.load()
     return -1 if lib is None else int(lib.pagedkv_q8_isa())
 
 
 def pack16(type_code: int, blocks: torch.Tensor, in_dim: int) -> torch.Tensor | None:
     """The file's blocks ``[out, row bytes]`` in the C file's 16-output layout (the same
-    bytes, regrouped so one zmm holds one lane of 16 outputs), or None when this build has no
-    16-output kernel (no AVX-512 VNNI) or ``out`` is not a multiple of 16."""
+    bytes, regrouped so one zmm holds one lane of 16 outputs, one ymm one lane of 8), or None
+    when this build has no 16-output kernel (portable only: no AVX2) or ``out`` is not a
+    multiple of 16."""
     lib = _native.load()
     out = blocks.shape[0]
     if lib is None or not lib.pagedkv_q8_has_pack16() or out % PACK_OUTPUTS:
@@ -180,8 +187,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def forward(proj: GGUFProjection, x: torch.Tensor) -> torch.Tensor:
     """``proj(x)`` with 8-bit activations (``GGUFProjection.__call__`` with
-    ``activations="int8"``): up to ``MAX_KERNEL_ROWS`` rows the integer kernel (one C call when
-    it needs one thread), above (prefill) the same rounded activations, dequantized, through
+    ``activations="int8"``): up to ``MAX_KERNEL_ROWS`` rows the integer kernel in one C call
+    (``pagedkv_q8_linear_f32_par`` splits the outputs among torch's intra-op thread count
+    with the C file's own spinning workers; the bits do not depend on the split), above
+    (prefill) the same rounded activations, dequantized, through
     the float32 layer's dequantize + ``torch.mm`` tiles, where MKL's float32 product is faster
     than AVX2's integer one (no VNNI): within float32 summation order of the kernel's values,
     as the exact path is on both sides of its own row limit."""
@@ -211,8 +220,40 @@ def forward(proj: GGUFProjection, x: torch.Tensor) -> torch.Tensor:
             raise MemoryError(f"GGUF int8-activation kernel: no memory for {rows} x {in_dim}")
         return y
     if rows <= MAX_KERNEL_ROWS:
-        return linear(proj, x)
+        x = proj.checked_input(x)
+        lib = require_available()
+        y = torch.empty(rows, out, dtype=torch.float32)
+        packed = proj.packed16
+        w = proj.blocks if packed is None else packed
+        bias = None if proj.bias is None else proj.bias.data_ptr()
+        args = (proj.type_code, int(packed is not None), x.data_ptr(), in_dim, w.data_ptr())
+        dims = (out, rows, in_dim, out, torch.get_num_threads())
+        rc = lib.pagedkv_q8_linear_f32_par(*args, bias, y.data_ptr(), *dims)
+        if rc:  # -2: no memory for the quantized rows, -4: a worker thread did not start
+            raise MemoryError(f"GGUF int8-activation kernel: {rows} x {in_dim} failed ({rc})")
+        return y
     return proj.tiled_mm(rounded_activations(proj.checked_input(x)))
+
+
+def bind_into(proj: GGUFProjection, x: torch.Tensor, out: torch.Tensor) -> BoundKernel | None:
+    """``forward(proj, x)`` into ``out`` as a call with every argument converted once
+    (:class:`pagedkv.engine.bound_call.BoundKernel`, for a step's buffers kept across steps):
+    the integer kernel on the layout ``forward`` reads (``packed16`` where there is one), one
+    ``pagedkv_q8_linear_f32_par`` call at torch's intra-op thread count now (its parts each
+    quantize ``x`` themselves: the same bits, a row's quantization depends only on the
+    row). None when the kernel is not built or ``x``/``out`` are not contiguous float32 CPU
+    ``[rows <= MAX_KERNEL_ROWS, in]``/``[rows, out]``."""
+    lib = _native.load()
+    in_dim, out_dim = proj.in_dim, proj.out_dim
+    if lib is None or not bound_call.fits(x, out, in_dim, out_dim, MAX_KERNEL_ROWS):
+        return None
+    rows, packed = x.shape[0], proj.packed16
+    w = proj.blocks if packed is None else packed
+    bias = None if proj.bias is None else proj.bias.data_ptr()
+    args = (proj.type_code, int(packed is not None), x.data_ptr(), in_dim, w.data_ptr(), bias,
+            out.data_ptr(), out_dim, rows, in_dim, out_dim, torch.get_num_threads())  # fmt: skip
+    name = "GGUF int8-activation kernel"
+    return BoundKernel(lib, "pagedkv_q8_linear_f32_par", [args], out, (proj, w, x), name)
 
 
 def rounded_activations(x: torch.Tensor) -> torch.Tensor:

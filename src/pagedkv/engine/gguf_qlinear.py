@@ -27,6 +27,7 @@ every call dequantizes with numpy (correct, slow; one warning).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedkv.engine import gguf_q8act, native
+from pagedkv.engine import bound_call, gguf_q8act, native
+from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.engine.gguf_quants import dequantize
 from pagedkv.engine.qlinear import UnsupportedQuantizationError
 from pagedkv.errors import InvalidRequestError
@@ -93,7 +95,7 @@ class GGUFProjection:
     bias: torch.Tensor | None = None
     activations: str = "float32"  # "int8": gguf_q8act's 8-bit activations (not exact)
     _code: int = field(init=False, repr=False, compare=False)  # the C type code (KEPT_TYPES)
-    # activations "int8" on an AVX-512 VNNI build: ``blocks`` regrouped in 16 outputs
+    # activations "int8" on an AVX2 or AVX-512 build: ``blocks`` regrouped in 16 outputs
     # (gguf_q8act.pack16), the bytes the integer kernel reads; else None
     packed16: torch.Tensor | None = field(init=False, repr=False, compare=False)
 
@@ -164,6 +166,27 @@ class GGUFProjection:
         if rows <= MAX_KERNEL_ROWS and _native.load() is not None:
             return self.native(x)
         return self.tiled_mm(x)
+
+    def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> BoundKernel | None:
+        """``self(x)`` into ``out`` as a call with every argument converted once (for a step's
+        buffers kept across steps; :mod:`pagedkv.engine.models.bound_linears`): the kernel
+        ``__call__`` runs for these rows (``activations="int8"``: :func:`gguf_q8act.bind_into`),
+        its outputs split as :meth:`native` splits them at torch's intra-op thread count now,
+        so the same bits. None when the kernel is not built or ``x``/``out`` are not contiguous
+        float32 CPU ``[rows <= MAX_KERNEL_ROWS, in]``/``[rows, out]``."""
+        if self.activations == "int8":
+            return gguf_q8act.bind_into(self, x, out)
+        lib = _native.load()
+        in_dim, out_dim = self.in_dim, self.out_dim
+        if lib is None or not bound_call.fits(x, out, in_dim, out_dim, MAX_KERNEL_ROWS):
+            return None
+        rows = x.shape[0]
+        bias = None if self.bias is None else self.bias.data_ptr()
+        head = (self._code, x.data_ptr(), in_dim, self.blocks.data_ptr(), bias, out.data_ptr(),
+                out_dim, rows, in_dim, out_dim)  # fmt: skip
+        cuts = _split(out_dim, in_dim, rows, torch.get_num_threads())
+        parts = [(*head, a, b, 0) for a, b in itertools.pairwise(cuts)]
+        return BoundKernel(lib, "pagedkv_ggml_qlinear", parts, out, (self, x), "GGUF kernel")
 
     def checked_input(self, x: torch.Tensor) -> torch.Tensor:
         if (

@@ -439,8 +439,8 @@ ROWSZ(GQ_Q4_1)
 #undef TILE1
 #endif
 
-#if Q8_AVX512
-/* ---- The 16-output layout (AVX-512 VNNI builds; pagedkv_q8_pack16 writes it) ----
+#if Q8_AVX2
+/* ---- The 16-output layout (AVX2 and AVX-512 builds; pagedkv_q8_pack16 writes it) ----
  *
  * tile512 above still spends most of its vector operations gathering two outputs' scales
  * and nibbles into one register. Repacked once at load, 16 outputs' block b sit together:
@@ -458,7 +458,8 @@ ROWSZ(GQ_Q4_1)
  * Q4_0's (q - 8) x = q x - 8 x and Q8_0's w x = (w + 128) x - 128 x, with the 8 x / 128 x
  * lane sums of the activation block subtracted up front (vpdpbusd's accumulator input).
  * The float operations are the header's, per lane, in block order, then lanes_sum's tree,
- * + summs, + bias: the bits of the AVX2 and portable paths. */
+ * + summs, + bias: the bits of the AVX2 and portable paths. AVX2 builds read the same
+ * layout half a chunk per ymm (half8 below: one lane of 8 outputs). */
 #ifndef PF_BLOCKS
 #define PF_BLOCKS 4 /* prefetch distance, in group blocks */
 #endif
@@ -489,7 +490,7 @@ int pagedkv_q8_pack16(int type, const uint8_t *w, int64_t in, int64_t out, uint8
     return 0;
 }
 
-#if Q8_AVX512
+#if Q8_AVX2
 /* The activation side of the 16-output kernel for one row: per block and lane the exact
  * correction -k * sum(x of the lane) (k = 8 for Q4_0, 128 for Q8_0, 0 for Q4_1). */
 static void lane_corrections(int type, const int8_t *xq, int64_t nb, int32_t *corr) {
@@ -500,6 +501,9 @@ static void lane_corrections(int type, const int8_t *xq, int64_t nb, int32_t *co
             corr[b * 8 + l] = -k * (q[0] + q[1] + q[2] + q[3]);
         }
 }
+#endif
+
+#if Q8_AVX512
 
 /* One group of 16 outputs, NR (1 or 2) rows; g points at the group's first block. */
 #define P_LANE(r, l, u)                                                                       \
@@ -596,8 +600,120 @@ GROUPS(GQ_Q4_1)
 #undef GROUPS
 #endif
 
-/* 1: this build has the 16-output kernel (pagedkv_q8_linear16), 0: it does not. */
-int pagedkv_q8_has_pack16(void) { return Q8_AVX512; }
+#if Q8_AVX2 && !Q8_AVX512
+/* AVX2 on the 16-output layout: one ymm holds one lane of 8 outputs (half of a chunk: the
+ * group's outputs 8h .. 8h + 7 for h = 0, 1), so a block of 8 outputs costs per lane one
+ * maddubs + madd (or one vpdpbusd with 256-bit VNNI), one conversion and one FMA, and one
+ * scale conversion for the 8 outputs, against ~15 operations per output in tile(). The lane
+ * sums are exact: Q4_1 and Q4_0 nibbles are u8 (Q4_0's - 8 x as lane_corrections' integer,
+ * added after); Q8_0 multiplies |w| by sign(x, w) as unpack() does (|w| <= 128, so a
+ * maddubs pair is at most 2 * 128 * 127 < 32767: no saturation). The float operations are
+ * the header's per lane and block in block order, then lanes_sum's tree, + summs, + bias:
+ * the bits of tile() and of the portable path. One row at a time (8 accumulators, the
+ * scale, the masks and the temporaries fill the 16 ymm registers); the group's blocks stay
+ * in L1/L2 for the call's other rows and the other half. */
+#ifndef H_PF_ALL
+#define H_PF_ALL 0 /* 1: prefetch in both halves (measured no better) */
+#endif
+static inline __attribute__((always_inline)) __m256i dot8(__m256i u, __m256i x) {
+#if Q8_VNNI256
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#endif
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+#define H_LANE(l, u, xv)                                                                     \
+    {                                                                                        \
+        __m256i p = dot8(u, xv);                                                             \
+        if (type == GQ_Q4_0) p = _mm256_add_epi32(p, _mm256_set1_epi32(corr[b * 8 + (l)]));  \
+        a##l = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), a##l);                              \
+    }
+#define H_X(l) _mm256_set1_epi32(*(const int32_t *)(xq + b * QK + 4 * (l)))
+#define H_Q4(c, c4)                                                                          \
+    {                                                                                        \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * (c)));               \
+        H_LANE(c, _mm256_and_si256(v, nib), H_X(c))                                          \
+        H_LANE(c4, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), H_X(c4))                  \
+    }
+#define H_Q8(c)                                                                              \
+    {                                                                                        \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * (c)));               \
+        H_LANE(c, _mm256_sign_epi8(v, v), _mm256_sign_epi8(H_X(c), v))                       \
+    }
+static inline __attribute__((always_inline)) void half8(
+    const int type, const int8_t *xq, const float *xd, const float *xs, const int32_t *corr,
+    int64_t in, const uint8_t *g, int h, const float *bias, float *y) {
+    const int64_t nb = in / QK, gb = 16 * type_size(type), sb = scale_bytes(type);
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    __m256 z = _mm256_setzero_ps();
+    __m256 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z, s = z;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gb, *q = blk + sb + 32 * h;
+        if (H_PF_ALL || h == 0) { /* the second half reads the lines the first one fetched */
+        _mm_prefetch((const char *)q + PF_BLOCKS * gb, _MM_HINT_T0);
+        _mm_prefetch((const char *)q + PF_BLOCKS * gb + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)q + PF_BLOCKS * gb + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)q + PF_BLOCKS * gb + 192, _MM_HINT_T0);
+        }
+        if ((H_PF_ALL || h == 0) && type == GQ_Q8_0) {
+            _mm_prefetch((const char *)q + PF_BLOCKS * gb + 256, _MM_HINT_T0);
+            _mm_prefetch((const char *)q + PF_BLOCKS * gb + 320, _MM_HINT_T0);
+            _mm_prefetch((const char *)q + PF_BLOCKS * gb + 384, _MM_HINT_T0);
+            _mm_prefetch((const char *)q + PF_BLOCKS * gb + 448, _MM_HINT_T0);
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(xd[b]));
+        if (type == GQ_Q4_1) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+            s = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[b]), s);
+        }
+        if (type == GQ_Q8_0) {
+            H_Q8(0) H_Q8(1) H_Q8(2) H_Q8(3) H_Q8(4) H_Q8(5) H_Q8(6) H_Q8(7)
+        } else {
+            H_Q4(0, 4) H_Q4(1, 5) H_Q4(2, 6) H_Q4(3, 7)
+        }
+    }
+    __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a4), _mm256_add_ps(a2, a6)),
+                             _mm256_add_ps(_mm256_add_ps(a1, a5), _mm256_add_ps(a3, a7)));
+    if (type == GQ_Q4_1) v = _mm256_add_ps(v, s);
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
+    _mm256_storeu_ps(y + 8 * h, v);
+}
+#undef H_LANE
+#undef H_X
+#undef H_Q4
+#undef H_Q8
+
+#define GROUPS(T)                                                                            \
+    static void groups_##T(const int8_t *xq, const float *xd, const float *xs,               \
+                           const int32_t *corr, int64_t in, const uint8_t *w,                \
+                           const float *bias, float *y, int64_t ldy, int64_t rows,           \
+                           int64_t j_begin, int64_t j_end) {                                 \
+        const int64_t nb = in / QK, gbytes = nb * 16 * type_size(T);                         \
+        for (int64_t j = j_begin; j < j_end; j += 16) {                                      \
+            const uint8_t *g = w + (j / 16) * gbytes;                                        \
+            const float *bj = bias ? bias + j : NULL;                                        \
+            for (int64_t r = 0; r < rows; r++)                                               \
+                half8(T, xq + r * in, xd + r * nb, xs + r * nb, corr + r * nb * 8, in, g, 0, \
+                      bj, y + r * ldy + j);                                                  \
+            for (int64_t r = 0; r < rows; r++)                                               \
+                half8(T, xq + r * in, xd + r * nb, xs + r * nb, corr + r * nb * 8, in, g, 1, \
+                      bj, y + r * ldy + j);                                                  \
+        }                                                                                    \
+    }
+GROUPS(GQ_Q8_0)
+GROUPS(GQ_Q4_0)
+GROUPS(GQ_Q4_1)
+#undef GROUPS
+#endif
+
+/* 1: this build has the 16-output kernel (pagedkv_q8_linear16: AVX-512 VNNI or AVX2), 0: it
+ * does not (portable only). */
+int pagedkv_q8_has_pack16(void) { return Q8_AVX2; }
 
 /* pagedkv_q8_linear on pagedkv_q8_pack16's layout: outputs [j_begin, j_end), both multiples
  * of 16. -3 when this build has no 16-output kernel, -2 when the corrections' buffer cannot
@@ -608,7 +724,7 @@ int pagedkv_q8_linear16(int type, const int8_t *xq, const float *xd, const float
     if (type_size(type) < 0 || rows < 0 || in <= 0 || in % QK || out % 16 || j_begin < 0 ||
         j_end > out || j_begin > j_end || j_begin % 16 || j_end % 16 || ldy < out)
         return -1;
-#if Q8_AVX512
+#if Q8_AVX2
     const int64_t nb = in / QK;
     int32_t stack[2 * 8 * 64], *corr = stack; /* rows x nb x 8 */
     if (rows * nb * 8 > (int64_t)(sizeof stack / sizeof *stack)) {
@@ -692,4 +808,177 @@ int pagedkv_q8_linear_f32(int type, const float *x, int64_t ldx, const uint8_t *
     if (!rc) rc = pagedkv_q8_linear(type, xq, xd, xs, w, bias, y, ldy, rows, in, out, 0, out, 0);
     free(buf);
     return rc;
+}
+
+/* Both steps for outputs [j_begin, j_end) only (one part of a thread split, bound once:
+ * gguf_q8act.bind_into): x quantized into a buffer of this call (each part quantizes the
+ * same rows to the same bits), then pagedkv_q8_linear16 when packed (w in pack16's layout,
+ * the range on multiples of 16), else pagedkv_q8_linear on the file's blocks. -2 when the
+ * buffer cannot be allocated. */
+int pagedkv_q8_linear_f32_range(int type, int packed, const float *x, int64_t ldx,
+                                const uint8_t *w, const float *bias, float *y, int64_t ldy,
+                                int64_t rows, int64_t in, int64_t out, int64_t j_begin,
+                                int64_t j_end) {
+    if (rows < 0 || in < 0 || in % QK || ldx < in) return -1;
+    const int64_t nb = in / QK;
+    void *buf = malloc((size_t)(rows * in) + 2 * (size_t)(rows * nb) * sizeof(float) + 1);
+    if (!buf) return -2;
+    float *xd = (float *)buf, *xs = xd + rows * nb;
+    int8_t *xq = (int8_t *)(xs + rows * nb);
+    int rc = pagedkv_q8_quantize(x, ldx, rows, in, xq, xd, xs);
+    if (!rc && packed)
+        rc = pagedkv_q8_linear16(type, xq, xd, xs, w, bias, y, ldy, rows, in, out, j_begin, j_end);
+    else if (!rc)
+        rc = pagedkv_q8_linear(type, xq, xd, xs, w, bias, y, ldy, rows, in, out, j_begin, j_end, 0);
+    free(buf);
+    return rc;
+}
+
+/* ---- Threads for one call (pagedkv_q8_linear_f32_par) ----
+ *
+ * A batch-1 decode step makes ~150 calls of 20-300 µs; handing half of each to a Python
+ * worker (native.run_ranges, a futex wake-up per call) costs more than the half saves. Here
+ * the caller runs part 0 and up to PAR_MAX - 1 threads of this library, started on first
+ * use, run the others: each spins (pause) on a job counter for up to PAR_SPIN_NS after its
+ * last part, then sleeps on a condition variable until the next job. Every started worker
+ * acks every job (a counter the caller waits on), so the job is never rewritten while a
+ * worker may still read it. One job at a time (a mutex); a caller that finds it held runs
+ * the whole range itself. A forked child starts with no workers (pthread_atfork). The parts are outputs
+ * [cut_p, cut_p+1) of one pagedkv_q8_linear_f32_range each, and a part's outputs do not
+ * depend on the split (the header), so the bits are the one-thread call's. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#define PAR_MAX 8
+#ifndef PAR_SPIN_NS
+#define PAR_SPIN_NS 500000L /* 0.5 ms: longer than the gaps between a step's calls */
+#endif
+typedef struct {
+    int type, packed;
+    const float *x;
+    int64_t ldx;
+    const uint8_t *w;
+    const float *bias;
+    float *y;
+    int64_t ldy, rows, in, out;
+    int64_t cuts[PAR_MAX + 1];
+    int parts;
+} par_job;
+
+static pthread_mutex_t par_call = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time */
+static pthread_mutex_t par_sleep = PTHREAD_MUTEX_INITIALIZER; /* with par_wake */
+static pthread_cond_t par_wake = PTHREAD_COND_INITIALIZER;
+static par_job par_cur;
+static atomic_long par_seq;           /* job counter: a new value = a new job */
+static atomic_int par_left;           /* workers that have not acked the current job */
+static atomic_int par_rc;             /* first non-zero part result of the current job */
+static int par_threads;               /* workers started (1 .. PAR_MAX - 1) */
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static int run_part(const par_job *j, int p) {
+    return pagedkv_q8_linear_f32_range(j->type, j->packed, j->x, j->ldx, j->w, j->bias, j->y,
+                                       j->ldy, j->rows, j->in, j->out, j->cuts[p],
+                                       j->cuts[p + 1]);
+}
+
+static long par_seen0[PAR_MAX]; /* worker i's first `seen`: the counter when it was made */
+
+static void *par_worker(void *arg) {
+    const int me = (int)(intptr_t)arg; /* runs part `me` of each job that has one */
+    long seen = par_seen0[me];
+    for (;;) {
+        long seq = atomic_load_explicit(&par_seq, memory_order_acquire);
+        if (seq == seen) {
+            const int64_t until = now_ns() + PAR_SPIN_NS;
+            int spins = 0;
+            while ((seq = atomic_load_explicit(&par_seq, memory_order_acquire)) == seen) {
+#if Q8_AVX2
+                _mm_pause();
+#endif
+                if (++spins % 256 == 0 && now_ns() > until) {
+                    pthread_mutex_lock(&par_sleep);
+                    while ((seq = atomic_load(&par_seq)) == seen)
+                        pthread_cond_wait(&par_wake, &par_sleep);
+                    pthread_mutex_unlock(&par_sleep);
+                    break;
+                }
+            }
+        }
+        seen = seq; /* the caller posts the next job only after every worker's ack */
+        if (me < par_cur.parts) {
+            const int rc = run_part(&par_cur, me);
+            if (rc) {
+                int zero = 0;
+                atomic_compare_exchange_strong(&par_rc, &zero, rc);
+            }
+        }
+        atomic_fetch_sub_explicit(&par_left, 1, memory_order_release); /* the ack */
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's workers: start again from none. */
+static void par_child(void) {
+    pthread_mutex_init(&par_call, NULL);
+    pthread_mutex_init(&par_sleep, NULL);
+    pthread_cond_init(&par_wake, NULL);
+    par_threads = 0;
+}
+
+/* pagedkv_q8_linear_f32_range over outputs [0, out) in `threads` parts (on multiples of 16
+ * when packed, else 8; fewer when a part would have under 2^20 multiply-adds): the caller's
+ * and this library's workers'. The same bits as one call. -4 when a worker cannot start. */
+int pagedkv_q8_linear_f32_par(int type, int packed, const float *x, int64_t ldx,
+                              const uint8_t *w, const float *bias, float *y, int64_t ldy,
+                              int64_t rows, int64_t in, int64_t out, int threads) {
+    const int64_t step = packed ? 16 : 8, tiles = (out + step - 1) / step;
+    int64_t parts = threads < PAR_MAX ? threads : PAR_MAX;
+    if (parts > tiles) parts = tiles;
+    if (parts > rows * out * in / (1 << 20)) parts = rows * out * in / (1 << 20);
+    if (parts <= 1 || pthread_mutex_trylock(&par_call) != 0)
+        return pagedkv_q8_linear_f32_range(type, packed, x, ldx, w, bias, y, ldy, rows, in, out,
+                                           0, out);
+    if (par_threads == 0 && pthread_atfork(NULL, NULL, par_child)) {
+        pthread_mutex_unlock(&par_call);
+        return -4;
+    }
+    while (par_threads < parts - 1) {
+        pthread_t t;
+        par_seen0[par_threads + 1] = atomic_load(&par_seq); /* before the next job's post */
+        if (pthread_create(&t, NULL, par_worker, (void *)(intptr_t)(par_threads + 1))) {
+            pthread_mutex_unlock(&par_call);
+            return -4;
+        }
+        pthread_detach(t);
+        par_threads++;
+    }
+    par_job *j = &par_cur;
+    *j = (par_job){type, packed, x, ldx, w, bias, y, ldy, rows, in, out, {0}, (int)parts};
+    for (int64_t p = 0; p <= parts; p++) {
+        const int64_t c = step * ((tiles * p + parts / 2) / parts);
+        j->cuts[p] = c < out ? c : out;
+    }
+    atomic_store(&par_rc, 0);
+    atomic_store(&par_left, par_threads); /* every worker acks, the idle ones too */
+    pthread_mutex_lock(&par_sleep);
+    atomic_fetch_add_explicit(&par_seq, 1, memory_order_release);
+    pthread_cond_broadcast(&par_wake);
+    pthread_mutex_unlock(&par_sleep);
+    int rc = run_part(j, 0);
+    for (int spins = 0; atomic_load_explicit(&par_left, memory_order_acquire) > 0; spins++) {
+#if Q8_AVX2
+        _mm_pause();
+#endif
+        if (spins > 4096) sched_yield(); /* a worker without a core: let it have this one */
+    }
+    const int wrc = atomic_load(&par_rc);
+    pthread_mutex_unlock(&par_call);
+    return rc ? rc : wrc;
 }

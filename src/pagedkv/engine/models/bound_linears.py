@@ -12,7 +12,9 @@ size and thread count (the buffers are kept across steps, so in practice once), 
   ``functools.partial``, the call ``Projection.into`` makes, so the same bits;
 - a bfloat16 ``Projection``: :func:`bf16_linear.bind_into`'s prebuilt kernel call;
 - an int8 ``QuantizedProjection``: :meth:`QuantizedProjection.bind_into`'s;
-- anything else (the few-row kernel's rows, GGUF blocks, a benchmark's stub, a subclass):
+- a ``GGUFProjection`` (the file's blocks, float32 or 8-bit activations):
+  :meth:`GGUFProjection.bind_into`'s;
+- anything else (the few-row kernel's rows, a benchmark's stub, a subclass):
   ``linear_into`` as before.
 
 Every bound call runs the kernel and thread split its layer would run now, so a step's bits
@@ -28,6 +30,7 @@ from functools import partial
 import torch
 
 from pagedkv.engine import bf16_linear, fewrow
+from pagedkv.engine.gguf_qlinear import GGUFProjection
 from pagedkv.engine.layer_op_buffers import StepBuffers
 from pagedkv.engine.models.projection import Linear, Projection, linear_into
 from pagedkv.engine.qlinear import QuantizedProjection
@@ -48,7 +51,7 @@ def bind_into(p: Linear, x: torch.Tensor, out: torch.Tensor) -> Call:
             if bias is None:
                 return partial(torch.mm, x, w, out=out)
             return partial(torch.addmm, bias, x, w, out=out)
-    elif type(p) is QuantizedProjection:
+    elif type(p) is QuantizedProjection or type(p) is GGUFProjection:
         bound = p.bind_into(x, out)
         if bound is not None:
             return bound
