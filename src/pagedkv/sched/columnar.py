@@ -22,7 +22,7 @@ A part of :class:`~pagedkv.sched.scheduler.Scheduler` (a mixin over its state).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -135,6 +135,44 @@ def _first_special(reqs: list[Request], toks: Sequence[int], start: int, max_len
     return j
 
 
+def _extend_plain_decodes(
+    extend_decodes: Callable[[list[str], list[int]], int],
+    running: list[Request],
+    i: int,
+    budget: int,
+    run: DecodeColumns,
+    slots: list[int],
+) -> int:
+    """The plain decodes (decoding, no drafts) in a row from ``running[i]``, at most
+    ``budget`` of them: one manager call (``extend_decodes``) gives as many as fit their
+    positions and slots, in order, and they join ``run``. Returns how many (0: ``running[i]``
+    is no plain decode, or the manager declined it)."""
+    reqs = running[i : i + budget]
+    ids: list[str] = []
+    positions: list[int] = []
+    add_id, add_pos = ids.append, positions.append
+    for req in reqs:
+        pos = req.num_computed_tokens
+        if pos != len(req.all_token_ids) - 1 or req.draft_token_ids:
+            break
+        add_id(req.request_id)
+        add_pos(pos)
+    if not ids:
+        return 0
+    k = extend_decodes(ids, slots)
+    if k < len(ids):
+        del ids[k:], positions[k:]
+    if len(reqs) != k:
+        del reqs[k:]
+    if run.ids:
+        run.ids += ids
+        run.positions += positions
+        run.requests += reqs
+    else:  # the run's first (most steps: its only) stretch
+        run.ids, run.positions, run.requests = ids, positions, reqs
+    return k
+
+
 class ColumnarStepMixin(PreemptionMixin):
     """``schedule_columnar``/``update_columnar`` for ``Scheduler`` (which provides this state
     and the shared phases)."""
@@ -180,9 +218,12 @@ class ColumnarStepMixin(PreemptionMixin):
 
     def _schedule_decode_columns(self, plan: _ColumnarPlan) -> bool:
         """``_schedule_decodes`` (phase 1) with each run of plain decodes kept as a
-        :class:`DecodeColumns` segment: the same manager calls in the same order."""
+        :class:`DecodeColumns` segment: the same manager calls in the same order (a stretch
+        of plain decodes is one ``extend_decodes`` call, which is the per-request
+        ``try_extend_slots``/``try_allocate_slots`` pair, in order, up to the first it
+        declines; that one takes the general path, as in ``_schedule_decodes``)."""
         mgr = self.manager
-        extend, grow, views = mgr.try_extend_slots, mgr.try_allocate_slots, mgr.block_table_view
+        views = mgr.block_table_view
         lookahead, max_len = self.config.num_lookahead_tokens, self.max_len
         running, scheduled, segments = self.running, plan.scheduled, plan.segments
         step_slots = plan.step_slots
@@ -190,9 +231,14 @@ class ColumnarStepMixin(PreemptionMixin):
         budget = plan.budget
         i = num_prefilling = 0
         run = DecodeColumns()
-        add_id, add_pos, add_req = run.ids.append, run.positions.append, run.requests.append
         while i < len(running) and budget > 0:
-            req = running[i]
+            if not lookahead:
+                k = _extend_plain_decodes(mgr.extend_decodes, running, i, budget, run, slots)
+                i += k
+                budget -= k
+                if i == len(running) or not budget:
+                    break
+            req = running[i]  # not a plain decode, or one the manager declined
             all_ids = req.all_token_ids
             pos = req.num_computed_tokens
             if pos != len(all_ids) - 1:
@@ -201,16 +247,7 @@ class ColumnarStepMixin(PreemptionMixin):
                 continue
             rid = req.request_id
             drafts = req.draft_token_ids
-            if not drafts and not lookahead:
-                # a new block (every block_size-th step) when one is free: try_allocate_slots
-                if extend(rid, 1, slots) is not None or grow(rid, 1, slots) is not None:
-                    add_id(rid)
-                    add_pos(pos)
-                    add_req(req)
-                    budget -= 1
-                    i += 1
-                    continue
-            elif drafts:
+            if drafts:
                 num_out = len(all_ids) - req.num_prompt_tokens
                 room = min(budget, req.max_tokens - num_out, max_len - len(all_ids)) - 1
                 drafts = drafts[: max(0, room)]
@@ -219,9 +256,12 @@ class ColumnarStepMixin(PreemptionMixin):
                 segments.append(run)
                 plan.num_plain += len(run.ids)
                 run = DecodeColumns()
-                add_id, add_pos, add_req = run.ids.append, run.positions.append, run.requests.append
             offset = len(slots)
-            table = extend(rid, n, slots) if req.draft_token_ids and not lookahead else None
+            table = (
+                mgr.try_extend_slots(rid, n, slots)
+                if req.draft_token_ids and not lookahead
+                else None
+            )
             if table is None:
                 if not self._allocate_or_preempt(req, n, lookahead, plan):
                     break  # req itself was preempted; everything after it is gone too
