@@ -93,12 +93,17 @@ class CommitMixin(PrefixAdmissionMixin):
         bs = self.block_size
         num_new = 0
         for seq, tok in zip(cast("list[SeqState]", seqs), token_ids, strict=True):
-            if caching and not seq.chain.try_append(tok):  # it completes a block: hash it
-                completed = seq.chain.try_complete(tok)  # == extend([tok])[0], or None
-                if completed is None:
-                    self._extend_chain(seq, [tok])
-                elif seq.started:  # as _extend_chain: the block is this request's to compute
-                    self._inflight.extend(seq, (completed,))
+            if caching:
+                chain = seq.chain
+                tail = chain.tail
+                if len(tail) + 1 < chain.block_size:  # chain.try_append(tok), inlined (valid)
+                    tail.append(tok)
+                else:  # it completes a block: hash it
+                    completed = chain.try_complete(tok)  # == extend([tok])[0], or None
+                    if completed is None:
+                        self._extend_chain(seq, [tok])
+                    elif seq.started:  # as _extend_chain: the block is this request's to compute
+                        self._inflight.extend(seq, (completed,))
             seq.token_ids.append(tok)
             if seq.match is not None:
                 self._drop_memo(seq)
