@@ -116,22 +116,22 @@ class BlockTablesMixin(SeqTable):
         """
         bs = self.block_size
         pool = self.pool
-        k = 0
+        start = len(slots_out)  # each request extended appends exactly one slot
         for seq in map(self._seqs.get, request_ids):
             if seq is None or not seq.started or seq.held:
-                return k
+                break
             ids = seq.block_ids
             pos = seq.num_computed + seq.num_pending
             if pos >= len(ids) * bs:  # a new block: try_allocate_slots (its own checks)
                 if self.try_allocate_slots(seq.request_id, 1, slots_out) is None:
-                    return k
-            elif pos % bs and seq.forked and not pool.is_exclusive(ids[pos // bs]):
-                return k  # a copy-on-write: try_allocate_slots declines it too
-            else:  # try_extend_slots(rid, 1, slots_out)
-                seq.num_pending += 1
-                slots_out.append(ids[pos // bs] * bs + pos % bs)
-            k += 1
-        return k
+                    break
+                continue
+            offset = pos % bs
+            if offset and seq.forked and not pool.is_exclusive(ids[pos // bs]):
+                break  # a copy-on-write: try_allocate_slots declines it too
+            seq.num_pending += 1  # try_extend_slots(rid, 1, slots_out)
+            slots_out.append(ids[pos // bs] * bs + offset)
+        return len(slots_out) - start
 
     def try_allocate_slots(
         self, request_id: str, num_new_tokens: int, slots_out: list[int]

@@ -119,7 +119,6 @@ def _first_special(reqs: list[Request], toks: Sequence[int], start: int, max_len
             if type(tok) is not int or not 0 <= tok < _MAX_TOKEN_ID:
                 n = j  # the members before it are checked below
                 break
-    j = start
     for req, tok in zip(
         reqs[start:n] if start or n < len(reqs) else reqs, rest, strict=False
     ):  # rest may be longer (a bad id cut n)
@@ -130,9 +129,8 @@ def _first_special(reqs: list[Request], toks: Sequence[int], start: int, max_len
             or num_after - req.num_prompt_tokens >= req.max_tokens
             or num_after >= max_len
         ):
-            return j
-        j += 1
-    return j
+            return reqs.index(req, start)  # (requests are distinct: its own index)
+    return n
 
 
 def _extend_plain_decodes(
@@ -148,22 +146,17 @@ def _extend_plain_decodes(
     positions and slots, in order, and they join ``run``. Returns how many (0: ``running[i]``
     is no plain decode, or the manager declined it)."""
     reqs = running[i : i + budget]
-    ids: list[str] = []
-    positions: list[int] = []
-    add_id, add_pos = ids.append, positions.append
     for req in reqs:
-        pos = req.num_computed_tokens
-        if pos != len(req.all_token_ids) - 1 or req.draft_token_ids:
+        if req.num_computed_tokens != len(req.all_token_ids) - 1 or req.draft_token_ids:
+            del reqs[reqs.index(req) :]  # (requests are distinct: the first is this one)
             break
-        add_id(req.request_id)
-        add_pos(pos)
-    if not ids:
+    if not reqs:
         return 0
+    ids = [req.request_id for req in reqs]
     k = extend_decodes(ids, slots)
     if k < len(ids):
-        del ids[k:], positions[k:]
-    if len(reqs) != k:
-        del reqs[k:]
+        del ids[k:], reqs[k:]
+    positions = [req.num_computed_tokens for req in reqs]  # a decode's: its last token's
     if run.ids:
         run.ids += ids
         run.positions += positions
