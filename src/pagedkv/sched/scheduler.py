@@ -298,13 +298,13 @@ class Scheduler(ColumnarStepMixin, DecodePhaseMixin):
             preempted = self._preempted_outside_step + preempted
             self._preempted_outside_step = []
         self.num_scheduled_tokens_total += offset
-        self._last_step = StepStats(
-            step=self._step,
-            num_scheduled_requests=len(plan.scheduled) + num_unlisted,
-            num_scheduled_tokens=offset,
-            num_admitted=plan.num_admitted,
-            num_preempted=len(plan.preempted),
-            admission_s=admission_s,
+        self._last_step = StepStats(  # positional (once a step: ~30% cheaper than keywords)
+            self._step,  # step
+            len(plan.scheduled) + num_unlisted,  # num_scheduled_requests
+            offset,  # num_scheduled_tokens
+            plan.num_admitted,
+            len(plan.preempted),  # num_preempted
+            admission_s,
         )
         return SchedulerOutput(
             self._step,

@@ -96,10 +96,7 @@ def scan_columns(
             trs = list(map(getitem, seg.ids))
             positions = seg.positions
             # its output index: the outputs so far (its position is its last token's)
-            toks = [
-                tr.output[p + 1 - tr.num_prompt_tokens]
-                for tr, p in zip(trs, positions, strict=True)
-            ]
+            toks = [tr.output[p - tr.output_base] for tr, p in zip(trs, positions, strict=True)]
             n = len(trs)
             # a decode at p has end p + 1 and -(p + 1) % bs == bs - 1 - p % bs empty slots
             decode_ends += sum(positions) + n
