@@ -11,7 +11,9 @@ is the same ``ScheduledRequest`` as ``schedule()`` makes.
 
 Equivalence (the point): every manager call is the one ``schedule()``/``update()`` make, with
 the same arguments in the same order (phase 1 is ``_schedule_decodes`` with its runs kept as
-columns; phases 2-4 are shared; a commit run breaks where ``update``'s does), so the manager,
+columns, a stretch of plain decodes handed to the manager in one ``extend_decodes`` call, which
+is the per-request ``try_extend_slots``/``try_allocate_slots`` pair in order; phases 2-4 are
+shared; a commit run breaks where ``update``'s does), so the manager,
 the pool, the queues and every request end each step in the same state.
 ``tests/property/test_sched_columnar.py`` steps both APIs side by side on random workloads and
 compares the whole state after every step.

@@ -6,8 +6,9 @@ handled as columns: one list of tokens per run instead of a ``ScheduledRequest``
 list and a ``RequestOutput`` per request. Everything the report sees is produced in the same
 order as there (the scan's totals, the scheduler's state, every first token, gap, finish and
 draft), so reports and per-request records are identical with and without this path
-(``SimConfig.fast_decodes``; ``benchmarks/sim_reports_identical.py`` compares whole reports
-across 8 configs; a lockstep per-request timeline test is still to be written).
+(``SimConfig.fast_decodes``; ``tests/unit/test_sim_fast_decodes.py`` compares whole reports,
+records included, in-process; ``benchmarks/sim_reports_identical.py`` across 8 CLI configs
+and two source trees).
 
 Not used with KV tiers (their write-through reads every entry's hashes, ``_Run.tier_step``).
 """
