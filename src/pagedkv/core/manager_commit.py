@@ -10,7 +10,7 @@ takes a fast path (``BlockHashChain.try_append``) with the same effect as the ge
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn, cast
+from typing import NoReturn
 
 from pagedkv.core.hashing import pack_tokens
 from pagedkv.core.prefix_admission import PrefixAdmissionMixin
@@ -85,14 +85,16 @@ class CommitMixin(PrefixAdmissionMixin):
             or (n and (min(token_ids) < 0 or max(token_ids) >= _MAX_TOKEN_ID))
         ):
             self._refuse_decodes(request_ids, seqs, token_ids)
-        for seq in cast("list[SeqState]", seqs):  # one plain loop: cheaper than maps
+        # None was refused above (a typed name, not typing.cast: that is a call at run time)
+        checked: list[SeqState] = seqs  # type: ignore[assignment]
+        for seq in checked:  # one plain loop: cheaper than maps
             if seq.held or not seq.num_pending:
                 self._refuse_decodes(request_ids, seqs, token_ids)
         # Checked: nothing below can fail.
         caching = self.config.enable_prefix_caching
         bs = self.block_size
         num_new = 0
-        for seq, tok in zip(cast("list[SeqState]", seqs), token_ids, strict=True):
+        for seq, tok in zip(checked, token_ids, strict=True):
             if caching:
                 chain = seq.chain
                 tail = chain.tail
