@@ -47,7 +47,7 @@ def run_columnar_step(run: _Run) -> None:
             run.finish(rid, run.clock)
     segments = cols.segments
     if not segments and not out.block_loads:
-        rec.on_wall(w1 - w0, None, sched.last_step.admission_s, c1 - c0 if timed else None, None)
+        rec.on_wall(w1 - w0, None, sched.last_admission_s, c1 - c0 if timed else None, None)
         run.idle(out.preempted_ids or out.finished_ids, out.step)
         return
     mgr = sched.manager
@@ -65,7 +65,7 @@ def run_columnar_step(run: _Run) -> None:
     w3 = wall_ns()
     c3 = cpu_ns() if timed else -1
     cpu = (c1 - c0, c3 - c2) if timed else (None, None)
-    rec.on_wall(w1 - w0, w3 - w2, sched.last_step.admission_s, *cpu)
+    rec.on_wall(w1 - w0, w3 - w2, sched.last_admission_s, *cpu)
     _after_step(run, segments, run_tracks, results, start, clock)
     if rec.touched:
         rec.end_gaps(clock - start)
