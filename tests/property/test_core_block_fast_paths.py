@@ -32,7 +32,7 @@ _CONTEXTS = st.sampled_from(
 
 
 def _state(chain: BlockHashChain) -> tuple[object, ...]:
-    return (list(chain.hashes), list(chain._pending), chain._tokens_hashed)
+    return (list(chain.hashes), list(chain.tail), chain._tokens_hashed)
 
 
 @settings(max_examples=150, deadline=None)
@@ -54,7 +54,7 @@ def test_try_complete_is_extend_of_one_token_or_changes_nothing(
         h = fast.try_complete(tok)
         if h is None:
             assert _state(fast) == before  # declined: nothing changed
-            fills = len(fast._pending) + 1 == block_size
+            fills = len(fast.tail) + 1 == block_size
             valid = 0 <= tok < 2**32
             assert not (fills and valid and not ctx.has_block_keys)  # it applied: must answer
             if valid:

@@ -108,7 +108,8 @@ def run_pair(seed: int) -> tuple[int, int, int]:
     alone = -(-(MAX_MODEL_LEN - 1 + lookahead) // bs)
     chunked = rng.random() < 0.8
     cfg = SchedulerConfig(
-        max_num_batched_tokens=rng.randrange(8, 64) if chunked else rng.randrange(40, 64),
+        # >= max_num_seqs (at most 9), as SchedulerConfig requires
+        max_num_batched_tokens=rng.randrange(9, 64) if chunked else rng.randrange(40, 64),
         max_num_seqs=rng.randrange(1, 10),
         max_model_len=MAX_MODEL_LEN,
         policy=rng.choice(["fcfs", "priority"]),

@@ -207,11 +207,11 @@ def test_numpy_ints_hash_like_python_ints() -> None:
 def test_token_outside_uint32_is_rejected_and_chain_unchanged(bad: int) -> None:
     chain = BlockHashChain(4)
     chain.extend([1, 2])
-    before = (list(chain.hashes), chain.copy()._pending)
+    before = (list(chain.hashes), chain.copy().tail)
     for tokens in ([bad], [3, 4, 5, 6, 7, bad], [3, 4, bad, 6]):
         with pytest.raises(InvalidRequestError):
             chain.extend(tokens)
-        assert (list(chain.hashes), chain.copy()._pending) == before
+        assert (list(chain.hashes), chain.copy().tail) == before
 
 
 def test_float_tokens_are_rejected() -> None:

@@ -211,9 +211,14 @@ class BlockHashChain:
       H1  len(hashes) == len(token_ids) // block_size (only full blocks are hashed)
       H2  hashes[i] == H(hashes[i-1] || pack(tokens of block i) || extra keys of block i)
     Complexity: ``extend`` costs O(new tokens); nothing is ever rehashed.
+
+    ``tail`` (the token ids after the last full block, fewer than ``block_size``) may be
+    appended to directly by the manager's batched decode commit, one valid id at a time and
+    only while ``len(tail) + 1 < block_size`` (no block completes, so H1 and H2 still hold):
+    ``try_append`` without its call. Anything else goes through the methods.
     """
 
-    __slots__ = ("_ctx", "_fn", "_hashes", "_pending", "_root", "_tokens_hashed", "block_size")
+    __slots__ = ("_ctx", "_fn", "_hashes", "_root", "_tokens_hashed", "block_size", "tail")
 
     def __init__(self, block_size: int, context: HashContext | None = None) -> None:
         if block_size <= 0:
@@ -223,7 +228,7 @@ class BlockHashChain:
         self._fn = hash_function(self._ctx.algo)
         self._root = self._ctx.root_hash()
         self._hashes: list[BlockHash] = []
-        self._pending: list[int] = []  # tokens after the last full block (< block_size of them)
+        self.tail: list[int] = []  # tokens after the last full block (< block_size of them)
         self._tokens_hashed = 0
 
     @property
@@ -246,7 +251,7 @@ class BlockHashChain:
     def try_append(self, token_id: int) -> bool:
         """Append one valid token id that completes no block (the decode hot path, with no
         list built); False, changing nothing, for anything else (then call ``extend``)."""
-        pending = self._pending
+        pending = self.tail
         if (
             len(pending) + 1 < self.block_size
             and type(token_id) is int
@@ -261,7 +266,7 @@ class BlockHashChain:
         that fills its block) and return that block's hash: exactly ``extend([token_id])[0]``
         (the same bytes hashed: the parent, then the block's ids as little-endian uint32), with
         no list packed apart. None, changing nothing, for anything else (then call ``extend``)."""
-        pending = self._pending
+        pending = self.tail
         if (
             len(pending) + 1 != self.block_size
             or type(token_id) is not int
@@ -279,27 +284,27 @@ class BlockHashChain:
         hashes = self._hashes
         h = self._fn((hashes[-1] if hashes else self._root) + packed.tobytes())
         hashes.append(h)
-        self._pending = []
+        self.tail = []
         self._tokens_hashed += self.block_size
         return h
 
     def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Append tokens and return the hashes of the blocks they completed (maybe none)."""
         bs = self.block_size
-        if len(token_ids) == 1 and len(self._pending) + 1 < bs:
+        if len(token_ids) == 1 and len(self.tail) + 1 < bs:
             t = token_ids[0]  # the decode fast path: one token that completes no block
             if type(t) is int and 0 <= t < _MAX_TOKEN_ID:
-                self._pending.append(t)
+                self.tail.append(t)
                 return []
         # No copy of a long token list: the input is packed once (which also validates every
         # id), the pending tail is packed apart and prepended as bytes, and blocks are hashed
         # from slices of the packed bytes. Only the new tail (< block_size ids) is kept as ints.
-        pending = self._pending
+        pending = self.tail
         num_full = (len(pending) + len(token_ids)) // bs
         if num_full == 0:
             if token_ids:
                 pack_tokens(token_ids)  # validate even when no block completes yet
-            self._pending = [*pending, *token_ids]
+            self.tail = [*pending, *token_ids]
             return []
         packed = pack_tokens(token_ids)
         if pending:
@@ -323,7 +328,7 @@ class BlockHashChain:
                 parent = fn(parent + packed[offset : offset + width])
                 append(parent)
         rest = list(token_ids[num_full * bs - len(pending) :])
-        self._pending = rest
+        self.tail = rest
         self._hashes.extend(new)
         self._tokens_hashed += num_full * bs
         return new
@@ -337,7 +342,7 @@ class BlockHashChain:
         clone._fn = self._fn
         clone._root = self._root
         clone._hashes = self._hashes[-1:]
-        clone._pending = list(self._pending)
+        clone.tail = list(self.tail)
         clone._tokens_hashed = self._tokens_hashed
         return clone.extend(token_ids)
 
@@ -349,7 +354,7 @@ class BlockHashChain:
         clone._fn = self._fn
         clone._root = self._root
         clone._hashes = list(self._hashes)
-        clone._pending = list(self._pending)
+        clone.tail = list(self.tail)
         clone._tokens_hashed = self._tokens_hashed
         return clone
 

@@ -10,7 +10,7 @@ takes a fast path (``BlockHashChain.try_append``) with the same effect as the ge
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn, cast
+from typing import NoReturn
 
 from pagedkv.core.hashing import pack_tokens
 from pagedkv.core.prefix_admission import PrefixAdmissionMixin
@@ -85,20 +85,27 @@ class CommitMixin(PrefixAdmissionMixin):
             or (n and (min(token_ids) < 0 or max(token_ids) >= _MAX_TOKEN_ID))
         ):
             self._refuse_decodes(request_ids, seqs, token_ids)
-        for seq in cast("list[SeqState]", seqs):  # one plain loop: cheaper than maps
+        # None was refused above (a typed name, not typing.cast: that is a call at run time)
+        checked: list[SeqState] = seqs  # type: ignore[assignment]
+        for seq in checked:  # one plain loop: cheaper than maps
             if seq.held or not seq.num_pending:
                 self._refuse_decodes(request_ids, seqs, token_ids)
         # Checked: nothing below can fail.
         caching = self.config.enable_prefix_caching
         bs = self.block_size
         num_new = 0
-        for seq, tok in zip(cast("list[SeqState]", seqs), token_ids, strict=True):
-            if caching and not seq.chain.try_append(tok):  # it completes a block: hash it
-                completed = seq.chain.try_complete(tok)  # == extend([tok])[0], or None
-                if completed is None:
-                    self._extend_chain(seq, [tok])
-                elif seq.started:  # as _extend_chain: the block is this request's to compute
-                    self._inflight.extend(seq, (completed,))
+        for seq, tok in zip(checked, token_ids, strict=True):
+            if caching:
+                chain = seq.chain
+                tail = chain.tail
+                if len(tail) + 1 < chain.block_size:  # chain.try_append(tok), inlined (valid)
+                    tail.append(tok)
+                else:  # it completes a block: hash it
+                    completed = chain.try_complete(tok)  # == extend([tok])[0], or None
+                    if completed is None:
+                        self._extend_chain(seq, [tok])
+                    elif seq.started:  # as _extend_chain: the block is this request's to compute
+                        self._inflight.extend(seq, (completed,))
             seq.token_ids.append(tok)
             if seq.match is not None:
                 self._drop_memo(seq)

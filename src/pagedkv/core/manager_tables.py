@@ -10,6 +10,7 @@ never mutated, so a view handed out for one step stays what it was.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -95,6 +96,42 @@ class BlockTablesMixin(SeqTable):
             slots_out.extend(ids[p // bs] * bs + p % bs for p in range(write_pos, end))
         table = seq.table
         return table if table is not None else seq.table_view()
+
+    def extend_decodes(self, request_ids: Sequence[str], slots_out: list[int]) -> int:
+        """One decode position for each request of a run, in order, until the first that
+        needs the general path: returns ``k``, the number extended.
+
+        Equivalent to, for each ``rid`` of ``request_ids`` in order::
+
+            try_extend_slots(rid, 1, slots_out) is not None
+            or try_allocate_slots(rid, 1, slots_out) is not None
+
+        stopping at the first ``rid`` for which both decline (not started, held, no free
+        block for its next position, or a shared partial block to copy): ``request_ids[:k]``
+        got their positions and slots (appended in order; a request crossing into its next
+        block took that block from the pool exactly as ``try_allocate_slots`` does),
+        ``request_ids[k:]`` are unchanged. The same state changes as those calls, with one
+        call for the run instead of one per request (the columnar scheduler's hot path); the
+        block table views the calls return are not built. O(k + new blocks).
+        """
+        bs = self.block_size
+        pool = self.pool
+        start = len(slots_out)  # each request extended appends exactly one slot
+        for seq in map(self._seqs.get, request_ids):
+            if seq is None or not seq.started or seq.held:
+                break
+            ids = seq.block_ids
+            pos = seq.num_computed + seq.num_pending
+            if pos >= len(ids) * bs:  # a new block: try_allocate_slots (its own checks)
+                if self.try_allocate_slots(seq.request_id, 1, slots_out) is None:
+                    break
+                continue
+            offset = pos % bs
+            if offset and seq.forked and not pool.is_exclusive(ids[pos // bs]):
+                break  # a copy-on-write: try_allocate_slots declines it too
+            seq.num_pending += 1  # try_extend_slots(rid, 1, slots_out)
+            slots_out.append(ids[pos // bs] * bs + offset)
+        return len(slots_out) - start
 
     def try_allocate_slots(
         self, request_id: str, num_new_tokens: int, slots_out: list[int]

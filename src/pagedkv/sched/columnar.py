@@ -11,7 +11,9 @@ is the same ``ScheduledRequest`` as ``schedule()`` makes.
 
 Equivalence (the point): every manager call is the one ``schedule()``/``update()`` make, with
 the same arguments in the same order (phase 1 is ``_schedule_decodes`` with its runs kept as
-columns; phases 2-4 are shared; a commit run breaks where ``update``'s does), so the manager,
+columns, a stretch of plain decodes handed to the manager in one ``extend_decodes`` call, which
+is the per-request ``try_extend_slots``/``try_allocate_slots`` pair in order; phases 2-4 are
+shared; a commit run breaks where ``update``'s does), so the manager,
 the pool, the queues and every request end each step in the same state.
 ``tests/property/test_sched_columnar.py`` steps both APIs side by side on random workloads and
 compares the whole state after every step.
@@ -22,13 +24,13 @@ A part of :class:`~pagedkv.sched.scheduler.Scheduler` (a mixin over its state).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pagedkv.errors import InvalidRequestError, SchedulerStateError
-from pagedkv.sched.output import RequestOutput, ScheduledRequest, SchedulerOutput
+from pagedkv.sched.output import RequestOutput, ScheduledRequest, SchedulerOutput, StepSlots
 from pagedkv.sched.preemption import PreemptionMixin
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.step_plan import StepPlan
@@ -88,13 +90,29 @@ class ColumnarOutput:
         return ids
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class _ColumnarPlan(StepPlan):
-    """A ``StepPlan`` whose phase 1 keeps runs of plain decodes as columns."""
+    """A ``StepPlan`` whose phase 1 keeps runs of plain decodes as columns (lean prefill
+    entries). Its ``__init__`` is written out: the generated one, with its default factories,
+    cost ~7.6k instructions a step; this one sets every field of both classes."""
 
     segments: list[Segment] = field(default_factory=list)  # phase 1's, in order
     num_plain: int = 0
     num_phase1_entries: int = 0  # ScheduledRequests phase 1 appended to ``scheduled``
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled = []
+        self.step_slots = StepSlots()
+        self.copies = []
+        self.preempted = []
+        self.loads = []
+        self.num_admitted = 0
+        self.lean_prefill = True
+        self.num_unlisted_slots = 0
+        self.segments = []
+        self.num_plain = 0
+        self.num_phase1_entries = 0
 
     def scheduled_ids(self) -> set[str]:
         ids = {sr.request_id for sr in self.scheduled}
@@ -119,7 +137,6 @@ def _first_special(reqs: list[Request], toks: Sequence[int], start: int, max_len
             if type(tok) is not int or not 0 <= tok < _MAX_TOKEN_ID:
                 n = j  # the members before it are checked below
                 break
-    j = start
     for req, tok in zip(
         reqs[start:n] if start or n < len(reqs) else reqs, rest, strict=False
     ):  # rest may be longer (a bad id cut n)
@@ -130,9 +147,41 @@ def _first_special(reqs: list[Request], toks: Sequence[int], start: int, max_len
             or num_after - req.num_prompt_tokens >= req.max_tokens
             or num_after >= max_len
         ):
-            return j
-        j += 1
-    return j
+            return reqs.index(req, start)  # (requests are distinct: its own index)
+    return n
+
+
+def _extend_plain_decodes(
+    extend_decodes: Callable[[list[str], list[int]], int],
+    running: list[Request],
+    i: int,
+    budget: int,
+    run: DecodeColumns,
+    slots: list[int],
+) -> int:
+    """The plain decodes (decoding, no drafts) in a row from ``running[i]``, at most
+    ``budget`` of them: one manager call (``extend_decodes``) gives as many as fit their
+    positions and slots, in order, and they join ``run``. Returns how many (0: ``running[i]``
+    is no plain decode, or the manager declined it)."""
+    reqs = running[i : i + budget]
+    for req in reqs:
+        if req.num_computed_tokens != len(req.all_token_ids) - 1 or req.draft_token_ids:
+            del reqs[reqs.index(req) :]  # (requests are distinct: the first is this one)
+            break
+    if not reqs:
+        return 0
+    ids = [req.request_id for req in reqs]
+    k = extend_decodes(ids, slots)
+    if k < len(ids):
+        del ids[k:], reqs[k:]
+    positions = [req.num_computed_tokens for req in reqs]  # a decode's: its last token's
+    if run.ids:
+        run.ids += ids
+        run.positions += positions
+        run.requests += reqs
+    else:  # the run's first (most steps: its only) stretch
+        run.ids, run.positions, run.requests = ids, positions, reqs
+    return k
 
 
 class ColumnarStepMixin(PreemptionMixin):
@@ -163,7 +212,7 @@ class ColumnarStepMixin(PreemptionMixin):
         """
         self._check_no_outstanding_step()
         self._step += 1
-        plan = _ColumnarPlan(self.config.max_num_batched_tokens, lean_prefill=True)
+        plan = _ColumnarPlan(self.config.max_num_batched_tokens)
         if not self._schedule_decode_columns(plan):
             self._schedule_prefill_chunks(plan)
         t0 = time.perf_counter()
@@ -180,9 +229,12 @@ class ColumnarStepMixin(PreemptionMixin):
 
     def _schedule_decode_columns(self, plan: _ColumnarPlan) -> bool:
         """``_schedule_decodes`` (phase 1) with each run of plain decodes kept as a
-        :class:`DecodeColumns` segment: the same manager calls in the same order."""
+        :class:`DecodeColumns` segment: the same manager calls in the same order (a stretch
+        of plain decodes is one ``extend_decodes`` call, which is the per-request
+        ``try_extend_slots``/``try_allocate_slots`` pair, in order, up to the first it
+        declines; that one takes the general path, as in ``_schedule_decodes``)."""
         mgr = self.manager
-        extend, grow, views = mgr.try_extend_slots, mgr.try_allocate_slots, mgr.block_table_view
+        views = mgr.block_table_view
         lookahead, max_len = self.config.num_lookahead_tokens, self.max_len
         running, scheduled, segments = self.running, plan.scheduled, plan.segments
         step_slots = plan.step_slots
@@ -190,9 +242,14 @@ class ColumnarStepMixin(PreemptionMixin):
         budget = plan.budget
         i = num_prefilling = 0
         run = DecodeColumns()
-        add_id, add_pos, add_req = run.ids.append, run.positions.append, run.requests.append
         while i < len(running) and budget > 0:
-            req = running[i]
+            if not lookahead:
+                k = _extend_plain_decodes(mgr.extend_decodes, running, i, budget, run, slots)
+                i += k
+                budget -= k
+                if i == len(running) or not budget:
+                    break
+            req = running[i]  # not a plain decode, or one the manager declined
             all_ids = req.all_token_ids
             pos = req.num_computed_tokens
             if pos != len(all_ids) - 1:
@@ -201,16 +258,7 @@ class ColumnarStepMixin(PreemptionMixin):
                 continue
             rid = req.request_id
             drafts = req.draft_token_ids
-            if not drafts and not lookahead:
-                # a new block (every block_size-th step) when one is free: try_allocate_slots
-                if extend(rid, 1, slots) is not None or grow(rid, 1, slots) is not None:
-                    add_id(rid)
-                    add_pos(pos)
-                    add_req(req)
-                    budget -= 1
-                    i += 1
-                    continue
-            elif drafts:
+            if drafts:
                 num_out = len(all_ids) - req.num_prompt_tokens
                 room = min(budget, req.max_tokens - num_out, max_len - len(all_ids)) - 1
                 drafts = drafts[: max(0, room)]
@@ -219,9 +267,12 @@ class ColumnarStepMixin(PreemptionMixin):
                 segments.append(run)
                 plan.num_plain += len(run.ids)
                 run = DecodeColumns()
-                add_id, add_pos, add_req = run.ids.append, run.positions.append, run.requests.append
             offset = len(slots)
-            table = extend(rid, n, slots) if req.draft_token_ids and not lookahead else None
+            table = (
+                mgr.try_extend_slots(rid, n, slots)
+                if req.draft_token_ids and not lookahead
+                else None
+            )
             if table is None:
                 if not self._allocate_or_preempt(req, n, lookahead, plan):
                     break  # req itself was preempted; everything after it is gone too

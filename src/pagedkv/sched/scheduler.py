@@ -106,7 +106,10 @@ class Scheduler(ColumnarStepMixin, DecodePhaseMixin):
         self._preempted_outside_step: list[str] = []  # by reset_prefix_cache (reported next)
         self.max_len = config.max_model_len
         self._step = 0
-        self._last_step = StepStats()
+        # The last step's StepStats, built on first read from its fields (a frozen dataclass
+        # costs ~9k instructions to build: a simulated step that only reads admission_s skips it)
+        self._last_step: StepStats | None = StepStats()
+        self._last_step_fields: tuple[int, int, int, int, int, float] = (0, 0, 0, 0, 0, 0.0)
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_aborted = 0
@@ -298,13 +301,14 @@ class Scheduler(ColumnarStepMixin, DecodePhaseMixin):
             preempted = self._preempted_outside_step + preempted
             self._preempted_outside_step = []
         self.num_scheduled_tokens_total += offset
-        self._last_step = StepStats(
-            step=self._step,
-            num_scheduled_requests=len(plan.scheduled) + num_unlisted,
-            num_scheduled_tokens=offset,
-            num_admitted=plan.num_admitted,
-            num_preempted=len(plan.preempted),
-            admission_s=admission_s,
+        self._last_step = None  # StepStats(*_last_step_fields), built when last_step is read
+        self._last_step_fields = (
+            self._step,  # step
+            len(plan.scheduled) + num_unlisted,  # num_scheduled_requests
+            offset,  # num_scheduled_tokens
+            plan.num_admitted,
+            len(plan.preempted),  # num_preempted
+            admission_s,
         )
         return SchedulerOutput(
             self._step,
@@ -386,8 +390,17 @@ class Scheduler(ColumnarStepMixin, DecodePhaseMixin):
 
     @property
     def last_step(self) -> StepStats:
-        """What the last ``schedule()`` did (O(1); ``stats()`` also snapshots the cache)."""
-        return self._last_step
+        """What the last ``schedule()`` did (O(1); ``stats()`` also snapshots the cache). The
+        same object on every read until the next step."""
+        stats = self._last_step
+        if stats is None:
+            stats = self._last_step = StepStats(*self._last_step_fields)
+        return stats
+
+    @property
+    def last_admission_s(self) -> float:
+        """``last_step.admission_s`` without building the StepStats (the simulator's read)."""
+        return self._last_step_fields[5]
 
     def stats(self) -> SchedulerStats:
         """Per-step and cumulative counters (a snapshot)."""
@@ -402,7 +415,7 @@ class Scheduler(ColumnarStepMixin, DecodePhaseMixin):
             num_finished=self.num_finished,
             num_aborted=self.num_aborted,
             num_scheduled_tokens_total=self.num_scheduled_tokens_total,
-            last_step=self._last_step,
+            last_step=self.last_step,
             prefix_hit_rate=kv.prefix.hit_rate,
             usage=kv.usage,
             kv=kv,

@@ -6,8 +6,9 @@ handled as columns: one list of tokens per run instead of a ``ScheduledRequest``
 list and a ``RequestOutput`` per request. Everything the report sees is produced in the same
 order as there (the scan's totals, the scheduler's state, every first token, gap, finish and
 draft), so reports and per-request records are identical with and without this path
-(``SimConfig.fast_decodes``; ``benchmarks/sim_reports_identical.py`` compares whole reports
-across 8 configs; a lockstep per-request timeline test is still to be written).
+(``SimConfig.fast_decodes``; ``tests/unit/test_sim_fast_decodes.py`` compares whole reports,
+records included, in-process; ``benchmarks/sim_reports_identical.py`` across 8 CLI configs
+and two source trees).
 
 Not used with KV tiers (their write-through reads every entry's hashes, ``_Run.tier_step``).
 """
@@ -28,19 +29,17 @@ if TYPE_CHECKING:
 _FINISHED = RequestStatus.FINISHED
 
 
-def _no_cpu() -> int:
-    return -1
-
-
 def run_columnar_step(run: _Run) -> None:
     """``run.run_step()`` through the columnar API (the same effects, in the same order)."""
     sched, rec = run.sched, run.rec
     wall_ns = time.perf_counter_ns
     timed = run.step % run.cfg.cpu_timing_stride == 0
-    cpu_ns = time.thread_time_ns if timed else _no_cpu
-    c0, w0 = cpu_ns(), wall_ns()
+    cpu_ns = time.thread_time_ns  # a ~3 us system call: only on timed steps (-1 on the others)
+    c0 = cpu_ns() if timed else -1
+    w0 = wall_ns()
     cols = sched.schedule_columnar()
-    w1, c1 = wall_ns(), cpu_ns()
+    w1 = wall_ns()
+    c1 = cpu_ns() if timed else -1
     out = cols.output
     tracks = run.tracks
     for rid in out.finished_ids:  # finished by the scheduler itself (pool too small)
@@ -48,7 +47,7 @@ def run_columnar_step(run: _Run) -> None:
             run.finish(rid, run.clock)
     segments = cols.segments
     if not segments and not out.block_loads:
-        rec.on_wall(w1 - w0, None, sched.last_step.admission_s, c1 - c0 if timed else None, None)
+        rec.on_wall(w1 - w0, None, sched.last_admission_s, c1 - c0 if timed else None, None)
         run.idle(out.preempted_ids or out.finished_ids, out.step)
         return
     mgr = sched.manager
@@ -60,11 +59,13 @@ def run_columnar_step(run: _Run) -> None:
     sampled, columns, run_tracks, empty_slots, totals = scan_columns(run, segments, start)
     dt = run.cfg.cost.step_time(*totals)
     run.clock = clock = start + dt
-    c2, w2 = cpu_ns(), wall_ns()
+    c2 = cpu_ns() if timed else -1
+    w2 = wall_ns()
     results = sched.update_columnar(cols, columns, sampled)
-    w3, c3 = wall_ns(), cpu_ns()
+    w3 = wall_ns()
+    c3 = cpu_ns() if timed else -1
     cpu = (c1 - c0, c3 - c2) if timed else (None, None)
-    rec.on_wall(w1 - w0, w3 - w2, sched.last_step.admission_s, *cpu)
+    rec.on_wall(w1 - w0, w3 - w2, sched.last_admission_s, *cpu)
     _after_step(run, segments, run_tracks, results, start, clock)
     if rec.touched:
         rec.end_gaps(clock - start)
@@ -96,10 +97,7 @@ def scan_columns(
             trs = list(map(getitem, seg.ids))
             positions = seg.positions
             # its output index: the outputs so far (its position is its last token's)
-            toks = [
-                tr.output[p + 1 - tr.num_prompt_tokens]
-                for tr, p in zip(trs, positions, strict=True)
-            ]
+            toks = [tr.output[p - tr.output_base] for tr, p in zip(trs, positions, strict=True)]
             n = len(trs)
             # a decode at p has end p + 1 and -(p + 1) % bs == bs - 1 - p % bs empty slots
             decode_ends += sum(positions) + n

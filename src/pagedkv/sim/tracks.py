@@ -39,6 +39,7 @@ class Track:
         "num_prompt_tokens",
         "order",
         "output",
+        "output_base",
         "req",
         "sched_s",
         "sim",
@@ -59,6 +60,8 @@ class Track:
         self.tag_samples = tag_samples  # the recorder's samples of this request's tag
         self.req = req
         self.num_prompt_tokens = req.num_prompt_tokens  # req's, fixed (the hot loop reads it)
+        # a decode at position p (its last token's) samples output[p - output_base]
+        self.output_base = req.num_prompt_tokens - 1
         self.arrival_s = req.arrival_time
         self.stops = stops  # it ends with the stop token (max_tokens > output length)
         self.first_s = -1.0  # no token yet
