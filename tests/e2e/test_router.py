@@ -167,7 +167,7 @@ def test_streaming_chat_and_auth_pass_through(cluster: dict[str, Any]) -> None:
 
 def _running(url: str) -> int:
     try:
-        text = httpx.get(f"{url}/metrics", timeout=2).text
+        text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.TransportError:
         return 0
     return sum(int(float(line.split()[-1])) for line in text.splitlines()

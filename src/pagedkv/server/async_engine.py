@@ -2,7 +2,9 @@
 
 The ``LLMEngine`` is single-threaded by design. Handlers add requests under ``_lock`` from a
 worker thread (``add_request`` is quick and raises typed errors synchronously, so a bad request
-gets its 400 at once); the step thread holds the same lock for each ``step()``. Aborts never
+gets its 400 at once); the step thread holds the same lock for each ``step()``, and between two
+steps it lets the handlers waiting for it in first (``HandoffLock``: otherwise a busy loop takes
+it again before they run, and ``/metrics`` or a new request waits many steps). Aborts never
 wait for that lock on the event loop: they are queued and the step thread applies them before
 its next step. Outputs travel to each request's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``.
@@ -36,6 +38,7 @@ from pagedkv.engine.outputs import GenerationOutput
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvariantViolation, OverloadedError
 from pagedkv.obs.metrics import Metrics
+from pagedkv.server.handoff_lock import HandoffLock
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class AsyncEngine:
         self._last_progress_s = time.monotonic()  # the loop's last finished step or idle wait
         self.model_name = model_name
         self.metrics = Metrics(model_name)
-        self._lock = threading.Lock()
+        self._lock = HandoffLock()  # handlers enter with ``with``, the step thread for_step()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -235,7 +238,7 @@ class AsyncEngine:
             # the thread ends here (logged above); /health now answers 503
 
     def _step_once(self) -> None:
-        with self._lock:
+        with self._lock.for_step():
             self._apply_aborts()
             busy = self.engine.has_unfinished_requests()
             outputs: list[GenerationOutput] = []
