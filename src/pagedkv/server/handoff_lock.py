@@ -10,11 +10,11 @@ token. ``HandoffLock`` counts the handlers waiting and makes the step thread let
 Invariants:
   H1  mutual exclusion: at most one holder at a time (handlers and the step thread alike)
   H2  handoff: when the step thread asks for the lock (``for_step``) while handlers wait in
-      ``acquire``, it takes the lock only after each of them has held it, or after
-      ``max_wait_s`` while more keep coming
-  H3  no starvation of the step thread: once it has waited (H2), handlers that start
-      ``acquire`` later wait until it has taken the lock, so it gets the lock after at most
-      one turn of each handler already waiting
+      ``acquire``, it takes the lock only after each of them has held it (``max_wait_s``
+      bounds the wait for one that is never scheduled)
+  H3  no starvation of the step thread: handlers that start ``acquire`` after the step thread
+      asked wait until it has taken the lock, so between two steps each handler has at most
+      one turn and a stream of arrivals cannot hold a step back
   H4  ``num_waiting`` counts the handlers between being let in (H3) and holding the lock
 """
 
@@ -76,9 +76,9 @@ class HandoffLock:
     def for_step(self) -> Iterator[None]:
         """Hold the lock for one step, after the handlers waiting now have had it (H2, H3)."""
         with self._gate:
+            self._step_next = True  # H3: later arrivals wait behind this step
             if self._num_waiting:
                 self._gate.wait_for(lambda: not self._num_waiting, timeout=self.max_wait_s)
-            self._step_next = True
         try:
             self._mutex.acquire()
         finally:
