@@ -17,7 +17,10 @@ admission  InfiniLM's capacity-check fixture. Block size 16. Running requests (1
            per group, median of 5 rounds of 5 groups after 5 warm-up groups.
 alloc      ``BlockPool.allocate(n)`` + ``free`` of the same blocks, per block, on an idle pool.
 evict      ``BlockPool.allocate(n)`` when every free block is cached (each one is evicted), per
-           block; the blocks are re-cached and freed untimed between calls.
+           block; the blocks are re-cached and freed untimed between calls. ``copies``: half
+           the pool is indexed and held, and every free block is a freed copy of one of those
+           hashes (the eviction drops its copy entry, where pagedkv's free used to: the cost
+           the copies free no longer pays is paid here; vLLM pops its duplicate from its map).
 prefix     ``match_prefix`` + ``allocate_slots`` of a prompt whose every full block is cached-free
            (a finished request computed it); ``add_request`` (hashing) before the timer, ``free``
            after it.
@@ -263,6 +266,52 @@ def evict_cases(quick: bool) -> list[Case]:
     return cases
 
 
+def evict_copy_cases(quick: bool) -> list[Case]:
+    """The ``copies`` rows of ``evict``: every free block a freed copy (see the docstring)."""
+    batch = 64
+    cases: list[Case] = []
+    for num_blocks in (1024,) if quick else (1024, 16_384, 131_072):
+        pool = BlockPool(PoolConfig(num_blocks=num_blocks))
+        half = pool.capacity_blocks // 2
+        canon = pool.allocate(half)  # held for the whole run: they serve every hash
+        pool.cache_blocks(canon, [copy_hash(b, half) for b in canon], parent_hash=None)
+
+        def copy_and_free(ids: list[int], pool: BlockPool = pool, half: int = half) -> None:
+            pool.cache_blocks(ids, [copy_hash(b, half) for b in ids], parent_hash=None)
+            pool.free(ids[::-1])
+
+        copy_and_free(pool.allocate(pool.num_free_blocks))  # every free block a freed copy
+        held: list[list[int]] = []
+
+        def check(pool: BlockPool = pool, half: int = half) -> None:
+            pool.check_invariants()
+            if pool.num_copy_blocks != pool.capacity_blocks - half:
+                raise RuntimeError("evict fixture (copies): a free block is not a copy")
+
+        cases.append(
+            Case(
+                "evict",
+                f"copies pool={num_blocks:,} batch={batch}",
+                "pagedkv",
+                "block",
+                lambda pool=pool, held=held: held.append(pool.allocate(batch)),
+                ops=batch,
+                teardown=lambda held=held, f=copy_and_free: f(held.pop()),
+                rounds=9 if quick else 41,
+                warmup=3,
+                params={"pool_blocks": num_blocks, "batch": batch, "kind": "copies"},
+                check=check,
+            )
+        )
+    return cases
+
+
+def copy_hash(block_id: int, half: int) -> bytes:
+    """The hash a block of the evict-copies fixture holds: block ids ``b`` and ``b + half``
+    share one, so each free copy duplicates a distinct held block."""
+    return ((block_id - 1) % half).to_bytes(32, "little")
+
+
 # ---------------------------------------------------------------------------- prefix hit
 def prefix_prompt(num_tokens: int, seed: int = 1) -> list[int]:
     return _tokens(random.Random(seed), num_tokens)
@@ -437,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     ours: dict[str, Callable[[bool], list[Case]]] = {
         "admission": admission_cases,
         "alloc": alloc_cases,
-        "evict": evict_cases,
+        "evict": lambda quick: evict_cases(quick) + evict_copy_cases(quick),
         "prefix": prefix_cases,
         "hash": hash_cases,
         "free": free_cases,

@@ -80,7 +80,7 @@ class VLLMPeer:
             "free": self.free_cases,
             "touch": self.touch_cases,
             "counts": self.count_cases,
-            "evict": self.evict_cases,
+            "evict": lambda q: self.evict_cases(q) + self.evict_copy_cases(q),
         }
         return builders[fixture](quick) if fixture in builders else []
 
@@ -243,6 +243,55 @@ class VLLMPeer:
                     rounds=9 if quick else 41,
                     warmup=3,
                     params={"pool_blocks": num_blocks, "batch": batch},
+                    note="BlockPool.get_new_blocks",
+                    check=check,
+                )
+            )
+        return cases
+
+    def evict_copy_cases(self, quick: bool) -> list[Case]:
+        """``get_new_blocks(64)`` when every free block duplicates a held block's hash (vLLM
+        keeps both under the hash; each eviction pops the duplicate from its map)."""
+        from bench_core import copy_hash
+
+        waiting = self.mods["request"].RequestStatus.WAITING
+        batch = 64
+        cases: list[Case] = []
+        for num_blocks in (1024,) if quick else (1024, 16_384, 131_072):
+            pool = self.mods["pool"].BlockPool(num_blocks, True, BLOCK_SIZE)
+            half = (num_blocks - 1) // 2
+
+            def cache(blocks: list[Any], pool: Any = pool, half: int = half) -> None:
+                req = _Request("c", [0] * (len(blocks) * BLOCK_SIZE), waiting)
+                req.block_hashes.extend(copy_hash(b.block_id, half) for b in blocks)
+                pool.cache_full_blocks(req, blocks, 0, len(blocks), BLOCK_SIZE, 0)
+
+            cache(pool.get_new_blocks(half))  # held for the whole run
+
+            def copy_and_free(blocks: list[Any], pool: Any = pool, c: Any = cache) -> None:
+                c(blocks)
+                pool.free_blocks(reversed(blocks))
+
+            copy_and_free(pool.get_new_blocks(pool.get_num_free_blocks()))
+            held: list[list[Any]] = []
+
+            def check(pool: Any = pool, half: int = half) -> None:
+                dup = len(pool.cached_block_hash_to_block._cache)
+                if dup != half:  # one key per held hash (each with its duplicate)
+                    raise RuntimeError(f"vLLM evict fixture (copies): {dup} keys, not {half}")
+
+            cases.append(
+                Case(
+                    "evict",
+                    f"copies pool={num_blocks:,} batch={batch}",
+                    "vllm",
+                    "block",
+                    lambda pool=pool, held=held: held.append(pool.get_new_blocks(batch)),
+                    ops=batch,
+                    teardown=lambda held=held, f=copy_and_free: f(held.pop()),
+                    rounds=9 if quick else 41,
+                    warmup=3,
+                    params={"pool_blocks": num_blocks, "batch": batch, "kind": "copies"},
                     note="BlockPool.get_new_blocks",
                     check=check,
                 )

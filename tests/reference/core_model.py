@@ -75,8 +75,9 @@ class RefManager:
         self.index: dict[Key, int] = {}
         self.stack: list[int] = []  # uncached free blocks, next handed out at the end
         self.lru: list[int] = []  # cached free blocks, next victim first
-        # In-use blocks holding content indexed at another block, oldest first per key: when
-        # the indexed block is evicted, the oldest copy takes the key over (no hash is lost).
+        # Blocks holding content indexed at another block, oldest first per key: when the
+        # indexed block is evicted, the oldest copy takes the key over (no hash is lost). A
+        # freed copy keeps its entry and goes to the front of the LRU (the next victim).
         self.copies: dict[Key, list[int]] = {}
         self.copy_key: dict[int, Key] = {}
         self.reqs: dict[str, RefRequest] = {}
@@ -117,6 +118,13 @@ class RefManager:
             out.append(self.stack.pop())
         while len(out) < n:
             b = self.lru.pop(0)
+            if b in self.copy_key:  # a freed copy: its key stays served where it is indexed
+                k = self.copy_key.pop(b)
+                self.copies[k].remove(b)
+                if not self.copies[k]:
+                    del self.copies[k]
+                out.append(b)
+                continue
             k = self.key[b]
             assert k is not None
             del self.index[k]
@@ -134,15 +142,15 @@ class RefManager:
         return out
 
     def _free(self, blocks: list[int]) -> None:
+        freed_copies: list[int] = []  # ahead of every cached block, in the order freed
         for b in blocks:
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 if b in self.copy_key:
-                    k = self.copy_key.pop(b)
-                    self.copies[k].remove(b)
-                    if not self.copies[k]:
-                        del self.copies[k]
-                (self.stack if self.key[b] is None else self.lru).append(b)
+                    freed_copies.append(b)
+                else:
+                    (self.stack if self.key[b] is None else self.lru).append(b)
+        self.lru[:0] = freed_copies
 
     def _touch(self, blocks: list[int]) -> None:
         for b in blocks:
@@ -350,6 +358,7 @@ class RefManager:
             self.stack.append(b)
         self.lru = []
         self.index = {}
+        self.copies, self.copy_key = {}, {}
 
     def clear(self) -> None:
         self.reset_prefix_cache()

@@ -40,15 +40,52 @@ def test_evicting_the_canonical_block_hands_its_hash_to_the_live_copy() -> None:
     assert m.match_prefix("d").block_ids == (1, 5)  # the hit survives the eviction
     m.check_invariants()
 
-    m.free("b")  # 6 -> stack; 5 (now canonical for h1) -> LRU; 4 (a copy of h0) -> garbage
-    assert pool.eviction_order() == [1, 5]
-    assert pool.copies_of(h[0]) == []
+    m.free("b")  # 6 -> stack; 5 (now canonical for h1) -> LRU; 4 (a copy of h0) -> LRU front
+    assert pool.eviction_order() == [4, 1, 5]
+    assert pool.copies_of(h[0]) == [4]  # freed, not yet evicted: the entry stays (lazily)
     assert pool.block_hash(4) is None
+    assert pool.num_cached_free_blocks == 3
+    m.check_invariants()
     m.free("d")
     m.add_request("e", list(range(300, 309)), max_tokens=0)
-    m.allocate_slots("e", 9)  # takes 4 and 6 from the stack, then evicts 1 (h0)
-    assert m.block_ids("e") == [4, 6, 1]
+    m.allocate_slots("e", 9)  # takes 6 from the stack, then evicts 4 (the copy), then 1 (h0)
+    assert m.block_ids("e") == [6, 4, 1]
     assert pool.drain_events() == [BlockRemoved((h[0],))]  # the last copy of h0 is gone
+    assert pool.copies_of(h[0]) == []
     assert pool.is_cached(h[1])
     assert not pool.is_cached(h[0])
+    m.check_invariants()
+
+
+def test_a_freed_copy_is_the_next_victim_and_its_eviction_emits_nothing() -> None:
+    """A freed copy goes ahead of every cached block (its hash is served where it is indexed):
+    evicting it drops only its copy entry, with no event, and the hash stays a hit."""
+    m = make_manager(block_size=4, num_blocks=8, enable_events=True)
+    pool = m.pool
+    m.add_request("warm", OTHER, max_tokens=0)  # three cached blocks, freed first (oldest)
+    m.allocate_slots("warm", 12)
+    m.commit("warm", 12)
+    m.free("warm")
+    assert pool.eviction_order() == [3, 2, 1]
+    for rid in ("a", "b"):
+        m.add_request(rid, T[:8], max_tokens=0)
+        m.allocate_slots(rid, 8)
+    assert (m.block_ids("a"), m.block_ids("b")) == ([4, 5], [6, 7])
+    m.commit("a", 8)
+    m.commit("b", 8)
+    h = m.block_hashes("a")
+    pool.drain_events()
+    m.free("b")  # both copies, tail first, go ahead of warm's cached blocks
+    assert pool.eviction_order() == [7, 6, 3, 2, 1]
+    assert pool.num_copy_blocks == 2
+    m.check_invariants()
+    m.add_request("c", list(range(400, 408)), max_tokens=0)
+    m.allocate_slots("c", 8)  # the stack is empty: the two copies are evicted, warm's kept
+    assert m.block_ids("c") == [7, 6]
+    assert pool.drain_events() == []
+    assert pool.num_copy_blocks == 0
+    assert pool.eviction_order() == [3, 2, 1]
+    m.add_request("d", T, max_tokens=0)
+    assert m.match_prefix("d").block_ids == (4, 5)  # a still serves both hashes
+    assert [pool.block_hash(b) for b in (4, 5)] == list(h)
     m.check_invariants()

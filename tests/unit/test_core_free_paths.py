@@ -74,15 +74,20 @@ def test_freeing_one_of_two_copies_keeps_the_other_as_the_heir() -> None:
     m, (_, b, c), h = _three_copies()
     pool = m.pool
     assert (pool.copies_of(h[0]), pool.copies_of(h[1])) == ([b[0], c[0]], [b[1], c[1]])
-    m.free("b")
-    assert (pool.copies_of(h[0]), pool.copies_of(h[1])) == ([c[0]], [c[1]])
-    assert pool.num_copy_blocks == 2
-    assert pool.eviction_order() == []  # copies freed while served elsewhere are garbage
+    m.free("b")  # b's copies wait at the front of the LRU, still listed until evicted
+    assert pool.eviction_order() == [b[2], b[1], b[0]][1:]  # b[2] (partial) is unhashed
+    assert (pool.copies_of(h[0]), pool.copies_of(h[1])) == ([b[0], c[0]], [b[1], c[1]])
     m.check_invariants()
-    m.free("c")
-    assert (pool.copies_of(h[0]), pool.num_copy_blocks) == ([], 0)
+    m.free("c")  # c's copies go ahead of b's: the front holds the newest freed copies first
+    assert pool.eviction_order() == [c[1], c[0], b[1], b[0]]
+    assert pool.num_copy_blocks == 4
+    m.check_invariants()
+    while pool.num_free_blocks > pool.num_cached_free_blocks:  # empty the stack and headroom
+        pool.allocate(1)
+    assert pool.allocate(2) == [c[1], c[0]]  # evicted: c's copy entries go, b's stay
+    assert (pool.copies_of(h[0]), pool.copies_of(h[1])) == ([b[0]], [b[1]])
     assert pool.block_hash(c[0]) is None
-    m.check_invariants()
+    pool.check_invariants()  # (the manager's M1 no longer holds: the pool was used directly)
 
 
 def test_copies_of_one_hash_freed_in_one_batch_leave_the_rest_in_order() -> None:
@@ -91,14 +96,18 @@ def test_copies_of_one_hash_freed_in_one_batch_leave_the_rest_in_order() -> None
     for b in (x, y, z, w):  # x indexed; y, z, w copies of its content, oldest first
         pool.cache_blocks([b], [b"h"], parent_hash=None)
     assert pool.copies_of(b"h") == [y, z, w]
-    pool.free([w, y])  # two copies of one hash reach 0 in one batch
-    assert pool.copies_of(b"h") == [z]
+    pool.free([w, y])  # two copies of one hash reach 0 in one batch: the LRU front, in order
+    assert (pool.eviction_order(), pool.copies_of(b"h")) == ([w, y], [y, z, w])
     assert pool.ref_counts([y, z, w]) == [0, 1, 0]
     pool.check_invariants()
-    pool.free([z])
-    assert (pool.copies_of(b"h"), pool.num_copy_blocks) == ([], 0)
-    pool.free([x])  # the canonical block: cached-free, its hash kept
-    assert (pool.eviction_order(), pool.is_cached(b"h")) == ([x], True)
+    pool.free([x])  # the canonical block: cached-free, its hash kept, behind the copies
+    assert (pool.eviction_order(), pool.is_cached(b"h")) == ([w, y, x], True)
+    pool.allocate(pool.num_free_blocks - 3)  # the stack and the headroom
+    assert pool.allocate(2) == [w, y]  # the freed copies first: x keeps serving the hash
+    assert (pool.copies_of(b"h"), pool.num_copy_blocks) == ([z], 1)
+    pool.check_invariants()
+    assert pool.allocate(1) == [x]  # the canonical block evicted: z, in use, takes the hash
+    assert (pool.copies_of(b"h"), pool.is_cached(b"h"), pool.block_hash(z)) == ([], True, b"h")
     pool.check_invariants()
 
 
@@ -108,11 +117,15 @@ def test_a_batch_of_copies_of_two_hashes_keeps_each_hash_its_unfreed_copies() ->
     for pair in ((x1, x2), (y1, y2), (z1, z2)):  # x indexed, y and z copies, oldest first
         pool.cache_blocks(list(pair), [b"h1", b"h2"], parent_hash=b"root")
     assert (pool.copies_of(b"h1"), pool.copies_of(b"h2")) == ([y1, z1], [y2, z2])
-    stack_before = pool.num_free_blocks
+    free_before = pool.num_free_blocks
     pool.free([z2, y1, z1])  # every copy of h1 and one of h2, interleaved
+    assert pool.eviction_order() == [z2, y1, z1]
+    assert (pool.num_copy_blocks, pool.num_free_blocks) == (4, free_before + 3)
+    pool.check_invariants()
+    pool.allocate(pool.num_free_blocks - 3)
+    assert pool.allocate(3) == [z2, y1, z1]
     assert (pool.copies_of(b"h1"), pool.copies_of(b"h2")) == ([], [y2])
-    assert (pool.num_copy_blocks, pool.num_free_blocks) == (1, stack_before + 3)
-    assert pool.eviction_order() == []
+    assert pool.num_copy_blocks == 1
     pool.check_invariants()
 
 
@@ -140,10 +153,14 @@ def test_free_of_one_block_places_it_as_a_batch_would() -> None:
     assert (pool.ref_count(y), pool.num_shared_blocks, pool.watch_epoch) == (1, 0, epoch)
     pool.free([x])  # hashed and watched: the LRU tail, the watch fires
     assert (pool.eviction_order(), pool.watch_epoch) == ([x], epoch + 1)
-    pool.free([w])  # a copy: garbage, its entry gone
-    assert (pool.copies_of(b"hx"), pool.num_copy_blocks) == ([], 0)
+    pool.free([w])  # a copy: the LRU front, its entry kept until it is evicted
+    assert (pool.eviction_order(), pool.copies_of(b"hx")) == ([w, x], [w])
     pool.free([z])  # unhashed: the top of the stack
-    assert pool.allocate(2) == [z, w]
+    assert pool.allocate(1) == [z]
+    pool.allocate(pool.num_free_blocks - 2)  # the rest of the stack
+    assert pool.allocate(1) == [w]  # then the copy, not x
+    assert (pool.copies_of(b"hx"), pool.num_copy_blocks, pool.eviction_order()) == ([], 0, [x])
+    pool.free([z, w])
     pool.check_invariants()
     before = _snapshot(pool, [x, y, z, w])
     for bad in (x, 0, 99, -1):  # free already, the null block, out of range
@@ -167,10 +184,13 @@ def test_a_long_batch_of_copies_keeps_each_hash_its_unfreed_copies(
             pool.cache_blocks(blocks, hashes, parent_hash=b"root")
     batch = y[::-1] + z[:1]  # every y copy; with z, also hash 0's second copy (named twice)
     pool.free(batch)
+    assert pool.eviction_order() == batch  # all copies: the LRU front, in the order given
+    pool.check_invariants()
+    pool.allocate(pool.num_free_blocks - len(batch))
+    assert pool.allocate(len(batch)) == batch
     for i, h in enumerate(hashes):
         assert pool.copies_of(h) == ([z[i]] if z and i else [])
     assert pool.num_copy_blocks == (n - 1 if z else 0)
-    assert pool.eviction_order() == []
     pool.check_invariants()
 
 

@@ -145,11 +145,15 @@ def test_a_shared_free_whose_one_zero_is_a_copy_drops_just_that_copy(
     pool.free_owned(table)
     assert pool.ref_counts(head) == [1] * num_head
     assert (pool.ref_count(copy), pool.block_hash(copy)) == (0, None)
-    assert pool.copies_of(b"t") == []
-    assert pool.copies_of(b"o") == ([other_1, other_2] if second_copies else [])
+    assert pool.copies_of(b"t") == [copy]  # freed, kept until evicted
     assert (pool.num_free_blocks, pool.num_shared_blocks) == (free_before + 1, 0)
-    assert pool.eviction_order() == []
-    assert pool.allocate(1) == [copy]  # garbage: the top of the free stack
+    assert pool.eviction_order() == [copy]  # the next victim
+    pool.check_invariants()
+    pool.allocate(pool.num_free_blocks - 1)  # the stack and the headroom
+    assert pool.allocate(1) == [copy]  # evicted: only its copy entry goes
+    assert pool.copies_of(b"t") == []
+    assert pool.is_cached(b"t")
+    assert pool.copies_of(b"o") == ([other_1, other_2] if second_copies else [])
     pool.check_invariants()
 
 
@@ -168,12 +172,17 @@ def test_free_owned_of_a_table_of_copies_leaves_each_hash_its_other_copies(
         pool.cache_blocks(extra, hashes[:1], parent_hash=None)
     free_before = pool.num_free_blocks
     pool.free_owned(dup[::-1])
+    assert [pool.block_hash(b) for b in dup] == [None] * num
+    assert (pool.num_copy_blocks, pool.num_free_blocks) == (num + len(extra), free_before + num)
+    assert pool.eviction_order() == dup[::-1]  # the front of the LRU, tail first
+    pool.check_invariants()
+    pool.allocate(pool.num_free_blocks - num)  # the stack and the headroom
+    assert pool.allocate(2) == dup[::-1][:2]  # the freed copies are the next victims
+    pool.allocate(num - 2)
     assert pool.copies_of(hashes[0]) == extra
     assert [pool.copies_of(h) for h in hashes[1:]] == [[]] * (num - 1)
-    assert [pool.block_hash(b) for b in dup] == [None] * num
-    assert (pool.num_copy_blocks, pool.num_free_blocks) == (len(extra), free_before + num)
-    assert pool.eviction_order() == []
-    assert pool.allocate(2) == [dup[0], dup[1]]  # garbage: the top of the free stack
+    assert pool.num_copy_blocks == len(extra)
+    assert all(pool.is_cached(h) for h in hashes)  # canon still serves every hash
     pool.check_invariants()
 
 

@@ -54,7 +54,7 @@ def test_prompt_equal_to_cached_blocks_leaves_last_block_to_compute() -> None:
     m.check_invariants()
 
 
-def test_duplicate_hash_keeps_first_block_canonical_and_frees_second_as_plain() -> None:
+def test_duplicate_hash_keeps_first_block_canonical_and_frees_second_first_in_line() -> None:
     m = make_manager(enable_events=True)
     prompt = [*P[:8], 5]
     for rid in ("x", "y"):  # both computed at once: neither sees the other's blocks
@@ -69,12 +69,12 @@ def test_duplicate_hash_keeps_first_block_canonical_and_frees_second_as_plain() 
     assert m.pool._index == {hashes[0]: 1, hashes[1]: 2}
     events = m.pool.drain_events()
     assert events == [BlockStored((hashes[0], hashes[1]), None, tuple(prompt[:8]), 4)]
-    m.free("y")  # the copies go back as plain free blocks: no BlockRemoved, no eviction entry
+    m.free("y")  # 6 (partial) -> stack; the copies 5, 4 -> the LRU front: no BlockRemoved
     assert m.pool.drain_events() == []
-    assert m.pool.eviction_order() == []
-    assert m.pool._free_uncached[-3:] == [6, 5, 4]
+    assert m.pool.eviction_order() == [5, 4]
+    assert m.pool._free_uncached[-1] == 6
     m.free("x")
-    assert m.pool.eviction_order() == [2, 1]  # block 3 is partial: plain free
+    assert m.pool.eviction_order() == [5, 4, 2, 1]  # copies first; block 3 is partial: plain
     m.add_request("z", prompt)
     assert m.match_prefix("z").block_ids == (1, 2)
     m.check_invariants()

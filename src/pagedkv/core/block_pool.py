@@ -6,8 +6,9 @@ which are faster to index than attribute access on per-block objects and keep th
 
 A free block (ref count 0) is in exactly one of two places::
 
-    uncached stack   never used, partial, or a duplicate: nothing worth keeping
-    eviction policy  holds a cached hash; LRU order, evicted only when the stack is empty
+    uncached stack   never used or partial: nothing worth keeping
+    eviction policy  holds computed content (a cached hash, or a copy of one); LRU order,
+                     copies first; evicted only when the stack is empty
 
 Allocation takes, in order: the uncached stack, then growth of an elastic pool (new blocks up to
 ``num_blocks``), then the eviction policy's victim, whose hash is dropped there (lazy eviction:
@@ -17,9 +18,12 @@ Duplicate content: if a block is committed under a hash the index already maps t
 block (two requests computed the same content), the first block stays the canonical one and the
 second is recorded as a *copy* of that hash. When the canonical block is evicted while a copy is
 still in use, the oldest copy takes over the hash (the index now names it), so the content stays
-a prefix hit and no event is emitted. A copy freed while its hash is still served elsewhere is
-ordinary garbage (the uncached stack). A ``BlockRemoved`` event therefore always means no
-computed copy of that content is left on the device.
+a prefix hit and no event is emitted. A freed copy goes to the front of the eviction policy, with
+its copy entry (vLLM likewise keeps a freed duplicate under its hash in its free queue): it is
+the next victim, before any canonical block, since its content is served elsewhere, and its
+entry is dropped when it is evicted, so a free pays no per-copy bookkeeping (the dict work moves
+to the eviction, which does dict work per block anyway). A ``BlockRemoved`` event therefore
+always means no computed copy of that content is left on the device.
 
 Watches (for memoised prefix matches): a caller may ``watch`` blocks and hashes; any change that
 can alter a prefix match over them (a watched block evicted, or its ref count crossing 0, or a
@@ -52,7 +56,6 @@ from pagedkv.core.prefix_index import PrefixIndexMixin
 from pagedkv.errors import (
     CacheBusyError,
     InvalidRequestError,
-    InvariantViolation,
     OutOfBlocksError,
 )
 
@@ -65,15 +68,19 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
 
     Invariants (``check_invariants()`` recomputes each from scratch):
       I1  every materialized non-null block is in exactly one of: the uncached stack (ref 0, no
-          hash), the eviction policy (ref 0, hashed), or in use (ref > 0)
+          hash, no copy), the eviction policy (ref 0, hashed or a copy), or in use (ref > 0)
       I2  ``index[h] == b``  <=>  ``hash[b] == h`` (a bijection between hashes and hashed blocks)
-          and ``hashed[b] == (hash[b] is not None)`` (a flag a free reads without the hash)
+          and ``hashed[b]`` is 1 for a hashed block, 2 for a copy, else 0 (a flag a free reads
+          without the hash or the copy map)
       I3  ``num_shared_blocks == count(ref > 1)``
       I4  the null block is never free, never hashed, never counted as capacity
       I5  ``num_materialized_blocks <= num_blocks``; growth headroom counts as free capacity
       I6  ``num_free_blocks == len(stack) + len(policy) + headroom`` and
           ``usage == (capacity - num_free_blocks) / capacity`` (plain attributes kept current)
-      I7  a copy (duplicate) block is in use, unhashed, and its hash is indexed at another block
+      I7  a copy (duplicate) block is in use or in the eviction policy, unhashed, and its hash
+          is indexed at another block; the freed copies are ahead of every hashed block in the
+          policy (each is evicted before the block that serves its hash, so only a copy in use
+          ever takes a hash over)
     Complexity: allocate/free/touch O(1) per block; every ``num_*`` query and ``usage`` O(1)
     (``num_free_blocks`` and ``usage`` are plain attribute reads).
     """
@@ -85,8 +92,8 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
         self.events = EventQueue(config.max_events, enabled=config.enable_events)
         self._ref: list[int] = []
         self._hash: list[BlockHash | None] = []
-        self._hashed = bytearray()  # _hashed[b] == (_hash[b] is not None): read without
-        # touching the hash objects (a free reads it per block; I2)
+        self._hashed = bytearray()  # 1 hashed, 2 a copy, 0 neither: read without touching
+        # the hash objects or the copy map (a free reads it per block; I2)
         self._index: dict[BlockHash, int] = {}
         self._free_uncached: list[int] = []  # a stack; the next block to hand out is at the end
         self._num_shared = 0  # == count(ref > 1)
@@ -121,7 +128,8 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
 
     @property
     def num_cached_free_blocks(self) -> int:
-        """Free blocks that still hold a cached prefix (reclaimable, but worth keeping)."""
+        """Free blocks that still hold computed content (reclaimable, but worth keeping): cached
+        hashes, and freed copies of hashes served elsewhere (evicted first)."""
         return len(self._policy)
 
     @property
@@ -141,7 +149,8 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
 
     @property
     def num_copy_blocks(self) -> int:
-        """In-use blocks that duplicate content indexed at another block (I7)."""
+        """Blocks (in use, or freed and not yet evicted) that duplicate content indexed at
+        another block (I7)."""
         return len(self._copy_of)
 
     def _set_free(self, num_free: int) -> None:
@@ -217,21 +226,29 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
         return out
 
     def _evict(self, n: int) -> list[int]:
-        """Take ``n`` victims from the policy; each drops its hash unless a copy takes it over."""
+        """Take ``n`` victims from the policy; each drops its hash unless a copy takes it over.
+        A victim that is a copy (freed copies are first in line) only leaves its hash's copies:
+        the hash stays served where it is indexed."""
         policy, hashes, index, ref = self._policy, self._hash, self._index, self._ref
-        hashed = self._hashed
+        hashed, copy_of = self._hashed, self._copy_of
         copies, watched = self._copies, self._watched_blocks
         victims = policy.pop_victims(n)
         removed: list[BlockHash] = []
         for b in victims:
             h = hashes[b]
-            if h is None:  # pragma: no cover - guarded by I1
-                raise InvariantViolation(f"I1: block {b} in the eviction policy has no hash")
-            hashes[b] = None
-            hashed[b] = 0
             ref[b] = 1
             if watched and b in watched:
                 self.watch_epoch += 1
+            if h is None:  # a freed copy (I1): forget it among its hash's copies
+                h = copy_of.pop(b)
+                if self._more_copies:
+                    self._drop_copy(b, h)
+                else:  # every hash has one copy at most: b is h's
+                    del copies[h]
+                hashed[b] = 0
+                continue
+            hashes[b] = None
+            hashed[b] = 0
             if h in copies:  # a computed copy is alive: it serves the hash from now on
                 self._promote_copy(h)
                 continue
@@ -246,7 +263,7 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
         """Forget every cached hash; raise CacheBusyError, changing nothing, if a block is in use.
 
         In-use blocks may be serving prefix hits, so dropping their hashes under a running request
-        is refused rather than half-applied. (No block in use means no copies either: I7.)
+        is refused rather than half-applied. (No block in use means every copy is free: I7.)
         """
         used = self.num_used_blocks
         if used:
@@ -259,6 +276,9 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
             self._hashed[b] = 0
             self._free_uncached.append(b)
         self._index.clear()
+        self._copy_of.clear()
+        self._copies.clear()
+        self._more_copies.clear()
         self.watch_epoch += 1
         self.version += 1
         self.events.push(AllBlocksCleared())

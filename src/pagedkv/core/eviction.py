@@ -1,8 +1,11 @@
 """Eviction order of cached-free blocks: a small seam so other policies can be added later.
 
-Only blocks that hold a cached hash and have no references live in a policy. Blocks that are
-free and hold nothing worth keeping (never used, partial, or duplicates) live outside it, in the
-pool's plain free stack, and are always handed out before any cached block is evicted.
+Only blocks that hold computed content and have no references live in a policy: an indexed
+(canonical) block, pushed at the back, or a *copy* of content indexed at another block, pushed at
+the front (``push_front``: it is evicted before any canonical block, since its hash stays
+served where it is indexed). Blocks that are free and hold nothing worth keeping (never used or
+partial) live outside it, in the pool's plain free stack, and are always handed out before any
+block of the policy is evicted.
 
 A policy must make ``push``, ``remove`` and ``pop_victim`` O(1) (amortised) so the pool's bounds
 hold; :class:`LRUPolicy` does, with a doubly linked list threaded through two lists.
@@ -26,6 +29,14 @@ class EvictionPolicy(Protocol):
 
     def push_many(self, block_ids: Sequence[int]) -> None:
         """``push`` each block in order (one call for a freed request's blocks)."""
+
+    def push_front(self, block_id: int) -> None:
+        """``block_id`` just became free and is the next victim (a copy: content served
+        elsewhere)."""
+
+    def push_front_many(self, block_ids: Sequence[int]) -> None:
+        """Put distinct blocks before every listed one, in order: ``block_ids[0]`` is the next
+        victim (one call for a freed request's copies, its tail still evicted first)."""
 
     def remove(self, block_id: int) -> None:
         """``block_id`` was referenced again (a prefix hit) and is no longer evictable."""
@@ -57,7 +68,8 @@ class LRUPolicy:
     """Least recently freed is evicted first. All operations O(1).
 
     Freeing a request pushes its blocks last block first, so within one request the tail (the
-    least likely to be shared) is evicted before the head.
+    least likely to be shared) is evicted before the head. A freed copy goes to the front
+    (``push_front``/``push_front_many``): it is the next victim, before every canonical block.
 
     A doubly linked list threaded through two plain lists indexed by block id, as vLLM's free
     block queue threads one through its block objects: ``_next[b]``/``_prev[b]`` are the
@@ -113,6 +125,25 @@ class LRUPolicy:
             last = b
         nxt[last] = s
         prev[s] = last
+        self._len += len(block_ids)
+
+    def push_front(self, block_id: int) -> None:
+        nxt, prev, s = self._next, self._prev, self._s
+        first = nxt[s]
+        prev[block_id], nxt[block_id] = s, first
+        prev[first] = nxt[s] = block_id
+        self._len += 1
+
+    def push_front_many(self, block_ids: Sequence[int]) -> None:
+        nxt, prev, s = self._next, self._prev, self._s
+        first = nxt[s]
+        last = s
+        for b in block_ids:
+            prev[b] = last
+            nxt[last] = b
+            last = b
+        nxt[last] = first
+        prev[first] = last
         self._len += len(block_ids)
 
     def remove(self, block_id: int) -> None:

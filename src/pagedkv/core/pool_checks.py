@@ -43,17 +43,21 @@ def check_pool(pool: BlockPool) -> None:
             raise InvariantViolation(f"I1: block {b} has ref {r} but is on a free list")
         if r == 0 and not (in_stack or in_policy):
             raise InvariantViolation(f"I1: block {b} has ref 0 but is on no free list")
-        if in_stack and h is not None:
-            raise InvariantViolation(f"I1: block {b} is on the uncached stack with a hash")
-        if in_policy and h is None:
-            raise InvariantViolation(f"I1: block {b} is in the eviction policy without a hash")
+        is_copy = b in pool._copy_of
+        if in_stack and (h is not None or is_copy):
+            raise InvariantViolation(f"I1: block {b} is on the uncached stack with content")
+        if in_policy and h is None and not is_copy:
+            raise InvariantViolation(f"I1: block {b} is in the eviction policy without content")
         if h is not None and pool._index.get(h) != b:
             raise InvariantViolation(f"I2: block {b} has a hash the index maps elsewhere")
     for h, b in pool._index.items():
         if not 0 <= b < n or pool._hash[b] != h:
             raise InvariantViolation(f"I2: index maps a hash to block {b}, which holds another")
-    if pool._hashed != bytearray(h is not None for h in pool._hash):
-        raise InvariantViolation("I2: the hashed flags disagree with the block hashes")
+    flags = bytearray(
+        1 if h is not None else 2 if b in pool._copy_of else 0 for b, h in enumerate(pool._hash)
+    )
+    if pool._hashed != flags:
+        raise InvariantViolation("I2: the hashed flags disagree with the block hashes and copies")
     if shared != pool._num_shared:
         raise InvariantViolation(f"I3: num_shared_blocks is {pool._num_shared}, counted {shared}")
     free = len(stack) + len(policy) + pool.config.num_blocks - n
@@ -75,8 +79,14 @@ def _check_copies(pool: BlockPool) -> None:
         or not pool._more_copies.keys() <= pool._copies.keys()
     ):
         raise InvariantViolation("I7: the copy lists and the copy map disagree")
+    policy = set(pool._policy)
     for b, h in pool._copy_of.items():
-        if pool._ref[b] <= 0 or pool._hash[b] is not None or pool._index.get(h, b) == b:
+        alive = pool._ref[b] > 0 or b in policy
+        if not alive or pool._hash[b] is not None or pool._index.get(h, b) == b:
             raise InvariantViolation(
-                f"I7: copy block {b} must be in use, unhashed, its hash indexed elsewhere"
+                f"I7: copy block {b} must be in use or cached-free, unhashed, its hash indexed "
+                "elsewhere"
             )
+    front = list(pool._policy)[: len(policy & pool._copy_of.keys())]
+    if any(b not in pool._copy_of for b in front):
+        raise InvariantViolation("I7: a freed copy is behind a hashed block in the policy")

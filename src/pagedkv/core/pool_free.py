@@ -1,8 +1,9 @@
 """The pool's free path: dropping references and placing blocks that reach 0.
 
 A part of :class:`~pagedkv.core.block_pool.BlockPool` (a mixin over its state, as
-``prefix_index`` is). A block reaching ref count 0 goes to the eviction policy if hashed, else to
-the uncached stack (a copy whose hash is served elsewhere stops being a copy there). Every
+``prefix_index`` is). A block reaching ref count 0 goes by its ``hashed`` flag: a hashed block to
+the back of the eviction policy, a copy (content indexed elsewhere) to its front, with its copy
+entry kept until it is evicted, anything else to the uncached stack. Every
 ``free`` is all or nothing: a block not in use, out of range or listed twice raises
 RequestStateError and changes nothing.
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from itertools import compress
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -52,6 +52,32 @@ def _first_repeat(items: Sequence[int]) -> int:
     return len(items)
 
 
+def _sort_by_flag(
+    zeros: list[int], flags: tuple[int, ...]
+) -> tuple[list[int], list[int], list[int]]:
+    """Freed blocks split by their ``hashed`` flag, in order: (hashed, copies, neither).
+
+    ``count`` matches by identity first and compares the rest generically, so the usual frees
+    take one count: of the value the head (last, usually hashed) holds, the majority. The
+    blocks that are not hashed usually lead (a request freed tail first: its partial last block,
+    or the recomputed last block of a repeated prompt, a copy): a slice of that many flags
+    tells, and only those are sorted. Anything else takes one pass that sorts all three.
+    """
+    top = flags[-1]
+    num_top = flags.count(top)
+    if num_top == len(flags):  # every block alike: a cached, copied or fresh free
+        return (zeros, [], []) if top == 1 else ([], zeros, []) if top else ([], [], zeros)
+    num_other = len(flags) - (num_top if top == 1 else flags.count(1))  # unhashed or copies
+    lead = flags[:num_other]
+    if not lead.count(1):  # they lead: the hashed rest is one slice
+        pairs = list(zip(zeros, lead, strict=False))
+        rest = zeros[num_other:]
+    else:
+        pairs = list(zip(zeros, flags, strict=True))
+        rest = [b for b, f in pairs if f == 1]
+    return rest, [b for b, f in pairs if f == 2], [b for b, f in pairs if not f]
+
+
 _MAX_RUNS = 8  # more runs of one count than this take the general loop
 _MIN_PASSES_TABLE = 128  # shorter tables take free_owned's one loop (fewer C calls, cold;
 # measured against vLLM at 16 and 64 blocks: 32 left 64-block shared frees at 0.94x, 128 1.03x)
@@ -76,14 +102,10 @@ class FreePathMixin:
     capacity_blocks: int
     usage: float
 
-    if TYPE_CHECKING:  # provided by BlockPool and PrefixIndexMixin (no stubs at run time,
-        # which would shadow the mixin that follows this one)
+    if TYPE_CHECKING:  # provided by BlockPool (no stub at run time, which would shadow the
+        # mixin that follows this one)
 
         def _set_free(self, num_free: int) -> None: ...
-
-        def _drop_copies(self, uncached: list[int]) -> None: ...
-
-        def _drop_copy(self, b: int, block_hash: BlockHash) -> None: ...
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block, in the given order. All or nothing.
@@ -121,17 +143,12 @@ class FreePathMixin:
 
     def _place_one(self, b: int) -> None:
         """Put one block that reached ref 0 where ``_place_freed`` would."""
-        if self._hashed[b]:
+        flag = self._hashed[b]
+        if flag == 1:
             self._policy.push(b)
+        elif flag:  # a copy: the next victim, its hash served elsewhere (I7)
+            self._policy.push_front(b)
         else:
-            copy_of = self._copy_of
-            if copy_of:
-                h = copy_of.pop(b, None)
-                if h is not None:  # a copy: its hash is served elsewhere (I7)
-                    if self._more_copies:
-                        self._drop_copy(b, h)
-                    else:  # every hash has one copy at most: b is h's (``_pop_single_copies``)
-                        del self._copies[h]
             self._free_uncached.append(b)
         if self._watched_blocks and b in self._watched_blocks:
             self.watch_epoch += 1
@@ -171,13 +188,17 @@ class FreePathMixin:
         ref, hashed = self._ref, self._hashed
         cached: list[int] = []
         uncached: list[int] = []
+        copies: list[int] = []  # freed copies: the front of the policy (evicted first)
         num_deep = 0  # blocks going from r > 2 to r - 1 (still shared)
         for b in block_ids:
             r = ref[b]
             if r == 1:
                 ref[b] = 0
-                if hashed[b]:
+                flag = hashed[b]
+                if flag == 1:
                     cached.append(b)
+                elif flag:
+                    copies.append(b)
                 else:
                     uncached.append(b)
             elif r == 2:
@@ -193,37 +214,22 @@ class FreePathMixin:
                 for u in block_ids[:i]:  # undo: nothing changes on failure
                     ref[u] += 1
                 self._raise_not_in_use(block_ids, i)
-        num_zeros = len(cached) + len(uncached)
+        num_zeros = len(cached) + len(uncached) + len(copies)
         if num_zeros + num_deep != num:  # some went from 2 to 1 (no longer shared)
             self._num_shared -= num - num_zeros - num_deep
         if not num_zeros:
             return
         if cached:
             self._policy.push_many(cached)
+        if copies:
+            self._policy.push_front_many(copies)
         if uncached:
-            copy_of = self._copy_of
-            if not copy_of:
-                pass
-            elif len(uncached) == 1:  # one freed copy (a recomputed last block), inline
-                b = uncached[0]
-                h = copy_of.pop(b, None)
-                if h is not None:
-                    if self._more_copies:
-                        self._drop_copy(b, h)
-                    else:  # every hash has one copy at most: b is h's
-                        del self._copies[h]
-            elif self._more_copies:
-                self._drop_copies(uncached)
-            else:  # _drop_copies, inline: every hash has one copy at most, b's is b
-                copies = self._copies
-                for b in uncached:
-                    h = copy_of.pop(b, None)
-                    if h is not None:
-                        del copies[h]
             self._free_uncached.extend(uncached)
         watched = self._watched_blocks
         if watched and not (
-            watched.keys().isdisjoint(cached) and watched.keys().isdisjoint(uncached)
+            watched.keys().isdisjoint(cached)
+            and watched.keys().isdisjoint(uncached)
+            and watched.keys().isdisjoint(copies)
         ):
             self.watch_epoch += 1
         num_free = self.num_free_blocks + num_zeros  # _set_free, inline
@@ -358,30 +364,14 @@ class FreePathMixin:
         if len(zeros) == 1:
             self._place_one(zeros[0])
             return True
-        hs = gather(self._hashed, zeros)
-        # ``count`` matches by identity first and compares the rest generically: count the
-        # value the head (last, usually hashed) holds, the majority in a request's free.
-        num_unhashed = len(hs) - hs.count(1) if hs[-1] else hs.count(0)
-        if not num_unhashed:
-            cached, uncached = zeros, []
-        elif num_unhashed == len(zeros):  # every block unhashed (copies, or never committed)
-            cached, uncached = [], zeros
-        else:  # usually only the tail: the partial last block, or a copy
-            uncached = []
-            i = -1
-            for _ in range(num_unhashed):
-                i = hs.index(0, i + 1)
-                uncached.append(zeros[i])
-            # All before the hashed ones (a request freed tail first): a slice will do.
-            tail_first = i == num_unhashed - 1
-            cached = zeros[num_unhashed:] if tail_first else list(compress(zeros, hs))
+        cached, copies, uncached = _sort_by_flag(zeros, gather(self._hashed, zeros))
         if check_repeats and len(set(zeros)) != len(zeros):
             return False  # before anything is placed: a repeated push would corrupt the LRU
         if cached:
             policy.push_many(cached)
+        if copies:
+            policy.push_front_many(copies)
         if uncached:
-            if self._copy_of:
-                self._drop_copies(uncached)
             self._free_uncached.extend(uncached)
         watched = self._watched_blocks
         if watched and not watched.keys().isdisjoint(zeros):

@@ -1,9 +1,10 @@
 """The pool's touch path: one more reference on each block of a prefix hit or a fork.
 
 A part of :class:`~pagedkv.core.block_pool.BlockPool` (a mixin over its state, as ``pool_free``
-is). A block at ref count 0 must hold a hash (only cached blocks can be hit); it leaves the
-eviction policy. Every touch is all or nothing: a free uncached block raises RequestStateError
-and changes nothing.
+is). A block at ref count 0 must hold computed content (a hash, or a freed copy's: the
+``hashed`` flag is non-zero; only cached blocks can be hit); it leaves the eviction policy.
+Every touch is all or nothing: a free uncached block raises RequestStateError and changes
+nothing.
 
 Cost of ``touch_owned`` (the manager's path): one C pass reading the ref counts
 (``itemgetter``), a C pass or two counting them, one plain store loop, one C pass reading the
@@ -20,7 +21,6 @@ from operator import not_
 from typing import TYPE_CHECKING
 
 from pagedkv.core.eviction import EvictionPolicy
-from pagedkv.core.hashing import BlockHash
 from pagedkv.core.pool_free import gather
 from pagedkv.errors import RequestStateError
 
@@ -29,7 +29,6 @@ class TouchPathMixin:
     """``touch``/``touch_owned`` of ``BlockPool`` (which provides this state)."""
 
     _ref: list[int]
-    _hash: list[BlockHash | None]
     _hashed: bytearray
     _policy: EvictionPolicy
     _num_shared: int
@@ -60,9 +59,9 @@ class TouchPathMixin:
         if len(set(ids)) == len(ids):
             self._touch(ids)  # checks the free blocks' hashes before any change
             return
-        hashes = self._hash  # a block listed twice: the rare path, one block at a time
+        hashed = self._hashed  # a block listed twice: the rare path, one block at a time
         for b in ids:
-            if ref[b] == 0 and hashes[b] is None:
+            if ref[b] == 0 and not hashed[b]:
                 raise RequestStateError(f"block {b} is free and uncached; it cannot be shared")
         for b in ids:
             self._touch((b,))
@@ -98,14 +97,14 @@ class TouchPathMixin:
                     self._num_shared += num
                 return
             taken: Sequence[int] = block_ids
-            self._check_hashed(taken, num)
+            self._check_hashed(taken)
             for b in block_ids:
                 ref[b] = 1
         else:
             num_taken = counts.count(0)
             taken = list(compress(block_ids, map(not_, counts))) if num_taken else ()
             if taken:
-                self._check_hashed(taken, num_taken)
+                self._check_hashed(taken)
             num_ones = counts.count(1)
             for b in block_ids:
                 ref[b] += 1
@@ -118,9 +117,10 @@ class TouchPathMixin:
             self.watch_epoch += 1
         self._set_free(self.num_free_blocks - len(taken))
 
-    def _check_hashed(self, taken: Sequence[int], num_taken: int) -> None:
-        """Raise (before any change) if a free block to be taken holds no hash."""
+    def _check_hashed(self, taken: Sequence[int]) -> None:
+        """Raise (before any change) if a free block to be taken holds no content (neither a
+        hash nor a copy's: I2's flag is 0)."""
         flags = gather(self._hashed, taken)
-        if flags.count(1) != num_taken:
+        if flags.count(0):
             b = taken[flags.index(0)]
             raise RequestStateError(f"block {b} is free and uncached; it cannot be shared")

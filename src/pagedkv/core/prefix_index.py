@@ -10,8 +10,7 @@ change that can alter a watched match bumps ``watch_epoch``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import repeat
-from typing import TypeVar, cast
+from typing import TypeVar
 
 from pagedkv.core.events import EventQueue, stored_events
 from pagedkv.core.hashing import BlockHash
@@ -74,7 +73,8 @@ class PrefixIndexMixin:
         return out
 
     def copies_of(self, block_hash: BlockHash) -> list[int]:
-        """In-use copies of an indexed hash, next to take it over first (for tests)."""
+        """Live copies (in use or freed, not yet evicted) of an indexed hash, next to take it
+        over first (for tests)."""
         if block_hash not in self._copies:
             return []
         return [self._copies[block_hash], *self._more_copies.get(block_hash, ())]
@@ -109,23 +109,6 @@ class PrefixIndexMixin:
         if not more:
             del self._more_copies[block_hash]
 
-    def _drop_copies(self, uncached: list[int]) -> None:
-        """Freed copies whose hash is served elsewhere become plain garbage (I7).
-
-        A few blocks (the usual partial tail) take a plain loop. Many (a request whose every
-        block is a copy) take two C passes while no hash has a second copy (the usual case:
-        ``_more_copies`` is empty): each block's copy entry is popped (its hash, or None for a
-        block that is no copy), then each hash's first copy, which can only be that block.
-        """
-        if len(uncached) > 8 and not self._more_copies:
-            self._pop_single_copies(uncached)
-            return
-        pop = self._copy_of.pop
-        for b in uncached:
-            h = pop(b, None)
-            if h is not None:
-                self._drop_copy(b, h)
-
     def _drop_copy(self, b: int, block_hash: BlockHash) -> None:
         """Forget ``b`` (just taken out of ``_copy_of``) among the copies of ``block_hash``."""
         copies, more = self._copies, self._more_copies
@@ -139,23 +122,6 @@ class PrefixIndexMixin:
             later.remove(b)
             if not later:
                 del more[block_hash]
-
-    def _pop_single_copies(self, uncached: list[int]) -> None:
-        """The C passes of ``_drop_copies`` (every hash has one copy at most)."""
-        copy_of = self._copy_of
-        # Whether every pop found its key is read from the dict's size (O(1)), not by ``in``
-        # (a generic comparison of each hash with None, as slow as the pop itself).
-        num_entries = len(copy_of)
-        raw: list[BlockHash | None] = list(map(copy_of.pop, uncached, repeat(None)))
-        if num_entries - len(copy_of) != len(uncached):  # some freed blocks were no copies
-            hs = [h for h in raw if h is not None]
-        else:
-            hs = cast(list[BlockHash], raw)
-        # One copy per hash: each freed copy is its hash's only one, and no hash is named twice
-        # (two freed copies of one hash would make a second copy).
-        copies = self._copies
-        for h in hs:
-            del copies[h]
 
     def cache_blocks(
         self,
@@ -199,6 +165,7 @@ class PrefixIndexMixin:
             if h in index:
                 self.num_duplicate_commits += 1
                 copy_of[b] = h
+                self._hashed[b] = 2
                 if h in self._copies:
                     self._more_copies.setdefault(h, []).append(b)
                 else:
