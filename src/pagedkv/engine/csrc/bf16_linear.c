@@ -166,25 +166,7 @@ static void nn_rows(const float *x, int64_t ldx, const uint16_t *wp, int64_t ldw
  * the hardware prefetcher alone does not keep up with a chunk's KC interleaved row streams.
  * A prefetch past the weight's end is harmless (prefetches never fault). */
 #define PF_AT(p) _mm_prefetch((const char *)(uintptr_t)(p), _MM_HINT_T0)
-#define NN_PF(wk, pf) (PF_AT((wk) + (pf)), PF_AT((wk) + (pf) + 32))
 #define NN_PF2(wk, pf) PF_AT((wk) + (pf))
-#define W_ACC(i) __m256 a##i = first ? z : _mm256_loadu_ps(y0 + 8 * (i))
-#define W_FMA(i) a##i = _mm256_fmadd_ps(xv, load8(wk + 8 * (i)), a##i)
-#define W_ST(i) _mm256_storeu_ps(y0 + 8 * (i), a##i)
-static void nn_wide1(const float *x, const uint16_t *w, int64_t ldw, float *y0, int64_t k0,
-                     int64_t k1, int64_t pf) {
-    __m256 z = _mm256_setzero_ps();
-    const int first = k0 == 0;
-    W_ACC(0); W_ACC(1); W_ACC(2); W_ACC(3); W_ACC(4); W_ACC(5); W_ACC(6); W_ACC(7);
-    for (int64_t k = k0; k < k1; k++) {
-        const uint16_t *wk = w + k * ldw;
-        if (pf) NN_PF(wk, pf);
-        __m256 xv = _mm256_broadcast_ss(x + k);
-        W_FMA(0); W_FMA(1); W_FMA(2); W_FMA(3); W_FMA(4); W_FMA(5); W_FMA(6); W_FMA(7);
-    }
-    W_ST(0); W_ST(1); W_ST(2); W_ST(3); W_ST(4); W_ST(5); W_ST(6); W_ST(7);
-}
-
 #define W2_ACC(r, i) __m256 b##r##i = first ? z : _mm256_loadu_ps(y + (r) * ldy + 8 * (i))
 #define W2_ST(r, i) _mm256_storeu_ps(y + (r) * ldy + 8 * (i), b##r##i)
 static void nn_wide2(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
@@ -207,6 +189,63 @@ static void nn_wide2(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw
     W2_ST(1, 0); W2_ST(1, 1); W2_ST(1, 2); W2_ST(1, 3);
 }
 
+/* One row in the weight's memory order: R weight rows per pass over a block of at most AX_JB
+ * columns (y stays in L1 and is the accumulator between passes), each line of the R rows
+ * prefetched pf elements ahead. Per output still one FMA per k in increasing k, from 0 (the
+ * stated order: the same bits as every other path). Reading R rows side by side, in order,
+ * streams better here than a chunk's 64-column panels: measured on the development machine
+ * (2-core AMD EPYC, quiet, 320 MB of weight copies), 576x192 10.1 -> 13.5 GB/s, 576x576 and
+ * 1536x576 11.2 -> 12.0, 576x1536 15.9 -> 19.0 (benchmarks/RESULTS.md, session 11). */
+#define AX_JB 2048
+#define AX_FMA(v) a##v = _mm256_fmadd_ps(xv[i], load8(wi + 8 * (v)), a##v)
+static inline __attribute__((always_inline)) void ax_pass(
+    const float *x, const uint16_t *w, int64_t ldw, float *y, int64_t j0, int64_t j1,
+    const int R, int64_t pf, const int first) {
+    __m256 xv[8];
+    for (int i = 0; i < R; i++) xv[i] = _mm256_broadcast_ss(x + i);
+    __m256 z = _mm256_setzero_ps();
+    int64_t j = j0;
+    for (; j + 32 <= j1; j += 32) {
+        if (pf)
+            for (int i = 0; i < R; i++) PF_AT(w + i * ldw + j + pf);
+        __m256 a0 = first ? z : _mm256_loadu_ps(y + j);
+        __m256 a1 = first ? z : _mm256_loadu_ps(y + j + 8);
+        __m256 a2 = first ? z : _mm256_loadu_ps(y + j + 16);
+        __m256 a3 = first ? z : _mm256_loadu_ps(y + j + 24);
+        for (int i = 0; i < R; i++) {
+            const uint16_t *wi = w + i * ldw + j;
+            AX_FMA(0); AX_FMA(1); AX_FMA(2); AX_FMA(3);
+        }
+        _mm256_storeu_ps(y + j, a0); _mm256_storeu_ps(y + j + 8, a1);
+        _mm256_storeu_ps(y + j + 16, a2); _mm256_storeu_ps(y + j + 24, a3);
+    }
+    for (; j < j1; j += 8) {
+        __m256 a0 = first ? z : _mm256_loadu_ps(y + j);
+        for (int i = 0; i < R; i++) {
+            const uint16_t *wi = w + i * ldw + j;
+            AX_FMA(0);
+        }
+        _mm256_storeu_ps(y + j, a0);
+    }
+}
+
+/* Columns [j0, j1) (a multiple of 8 wide) of one row: R and the prefetch distance by the
+ * width a pass covers (the measured best of R = 2, 4, 8, 16 and 0-32 rows ahead). */
+static void nn_axpy1(const float *x, const uint16_t *w, int64_t ldw, float *y, int64_t j0,
+                     int64_t j1, int64_t in) {
+    for (int64_t jb = j0; jb < j1; jb += AX_JB) {
+        int64_t je = j1 - jb < AX_JB ? j1 : jb + AX_JB;
+        int64_t span = je - jb, k = 0;
+        if (span >= 1024)
+            for (; k + 8 <= in; k += 8) ax_pass(x + k, w + k * ldw, ldw, y, jb, je, 8, 4 * ldw, !k);
+        else if (span >= 384)
+            for (; k + 4 <= in; k += 4) ax_pass(x + k, w + k * ldw, ldw, y, jb, je, 4, 16 * ldw, !k);
+        else
+            for (; k + 2 <= in; k += 2) ax_pass(x + k, w + k * ldw, ldw, y, jb, je, 2, 2 * ldw, !k);
+        for (; k < in; k++) ax_pass(x + k, w + k * ldw, ldw, y, jb, je, 1, 0, !k);
+    }
+}
+
 /* Weight rows [k0, k1) over the vector columns [jb, jb_end) of a column block. */
 static void nn_panels(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
                       int64_t ldy, int64_t rows, int64_t jb, int64_t jb_end, int64_t k0,
@@ -215,8 +254,6 @@ static void nn_panels(const float *x, int64_t ldx, const uint16_t *w, int64_t ld
     /* Elements ahead: whole rows, PF_BYTES or more; 0 (none) for narrow rows, where the
      * prefetches measured ~10% slower (576 x 192: the hardware prefetcher keeps up there). */
     int64_t pf = ldw < PF_MIN_ROW ? 0 : (PF_BYTES / 2 / ldw + 1) * ldw;
-    if (rows == 1)
-        for (; j + 64 <= jb_end; j += 64) nn_wide1(x, w + j, ldw, y + j, k0, k1, pf);
     if (rows == 2)
         for (; j + 32 <= jb_end; j += 32) nn_wide2(x, ldx, w + j, ldw, y + j, ldy, k0, k1, pf);
     for (; j < jb_end; j += PANEL) {
@@ -253,7 +290,8 @@ int pagedkv_bf16_nn(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
 #if BF_AVX2
     vec_end = j_begin + (j_end - j_begin) / 8 * 8;
     const int64_t jbs = rows <= 2 ? JB_WIDE : JB;
-    for (int64_t jb = j_begin; jb < vec_end; jb += jbs) {
+    if (rows == 1) nn_axpy1(x, w, ldw, y, j_begin, vec_end, in);
+    for (int64_t jb = j_begin; jb < vec_end && rows > 1; jb += jbs) {
         int64_t jb_end = vec_end - jb < jbs ? vec_end : jb + jbs;
         for (int64_t k0 = 0; k0 < in; k0 += KC) {
             int64_t k1 = in - k0 < KC ? in : k0 + KC;
