@@ -22,16 +22,18 @@
  * the weight in chunks of KC rows; for each 16-column panel of a chunk every 6-row block runs
  * over it with 12 ymm accumulators loaded from and stored to y between chunks (exact: y is the
  * accumulator), so a chunk's panel comes from memory once and from L1 for the other row
- * blocks. One or two rows take 64- or 32-column panels (8 accumulators: 8 independent FMA
- * chains) and blocks of JB_WIDE columns, so whole weight rows are read in order: measured on
- * the development machine (loaded, noisy) 1.3-1.7x the bandwidth of JB = 256 at one row, and
- * JB = 256 the best at 16 rows. Those 1-2 row panels prefetch the same columns PF_BYTES or
- * more ahead in whole weight rows (a later chunk; the hardware prefetcher alone does not keep up
- * with a chunk's KC interleaved row streams), except for rows under PF_MIN_ROW columns.
+ * blocks. One row reads the weight in memory order instead (nn_axpy1: 2, 4 or 8 weight rows a
+ * pass over up to AX_JB columns, y in L1, each row's lines prefetched ahead). Two rows take
+ * 32-column panels (8 accumulators: 8 independent FMA chains) and blocks of JB_WIDE columns, so
+ * whole weight rows are read in order: measured on the development machine (loaded, noisy)
+ * 1.3-1.7x the bandwidth of JB = 256, and JB = 256 the best at 16 rows. Those 2-row panels
+ * prefetch the same columns PF_BYTES or more ahead in whole weight rows (a later chunk; the
+ * hardware prefetcher alone does not keep up with a chunk's KC interleaved row streams), except
+ * for rows under PF_MIN_ROW columns.
  * nt keeps 4 rows x 3 embedding rows of lane sums in registers; 1 row takes 8 embedding rows
  * (2 rows: 4) at a time, 8 FMA chains, each row's stream prefetching the next group's.
- * Measured (benchmarks/RESULTS.md, "bf16 one-row streaming"), one row out of cache: 1.0-1.36x
- * per SmolLM2 shape, 1.23x over a token's linears.
+ * Measured (benchmarks/RESULTS.md, "bf16 one-row streaming" and "one-row bf16 linears in the
+ * weight's memory order"), one row out of cache: 1.23x then 1.14-1.16x over a layer's linears.
  *
  * Builds: with AVX2 + FMA (gcc -march=native on such a CPU) the vector paths widen 8 weights
  * with vpmovzxwd + vpslld; otherwise the portable loops run (fmaf: the same single rounding
