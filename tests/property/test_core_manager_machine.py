@@ -469,7 +469,7 @@ class CoreManagerMachine(RuleBasedStateMachine):
         assert pool.num_free_blocks == ref.num_free
         assert pool.num_used_blocks == ref.num_used
         assert pool.num_cached_blocks == ref.num_cached
-        assert pool.num_cached_free_blocks == len(ref.lru)
+        assert pool.num_cached_free_blocks == ref.num_cached_free
         assert pool.num_shared_blocks == ref.num_shared
         assert pool.eviction_order() == ref.lru
         assert pool._free_uncached == ref.stack

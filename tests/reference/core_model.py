@@ -105,6 +105,11 @@ class RefManager:
         return len(self.index)
 
     @property
+    def num_cached_free(self) -> int:
+        """Cached-free blocks that serve a key (freed copies wait in the LRU but do not)."""
+        return sum(1 for b in self.lru if b not in self.copy_key)
+
+    @property
     def num_shared(self) -> int:
         return sum(1 for r in self.ref.values() if r > 1)
 

@@ -7,7 +7,10 @@ when no computed copy is left does the hash go, with its event.
 
 from __future__ import annotations
 
+import pytest
+
 from pagedkv.core import BlockRemoved, BlockStored
+from pagedkv.errors import RequestStateError
 from reference.core_state import make_manager
 
 T = list(range(100, 109))  # two full blocks of 4 and one token
@@ -44,7 +47,7 @@ def test_evicting_the_canonical_block_hands_its_hash_to_the_live_copy() -> None:
     assert pool.eviction_order() == [4, 1, 5]
     assert pool.copies_of(h[0]) == [4]  # freed, not yet evicted: the entry stays (lazily)
     assert pool.block_hash(4) is None
-    assert pool.num_cached_free_blocks == 3
+    assert pool.num_cached_free_blocks == 2  # the freed copy is free capacity, not a prefix
     m.check_invariants()
     m.free("d")
     m.add_request("e", list(range(300, 309)), max_tokens=0)
@@ -77,12 +80,17 @@ def test_a_freed_copy_is_the_next_victim_and_its_eviction_emits_nothing() -> Non
     pool.drain_events()
     m.free("b")  # both copies, tail first, go ahead of warm's cached blocks
     assert pool.eviction_order() == [7, 6, 3, 2, 1]
-    assert pool.num_copy_blocks == 2
+    assert (pool.num_copy_blocks, pool.num_cached_free_blocks) == (2, 3)
     m.check_invariants()
+    before = (pool.eviction_order(), pool.num_free_blocks, pool.ref_counts([6, 7]))
+    with pytest.raises(RequestStateError, match="block 7 is a freed copy"):
+        pool.touch([3, 7])  # a freed copy is no hit (the index names block 5): refused
+    assert (pool.eviction_order(), pool.num_free_blocks, pool.ref_counts([6, 7])) == before
     m.add_request("c", list(range(400, 408)), max_tokens=0)
     m.allocate_slots("c", 8)  # the stack is empty: the two copies are evicted, warm's kept
     assert m.block_ids("c") == [7, 6]
     assert pool.drain_events() == []
+    assert m.stats().num_evictions == 0  # no hash was dropped
     assert pool.num_copy_blocks == 0
     assert pool.eviction_order() == [3, 2, 1]
     m.add_request("d", T, max_tokens=0)

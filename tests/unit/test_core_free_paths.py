@@ -82,7 +82,8 @@ def test_freeing_one_of_two_copies_keeps_the_other_as_the_heir() -> None:
     assert pool.eviction_order() == [c[1], c[0], b[1], b[0]]
     assert pool.num_copy_blocks == 4
     m.check_invariants()
-    while pool.num_free_blocks > pool.num_cached_free_blocks:  # empty the stack and headroom
+    assert pool.num_cached_free_blocks == 0  # freed copies are free capacity, not prefixes
+    while pool.num_free_blocks > len(pool.eviction_order()):  # empty the stack and headroom
         pool.allocate(1)
     assert pool.allocate(2) == [c[1], c[0]]  # evicted: c's copy entries go, b's stay
     assert (pool.copies_of(h[0]), pool.copies_of(h[1])) == ([b[0]], [b[1]])

@@ -99,6 +99,7 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
         self._num_shared = 0  # == count(ref > 1)
         self._copy_of: dict[int, BlockHash] = {}  # copy block -> the hash it duplicates (I7)
         self._copies: dict[BlockHash, int] = {}  # hash -> its oldest copy
+        self._num_free_copies = 0  # freed copies waiting in the policy (its front: I7)
         self._more_copies: dict[BlockHash, list[int]] = {}  # hash -> its later copies, oldest
         # first (a hash with a second copy: rare, so a free of single copies skips lists)
         self._watched_blocks: dict[int, int] = {}  # block id -> number of watches on it
@@ -128,9 +129,10 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
 
     @property
     def num_cached_free_blocks(self) -> int:
-        """Free blocks that still hold computed content (reclaimable, but worth keeping): cached
-        hashes, and freed copies of hashes served elsewhere (evicted first)."""
-        return len(self._policy)
+        """Free blocks that still hold a cached prefix (reclaimable, but worth keeping). Freed
+        copies waiting in the policy are not counted: their hashes are served by other blocks
+        (they are free capacity, in ``num_free_blocks``)."""
+        return len(self._policy) - self._num_free_copies
 
     @property
     def num_cached_blocks(self) -> int:
@@ -234,6 +236,7 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
         copies, watched = self._copies, self._watched_blocks
         victims = policy.pop_victims(n)
         removed: list[BlockHash] = []
+        num_copies = 0
         for b in victims:
             h = hashes[b]
             ref[b] = 1
@@ -246,6 +249,7 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
                 else:  # every hash has one copy at most: b is h's
                     del copies[h]
                 hashed[b] = 0
+                num_copies += 1
                 continue
             hashes[b] = None
             hashed[b] = 0
@@ -254,7 +258,8 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
                 continue
             del index[h]
             removed.append(h)
-        self.num_evictions += n
+        self._num_free_copies -= num_copies
+        self.num_evictions += n - num_copies  # a copy's hash stays: not an eviction of it
         if removed and self.events.enabled:
             self.events.push(BlockRemoved(tuple(removed)))
         return victims
@@ -279,6 +284,7 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
         self._copy_of.clear()
         self._copies.clear()
         self._more_copies.clear()
+        self._num_free_copies = 0
         self.watch_epoch += 1
         self.version += 1
         self.events.push(AllBlocksCleared())

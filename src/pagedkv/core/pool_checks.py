@@ -87,6 +87,11 @@ def _check_copies(pool: BlockPool) -> None:
                 f"I7: copy block {b} must be in use or cached-free, unhashed, its hash indexed "
                 "elsewhere"
             )
-    front = list(pool._policy)[: len(policy & pool._copy_of.keys())]
+    num_free_copies = len(policy & pool._copy_of.keys())
+    if num_free_copies != pool._num_free_copies:
+        raise InvariantViolation(
+            f"I7: {pool._num_free_copies} freed copies counted, {num_free_copies} in the policy"
+        )
+    front = list(pool._policy)[:num_free_copies]
     if any(b not in pool._copy_of for b in front):
         raise InvariantViolation("I7: a freed copy is behind a hashed block in the policy")

@@ -95,6 +95,7 @@ class FreePathMixin:
     _copy_of: dict[int, BlockHash]
     _copies: dict[BlockHash, int]
     _more_copies: dict[BlockHash, list[int]]
+    _num_free_copies: int
     _watched_blocks: dict[int, int]
     watch_epoch: int
     version: int
@@ -148,6 +149,7 @@ class FreePathMixin:
             self._policy.push(b)
         elif flag:  # a copy: the next victim, its hash served elsewhere (I7)
             self._policy.push_front(b)
+            self._num_free_copies += 1
         else:
             self._free_uncached.append(b)
         if self._watched_blocks and b in self._watched_blocks:
@@ -223,6 +225,7 @@ class FreePathMixin:
             self._policy.push_many(cached)
         if copies:
             self._policy.push_front_many(copies)
+            self._num_free_copies += len(copies)
         if uncached:
             self._free_uncached.extend(uncached)
         watched = self._watched_blocks
@@ -371,6 +374,7 @@ class FreePathMixin:
             policy.push_many(cached)
         if copies:
             policy.push_front_many(copies)
+            self._num_free_copies += len(copies)
         if uncached:
             self._free_uncached.extend(uncached)
         watched = self._watched_blocks

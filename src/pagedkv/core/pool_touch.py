@@ -1,9 +1,10 @@
 """The pool's touch path: one more reference on each block of a prefix hit or a fork.
 
 A part of :class:`~pagedkv.core.block_pool.BlockPool` (a mixin over its state, as ``pool_free``
-is). A block at ref count 0 must hold computed content (a hash, or a freed copy's: the
-``hashed`` flag is non-zero; only cached blocks can be hit); it leaves the eviction policy.
-Every touch is all or nothing: a free uncached block raises RequestStateError and changes
+is). A block at ref count 0 must hold a hash (only cached blocks can be hit); it leaves the
+eviction policy. A freed copy (content indexed at another block, waiting at the policy's front
+to be evicted) is not a hit: the index names the other block, so touching it is refused too.
+Every touch is all or nothing: a free block without a hash raises RequestStateError and changes
 nothing.
 
 Cost of ``touch_owned`` (the manager's path): one C pass reading the ref counts
@@ -21,6 +22,7 @@ from operator import not_
 from typing import TYPE_CHECKING
 
 from pagedkv.core.eviction import EvictionPolicy
+from pagedkv.core.hashing import BlockHash
 from pagedkv.core.pool_free import gather
 from pagedkv.errors import RequestStateError
 
@@ -29,6 +31,7 @@ class TouchPathMixin:
     """``touch``/``touch_owned`` of ``BlockPool`` (which provides this state)."""
 
     _ref: list[int]
+    _hash: list[BlockHash | None]
     _hashed: bytearray
     _policy: EvictionPolicy
     _num_shared: int
@@ -59,10 +62,10 @@ class TouchPathMixin:
         if len(set(ids)) == len(ids):
             self._touch(ids)  # checks the free blocks' hashes before any change
             return
-        hashed = self._hashed  # a block listed twice: the rare path, one block at a time
+        hashes = self._hash  # a block listed twice: the rare path, one block at a time
         for b in ids:
-            if ref[b] == 0 and not hashed[b]:
-                raise RequestStateError(f"block {b} is free and uncached; it cannot be shared")
+            if ref[b] == 0 and hashes[b] is None:
+                self._raise_not_shareable(b)
         for b in ids:
             self._touch((b,))
 
@@ -97,14 +100,14 @@ class TouchPathMixin:
                     self._num_shared += num
                 return
             taken: Sequence[int] = block_ids
-            self._check_hashed(taken)
+            self._check_hashed(taken, num)
             for b in block_ids:
                 ref[b] = 1
         else:
             num_taken = counts.count(0)
             taken = list(compress(block_ids, map(not_, counts))) if num_taken else ()
             if taken:
-                self._check_hashed(taken)
+                self._check_hashed(taken, num_taken)
             num_ones = counts.count(1)
             for b in block_ids:
                 ref[b] += 1
@@ -117,10 +120,18 @@ class TouchPathMixin:
             self.watch_epoch += 1
         self._set_free(self.num_free_blocks - len(taken))
 
-    def _check_hashed(self, taken: Sequence[int]) -> None:
-        """Raise (before any change) if a free block to be taken holds no content (neither a
-        hash nor a copy's: I2's flag is 0)."""
+    def _check_hashed(self, taken: Sequence[int], num_taken: int) -> None:
+        """Raise (before any change) if a free block to be taken holds no hash."""
         flags = gather(self._hashed, taken)
-        if flags.count(0):
-            b = taken[flags.index(0)]
-            raise RequestStateError(f"block {b} is free and uncached; it cannot be shared")
+        if flags.count(1) != num_taken:
+            b = next(b for b, f in zip(taken, flags, strict=True) if f != 1)
+            self._raise_not_shareable(b)
+
+    def _raise_not_shareable(self, b: int) -> None:
+        """Raise for a free block that holds no indexed hash (uncached, or a freed copy)."""
+        if self._hashed[b]:
+            raise RequestStateError(
+                f"block {b} is a freed copy (its content is indexed at another block); it "
+                "cannot be shared"
+            )
+        raise RequestStateError(f"block {b} is free and uncached; it cannot be shared")
