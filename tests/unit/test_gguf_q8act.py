@@ -226,9 +226,24 @@ def test_the_c_workers_split_gives_the_one_thread_bits(type_name: str) -> None:
         futures = [pool.submit(_par, p, xs[i % 5], 2) for i in range(200)]
         for i, f in enumerate(futures):
             assert torch.equal(f.result(), want[i % 5]), i
-    small = _int8(random_projection(type_name, 48, 64, seed=1))  # under 2^20 MACs: one part
+    small = _int8(random_projection(type_name, 48, 64, seed=1))  # too small to split: one part
     x = torch.randn(1, 64, generator=g)
     assert torch.equal(_par(small, x, 2), gguf_q8act.linear(small, x, 1))
+
+
+@needs_kernel
+def test_the_openmp_build_shares_torchs_openmp_runtime() -> None:
+    """Built with -fopenmp, the kernel's parts run on torch's OpenMP threads: the process maps
+    one libgomp (the dynamic linker reuses the one torch loaded), so no second pool of
+    spinning threads competes with torch's for the cores."""
+    lib = gguf_q8act.require_available()
+    if not lib.pagedkv_q8_par_openmp():
+        pytest.skip("built without OpenMP (no libgomp to link): the C file's own workers run")
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps on this system")
+    mapped = {ln.split()[-1] for ln in maps.read_text().splitlines() if "libgomp" in ln}
+    assert len(mapped) == 1, mapped
 
 
 @needs_kernel

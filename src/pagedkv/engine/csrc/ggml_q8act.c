@@ -834,7 +834,56 @@ int pagedkv_q8_linear_f32_range(int type, int packed, const float *x, int64_t ld
     return rc;
 }
 
-/* ---- Threads for one call (pagedkv_q8_linear_f32_par) ----
+/* ---- Threads for one call (pagedkv_q8_linear_f32_par), OpenMP build ----
+ *
+ * Built with -fopenmp (gguf_q8act.py's first flag set), this library shares the process's
+ * OpenMP runtime: torch's, which is loaded first and whose soname (libgomp.so.1) the dynamic
+ * linker reuses, so the parts run on torch's intra-op threads. A pool of our own (the pthread
+ * build below) competes with torch's OpenMP workers, which spin for a while after each of
+ * torch's parallel regions: measured on the 2-core development machine, splitting SmolLM2's
+ * batch-1 linears among two threads that way made decode slower (88 -> 60 tokens/s), and
+ * with OMP_WAIT_POLICY=PASSIVE faster (130). The parts and their cut points are the pthread
+ * build's, so the bits are the one-thread call's. Under 2^15 multiply-adds a call runs
+ * alone: an OpenMP region costs a few microseconds. */
+#ifdef _OPENMP
+#include <omp.h>
+
+#define PAR_MAX 8
+#ifndef PAR_MIN_MACS_OMP
+#define PAR_MIN_MACS_OMP (1 << 15) /* multiply-adds per part at least */
+#endif
+
+int pagedkv_q8_par_openmp(void) { return 1; }
+
+int pagedkv_q8_linear_f32_par(int type, int packed, const float *x, int64_t ldx,
+                              const uint8_t *w, const float *bias, float *y, int64_t ldy,
+                              int64_t rows, int64_t in, int64_t out, int threads) {
+    const int64_t step = packed ? 16 : 8, tiles = (out + step - 1) / step;
+    int64_t parts = threads < PAR_MAX ? threads : PAR_MAX;
+    if (parts > tiles) parts = tiles;
+    if (parts > rows * out * in / PAR_MIN_MACS_OMP) parts = rows * out * in / PAR_MIN_MACS_OMP;
+    if (parts <= 1 || omp_in_parallel())
+        return pagedkv_q8_linear_f32_range(type, packed, x, ldx, w, bias, y, ldy, rows, in, out,
+                                           0, out);
+    int64_t cuts[PAR_MAX + 1];
+    int rcs[PAR_MAX] = {0};
+    for (int64_t p = 0; p <= parts; p++) {
+        const int64_t c = step * ((tiles * p + parts / 2) / parts);
+        cuts[p] = c < out ? c : out;
+    }
+#pragma omp parallel for num_threads((int)parts) schedule(static, 1)
+    for (int64_t p = 0; p < parts; p++)
+        rcs[p] = pagedkv_q8_linear_f32_range(type, packed, x, ldx, w, bias, y, ldy, rows, in,
+                                             out, cuts[p], cuts[p + 1]);
+    for (int64_t p = 0; p < parts; p++)
+        if (rcs[p]) return rcs[p];
+    return 0;
+}
+#else
+
+int pagedkv_q8_par_openmp(void) { return 0; }
+
+/* ---- Threads for one call (pagedkv_q8_linear_f32_par), pthread build ----
  *
  * A batch-1 decode step makes ~150 calls of 20-300 µs; handing half of each to a Python
  * worker (native.run_ranges, a futex wake-up per call) costs more than the half saves. Here
@@ -852,6 +901,9 @@ int pagedkv_q8_linear_f32_range(int type, int packed, const float *x, int64_t ld
 #include <time.h>
 
 #define PAR_MAX 8
+#ifndef PAR_MIN_MACS
+#define PAR_MIN_MACS (1 << 20) /* multiply-adds per part at least */
+#endif
 #ifndef PAR_SPIN_NS
 #define PAR_SPIN_NS 500000L /* 0.5 ms: longer than the gaps between a step's calls */
 #endif
@@ -941,7 +993,7 @@ int pagedkv_q8_linear_f32_par(int type, int packed, const float *x, int64_t ldx,
     const int64_t step = packed ? 16 : 8, tiles = (out + step - 1) / step;
     int64_t parts = threads < PAR_MAX ? threads : PAR_MAX;
     if (parts > tiles) parts = tiles;
-    if (parts > rows * out * in / (1 << 20)) parts = rows * out * in / (1 << 20);
+    if (parts > rows * out * in / PAR_MIN_MACS) parts = rows * out * in / PAR_MIN_MACS;
     if (parts <= 1 || pthread_mutex_trylock(&par_call) != 0)
         return pagedkv_q8_linear_f32_range(type, packed, x, ldx, w, bias, y, ldy, rows, in, out,
                                            0, out);
@@ -982,3 +1034,4 @@ int pagedkv_q8_linear_f32_par(int type, int packed, const float *x, int64_t ldx,
     pthread_mutex_unlock(&par_call);
     return rc ? rc : wrc;
 }
+#endif /* _OPENMP */
