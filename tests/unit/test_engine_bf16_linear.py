@@ -131,14 +131,17 @@ def test_the_one_and_two_row_streaming_paths_give_the_portable_bits(rows: int) -
 
 @pytest.mark.parametrize("out_dim", [200, 600, 1100, 2056])
 @pytest.mark.parametrize("in_dim", [576, 579])
-def test_the_one_row_passes_of_each_width_give_the_portable_bits(in_dim: int, out_dim: int) -> None:
-    """One row reads the weight in memory order, 2, 4 or 8 weight rows a pass by the width
-    (under 384, under 1,024, wider; 2,056: two column blocks), then one row a pass for the
-    rest of ``in``: every pass width, on one and two threads, gives the portable bits."""
-    gen = torch.Generator().manual_seed(in_dim + out_dim)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_one_and_two_row_passes_of_each_width_give_the_portable_bits(
+    rows: int, in_dim: int, out_dim: int
+) -> None:
+    """One or two rows read the weight in memory order, 2, 4 or 8 weight rows a pass by the
+    width (under 384, under 1,024, wider; 2,056: two column blocks), then one row a pass for
+    the rest of ``in``: every pass width, on one and two threads, gives the portable bits."""
+    gen = torch.Generator().manual_seed(in_dim + out_dim + rows)
     w_t = _bf16(in_dim, out_dim, gen=gen)
     bias = torch.randn(out_dim, generator=gen)
-    x = torch.randn(1, in_dim, generator=gen)
+    x = torch.randn(rows, in_dim, generator=gen)
     one = bf16_linear.linear(x, w_t, bias, threads=1)
     assert torch.equal(bf16_linear.linear(x, w_t, bias, threads=2), one)
     assert torch.equal(bf16_linear.linear(x, w_t, bias, threads=1, portable=True), one)

@@ -22,14 +22,9 @@
  * the weight in chunks of KC rows; for each 16-column panel of a chunk every 6-row block runs
  * over it with 12 ymm accumulators loaded from and stored to y between chunks (exact: y is the
  * accumulator), so a chunk's panel comes from memory once and from L1 for the other row
- * blocks. One row reads the weight in memory order instead (nn_axpy1: 2, 4 or 8 weight rows a
- * pass over up to AX_JB columns, y in L1, each row's lines prefetched ahead). Two rows take
- * 32-column panels (8 accumulators: 8 independent FMA chains) and blocks of JB_WIDE columns, so
- * whole weight rows are read in order: measured on the development machine (loaded, noisy)
- * 1.3-1.7x the bandwidth of JB = 256, and JB = 256 the best at 16 rows. Those 2-row panels
- * prefetch the same columns PF_BYTES or more ahead in whole weight rows (a later chunk; the
- * hardware prefetcher alone does not keep up with a chunk's KC interleaved row streams), except
- * for rows under PF_MIN_ROW columns.
+ * blocks (JB = 256 measured the best at 16 rows). One or two rows read the weight in memory
+ * order instead (nn_axpy: 2, 4 or 8 weight rows a pass over up to AX_JB columns, y in L1,
+ * each weight row's lines prefetched ahead; 8 or 4 accumulators per row).
  * nt keeps 4 rows x 3 embedding rows of lane sums in registers; 1 row takes 8 embedding rows
  * (2 rows: 4) at a time, 8 FMA chains, each row's stream prefetching the next group's.
  * Measured (benchmarks/RESULTS.md, "bf16 one-row streaming" and "one-row bf16 linears in the
@@ -58,17 +53,8 @@
 #ifndef JB
 #define JB 256 /* columns per block (nn), 3+ rows: their partial sums stay in L1/L2 */
 #endif
-#ifndef JB_WIDE
-#define JB_WIDE 4096 /* columns per block (nn), 1-2 rows: whole weight rows, read in order */
-#endif
 #ifndef KC
 #define KC 16 /* weight rows per chunk (nn) */
-#endif
-#ifndef PF_BYTES
-#define PF_BYTES 18432 /* how far ahead the 1-2 row paths prefetch (nn), in whole weight rows */
-#endif
-#ifndef PF_MIN_ROW
-#define PF_MIN_ROW 512 /* weight rows narrower than this (in columns) are not prefetched (nn) */
 #endif
 #define PANEL 16 /* columns per panel (nn): 2 vectors of 8 */
 #define RB 6     /* rows per register block (nn) */
@@ -168,83 +154,74 @@ static void nn_rows(const float *x, int64_t ldx, const uint16_t *wp, int64_t ldw
  * the hardware prefetcher alone does not keep up with a chunk's KC interleaved row streams.
  * A prefetch past the weight's end is harmless (prefetches never fault). */
 #define PF_AT(p) _mm_prefetch((const char *)(uintptr_t)(p), _MM_HINT_T0)
-#define NN_PF2(wk, pf) PF_AT((wk) + (pf))
-#define W2_ACC(r, i) __m256 b##r##i = first ? z : _mm256_loadu_ps(y + (r) * ldy + 8 * (i))
-#define W2_ST(r, i) _mm256_storeu_ps(y + (r) * ldy + 8 * (i), b##r##i)
-static void nn_wide2(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
-                     int64_t ldy, int64_t k0, int64_t k1, int64_t pf) {
-    __m256 z = _mm256_setzero_ps();
-    const int first = k0 == 0;
-    W2_ACC(0, 0); W2_ACC(0, 1); W2_ACC(0, 2); W2_ACC(0, 3);
-    W2_ACC(1, 0); W2_ACC(1, 1); W2_ACC(1, 2); W2_ACC(1, 3);
-    for (int64_t k = k0; k < k1; k++) {
-        const uint16_t *wk = w + k * ldw;
-        if (pf) NN_PF2(wk, pf);
-        __m256 w0 = load8(wk), w1 = load8(wk + 8), w2 = load8(wk + 16), w3 = load8(wk + 24);
-        __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + ldx + k);
-        b00 = _mm256_fmadd_ps(x0, w0, b00); b01 = _mm256_fmadd_ps(x0, w1, b01);
-        b02 = _mm256_fmadd_ps(x0, w2, b02); b03 = _mm256_fmadd_ps(x0, w3, b03);
-        b10 = _mm256_fmadd_ps(x1, w0, b10); b11 = _mm256_fmadd_ps(x1, w1, b11);
-        b12 = _mm256_fmadd_ps(x1, w2, b12); b13 = _mm256_fmadd_ps(x1, w3, b13);
-    }
-    W2_ST(0, 0); W2_ST(0, 1); W2_ST(0, 2); W2_ST(0, 3);
-    W2_ST(1, 0); W2_ST(1, 1); W2_ST(1, 2); W2_ST(1, 3);
-}
-
-/* One row in the weight's memory order: R weight rows per pass over a block of at most AX_JB
- * columns (y stays in L1 and is the accumulator between passes), each line of the R rows
- * prefetched pf elements ahead. Per output still one FMA per k in increasing k, from 0 (the
- * stated order: the same bits as every other path). Reading R rows side by side, in order,
- * streams better here than a chunk's 64-column panels: measured on the development machine
- * (2-core AMD EPYC, quiet, 320 MB of weight copies), 576x192 10.1 -> 13.5 GB/s, 576x576 and
- * 1536x576 11.2 -> 12.0, 576x1536 15.9 -> 19.0 (benchmarks/RESULTS.md, session 11). */
+/* One or two rows in the weight's memory order: R weight rows per pass over a block of at
+ * most AX_JB columns (y stays in L1 and is the accumulator between passes), each line of the R
+ * rows prefetched pf elements ahead. Per output still one FMA per k in increasing k, from 0
+ * (the stated order: the same bits as every other path). Reading R rows side by side, in
+ * order, streams better here than a chunk's 64- or 32-column panels: measured on the
+ * development machine (2-core AMD EPYC, quiet, 320 MB of weight copies), one row 576x192
+ * 10.1 -> 13.5 GB/s, 576x576 and 1536x576 11.2 -> 12.0, 576x1536 15.9 -> 19.0; two rows
+ * 1.09-1.74x per shape (benchmarks/RESULTS.md, session 11). */
 #define AX_JB 2048
-#define AX_FMA(v) a##v = _mm256_fmadd_ps(xv[i], load8(wi + 8 * (v)), a##v)
+#define AX_FMA(v)                                                      \
+    {                                                                  \
+        __m256 wv = load8(wi + 8 * (v));                               \
+        a0##v = _mm256_fmadd_ps(xv[0][i], wv, a0##v);                  \
+        if (M > 1) a1##v = _mm256_fmadd_ps(xv[1][i], wv, a1##v);       \
+    }
+#define AX_LOAD(m, v) \
+    __m256 a##m##v = first || M <= (m) ? z : _mm256_loadu_ps(y + (m) * ldy + j + 8 * (v))
+#define AX_STORE(m, v) \
+    if (M > (m)) _mm256_storeu_ps(y + (m) * ldy + j + 8 * (v), a##m##v)
 static inline __attribute__((always_inline)) void ax_pass(
-    const float *x, const uint16_t *w, int64_t ldw, float *y, int64_t j0, int64_t j1,
-    const int R, int64_t pf, const int first) {
-    __m256 xv[8];
-    for (int i = 0; i < R; i++) xv[i] = _mm256_broadcast_ss(x + i);
+    const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+    int64_t j0, int64_t j1, const int M, const int R, int64_t pf, const int first) {
+    __m256 xv[2][8];
+    for (int m = 0; m < M; m++)
+        for (int i = 0; i < R; i++) xv[m][i] = _mm256_broadcast_ss(x + m * ldx + i);
     __m256 z = _mm256_setzero_ps();
     int64_t j = j0;
     for (; j + 32 <= j1; j += 32) {
         if (pf)
             for (int i = 0; i < R; i++) PF_AT(w + i * ldw + j + pf);
-        __m256 a0 = first ? z : _mm256_loadu_ps(y + j);
-        __m256 a1 = first ? z : _mm256_loadu_ps(y + j + 8);
-        __m256 a2 = first ? z : _mm256_loadu_ps(y + j + 16);
-        __m256 a3 = first ? z : _mm256_loadu_ps(y + j + 24);
+        AX_LOAD(0, 0); AX_LOAD(0, 1); AX_LOAD(0, 2); AX_LOAD(0, 3);
+        AX_LOAD(1, 0); AX_LOAD(1, 1); AX_LOAD(1, 2); AX_LOAD(1, 3);
         for (int i = 0; i < R; i++) {
             const uint16_t *wi = w + i * ldw + j;
-            AX_FMA(0); AX_FMA(1); AX_FMA(2); AX_FMA(3);
+            AX_FMA(0) AX_FMA(1) AX_FMA(2) AX_FMA(3)
         }
-        _mm256_storeu_ps(y + j, a0); _mm256_storeu_ps(y + j + 8, a1);
-        _mm256_storeu_ps(y + j + 16, a2); _mm256_storeu_ps(y + j + 24, a3);
+        AX_STORE(0, 0); AX_STORE(0, 1); AX_STORE(0, 2); AX_STORE(0, 3);
+        AX_STORE(1, 0); AX_STORE(1, 1); AX_STORE(1, 2); AX_STORE(1, 3);
     }
     for (; j < j1; j += 8) {
-        __m256 a0 = first ? z : _mm256_loadu_ps(y + j);
+        AX_LOAD(0, 0); AX_LOAD(1, 0);
         for (int i = 0; i < R; i++) {
             const uint16_t *wi = w + i * ldw + j;
-            AX_FMA(0);
+            AX_FMA(0)
         }
-        _mm256_storeu_ps(y + j, a0);
+        AX_STORE(0, 0); AX_STORE(1, 0);
     }
 }
 
-/* Columns [j0, j1) (a multiple of 8 wide) of one row: R and the prefetch distance by the
- * width a pass covers (the measured best of R = 2, 4, 8, 16 and 0-32 rows ahead). */
-static void nn_axpy1(const float *x, const uint16_t *w, int64_t ldw, float *y, int64_t j0,
-                     int64_t j1, int64_t in) {
+/* Columns [j0, j1) (a multiple of 8 wide) of M = 1 or 2 rows: R and the prefetch distance by
+ * the width a pass covers (the measured best of R = 2, 4, 8, 16 and 0-32 rows ahead, at one
+ * row). */
+#define AX_RUN(R, ahead)                                                                     \
+    for (; k + (R) <= in; k += (R))                                                         \
+        ax_pass(x + k, ldx, w + k * ldw, ldw, y, ldy, jb, je, M, (R), (ahead) * ldw, !k)
+static inline __attribute__((always_inline)) void nn_axpy(
+    const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+    const int M, int64_t j0, int64_t j1, int64_t in) {
     for (int64_t jb = j0; jb < j1; jb += AX_JB) {
         int64_t je = j1 - jb < AX_JB ? j1 : jb + AX_JB;
         int64_t span = je - jb, k = 0;
         if (span >= 1024)
-            for (; k + 8 <= in; k += 8) ax_pass(x + k, w + k * ldw, ldw, y, jb, je, 8, 4 * ldw, !k);
+            AX_RUN(8, 4);
         else if (span >= 384)
-            for (; k + 4 <= in; k += 4) ax_pass(x + k, w + k * ldw, ldw, y, jb, je, 4, 16 * ldw, !k);
+            AX_RUN(4, 16);
         else
-            for (; k + 2 <= in; k += 2) ax_pass(x + k, w + k * ldw, ldw, y, jb, je, 2, 2 * ldw, !k);
-        for (; k < in; k++) ax_pass(x + k, w + k * ldw, ldw, y, jb, je, 1, 0, !k);
+            AX_RUN(2, 2);
+        AX_RUN(1, 0);
     }
 }
 
@@ -252,13 +229,7 @@ static void nn_axpy1(const float *x, const uint16_t *w, int64_t ldw, float *y, i
 static void nn_panels(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
                       int64_t ldy, int64_t rows, int64_t jb, int64_t jb_end, int64_t k0,
                       int64_t k1) {
-    int64_t j = jb;
-    /* Elements ahead: whole rows, PF_BYTES or more; 0 (none) for narrow rows, where the
-     * prefetches measured ~10% slower (576 x 192: the hardware prefetcher keeps up there). */
-    int64_t pf = ldw < PF_MIN_ROW ? 0 : (PF_BYTES / 2 / ldw + 1) * ldw;
-    if (rows == 2)
-        for (; j + 32 <= jb_end; j += 32) nn_wide2(x, ldx, w + j, ldw, y + j, ldy, k0, k1, pf);
-    for (; j < jb_end; j += PANEL) {
+    for (int64_t j = jb; j < jb_end; j += PANEL) {
         int nv = jb_end - j < PANEL ? 1 : 2;
         nn_rows(x, ldx, w + j, ldw, y + j, ldy, rows, nv, k0, k1);
     }
@@ -291,10 +262,10 @@ int pagedkv_bf16_nn(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
     int64_t vec_end = j_begin; /* vector columns [j_begin, vec_end) */
 #if BF_AVX2
     vec_end = j_begin + (j_end - j_begin) / 8 * 8;
-    const int64_t jbs = rows <= 2 ? JB_WIDE : JB;
-    if (rows == 1) nn_axpy1(x, w, ldw, y, j_begin, vec_end, in);
-    for (int64_t jb = j_begin; jb < vec_end && rows > 1; jb += jbs) {
-        int64_t jb_end = vec_end - jb < jbs ? vec_end : jb + jbs;
+    if (rows == 1) nn_axpy(x, ldx, w, ldw, y, ldy, 1, j_begin, vec_end, in);
+    if (rows == 2) nn_axpy(x, ldx, w, ldw, y, ldy, 2, j_begin, vec_end, in);
+    for (int64_t jb = j_begin; jb < vec_end && rows > 2; jb += JB) {
+        int64_t jb_end = vec_end - jb < JB ? vec_end : jb + JB;
         for (int64_t k0 = 0; k0 < in; k0 += KC) {
             int64_t k1 = in - k0 < KC ? in : k0 + KC;
             nn_panels(x, ldx, w, ldw, y, ldy, rows, jb, jb_end, k0, k1);
