@@ -5,6 +5,7 @@ weights, both builds (AVX2 and portable) and the thread split giving the same bi
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,6 +147,24 @@ def test_the_one_and_two_row_passes_of_each_width_give_the_portable_bits(
     assert torch.equal(bf16_linear.linear(x, w_t, bias, threads=2), one)
     assert torch.equal(bf16_linear.linear(x, w_t, bias, threads=1, portable=True), one)
     assert torch.equal(fewrow.linear(x, w_t.float(), bias), one)
+
+
+def test_the_openmp_build_splits_on_torchs_openmp_runtime() -> None:
+    """Built with -fopenmp, a call's parts run on torch's OpenMP threads: the process maps one
+    libgomp (the dynamic linker reuses torch's), and two threads give the one-thread bits."""
+    if not bf16_linear.openmp_build():
+        pytest.skip("built without OpenMP (no libgomp to link): Python workers split a call")
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        mapped = {ln.split()[-1] for ln in maps.read_text().splitlines() if "libgomp" in ln}
+        assert len(mapped) == 1, mapped
+    gen = torch.Generator().manual_seed(21)
+    w_t, e = _bf16(576, 1536, gen=gen), _bf16(4099, 576, gen=gen)
+    x = torch.randn(1, 576, generator=gen)
+    assert torch.equal(bf16_linear.linear(x, w_t, threads=2), bf16_linear.linear(x, w_t, threads=1))
+    assert torch.equal(
+        bf16_linear.linear_nt(x, e, threads=2), bf16_linear.linear_nt(x, e, threads=1)
+    )
 
 
 def test_strided_input_and_output_views() -> None:

@@ -11,7 +11,9 @@ throughout. ``--dtype bfloat16`` on a CPU selects this (``engine/dtype.py`` and
 computes in float32, the KV cache is bf16).
 
 Rows: 1..``MAX_ROWS`` (a decode step) run the kernel, which streams each weight once for all
-rows, with columns shared among torch's intra-op threads (``native.run_ranges``) from
+rows, with columns shared among torch's intra-op thread count: on torch's own OpenMP threads
+when the library is built with OpenMP (``pagedkv_bf16_*_par``, from 2^15 multiply-adds a part;
+``openmp_build``), else on Python workers (``native.run_ranges``) from
 ``_MIN_MACS_PER_THREAD`` multiply-adds per thread. More rows (prefill, compute bound) widen the
 weight once into a float32 copy and call ``torch.mm`` (:func:`linear`), or run the kernel on
 ``MAX_ROWS`` rows at a time (:func:`linear_nt`, the vocabulary projection, which sees many
@@ -43,9 +45,13 @@ _MIN_MACS_PER_THREAD = 1 << 21
 _COLUMN_ALIGN = 16  # thread splits fall on the kernel's 16-column panels
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.c"
 # No -ffast-math (the stated summation order) and no contraction beyond the written fmaf.
+# First with OpenMP: the ``_par`` entry points then split a call on torch's OpenMP threads
+# (csrc/bf16_linear.c says why); without libgomp to link, Python workers split it.
 VECTOR_FLAGS: native.FlagSets = (
+    (["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-fopenmp"],
+     ["-shared", "-lm", "-fopenmp"]),
     (["-O3", "-march=native", "-ffp-contract=off", "-fPIC"], ["-shared", "-lm"]),
-)
+)  # fmt: skip
 PORTABLE_FLAGS: native.FlagSets = ((["-O3", "-ffp-contract=off", "-fPIC"], ["-shared", "-lm"]),)
 
 
@@ -58,6 +64,11 @@ def bind(lib: ctypes.CDLL) -> bool:
         nt = getattr(lib, "pagedkv_bf16_nt" + suffix)
         nt.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64]
         nn.restype = nt.restype = ctypes.c_int
+    i32 = ctypes.c_int
+    lib.pagedkv_bf16_nn_par.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.pagedkv_bf16_nt_par.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i32]
+    lib.pagedkv_bf16_nn_par.restype = lib.pagedkv_bf16_nt_par.restype = i32
+    lib.pagedkv_bf16_openmp.restype = i32
     lib.pagedkv_bf16_vector_build.restype = ctypes.c_int
     return bool(lib.pagedkv_bf16_vector_build())
 
@@ -80,6 +91,16 @@ def unavailable_reason() -> str | None:
 def vector_build() -> bool:
     """Whether the loaded build runs the AVX2 paths (False: the portable loops, or none)."""
     return _native.load() is not None and bool(_native.bound)
+
+
+def openmp_build() -> bool:
+    """Whether the loaded build splits a call on OpenMP threads (``pagedkv_bf16_*_par``)."""
+    lib = _native.load()
+    return lib is not None and bool(lib.pagedkv_bf16_openmp())
+
+
+def _threads(threads: int | None) -> int:
+    return torch.get_num_threads() if threads is None else threads
 
 
 def _library() -> ctypes.CDLL:
@@ -137,6 +158,10 @@ def linear(
     fn = lib.pagedkv_bf16_nn_portable if portable else lib.pagedkv_bf16_nn
     head = (x.data_ptr(), x.stride(0), weight_t.data_ptr(), weight_t.stride(0))
     tail = (None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), rows)
+    if not portable and lib.pagedkv_bf16_openmp():  # one call, split on OpenMP threads
+        if lib.pagedkv_bf16_nn_par(*head, *tail, in_dim, cols, _threads(threads)):
+            raise InvalidRequestError("bf16 linear kernel rejected its inputs (a bad range)")
+        return y
 
     def run(a: int, b: int) -> int:
         return int(fn(*head, *tail, in_dim, cols, a, b))
@@ -166,6 +191,10 @@ def linear_nt(
         head = (x.data_ptr() + r0 * x.stride(0) * 4, x.stride(0), weight.data_ptr(),
                 weight.stride(0))  # fmt: skip
         tail = (y.data_ptr() + r0 * y.stride(0) * 4, y.stride(0), rows, in_dim, cols)
+        if not portable and lib.pagedkv_bf16_openmp():  # one call, split on OpenMP threads
+            if lib.pagedkv_bf16_nt_par(*head, *tail, _threads(threads)):
+                raise InvalidRequestError("bf16 linear kernel rejected its inputs")
+            continue
 
         def run(a: int, b: int, head: tuple[int, ...] = head, tail: tuple[int, ...] = tail) -> int:
             return int(fn(*head, *tail, a, b))
@@ -197,9 +226,12 @@ def bind_into(
     b = None if bias is None else bias.data_ptr()
     head = (x.data_ptr(), in_dim, weight_t.data_ptr(), weight_t.stride(0), b, out.data_ptr(),
             cols, rows, in_dim, cols)  # fmt: skip
+    keep = (x, weight_t, bias)
+    if lib.pagedkv_bf16_openmp():  # one call, split on OpenMP threads at the count now
+        args = [(*head, torch.get_num_threads())]
+        return BoundKernel(lib, "pagedkv_bf16_nn_par", args, out, keep, "bf16 linear kernel")
     cuts = _cuts(cols, rows * in_dim, None)
     parts = [(*head, a, b) for a, b in itertools.pairwise(cuts)]
-    keep = (x, weight_t, bias)
     return BoundKernel(lib, "pagedkv_bf16_nn", parts, out, keep, "bf16 linear kernel")
 
 

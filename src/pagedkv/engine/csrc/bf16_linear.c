@@ -458,3 +458,75 @@ int pagedkv_bf16_nt_portable(const float *x, int64_t ldx, const uint16_t *e, int
 
 /* 1 when this build runs the AVX2 paths (the wrapper reports it). */
 int pagedkv_bf16_vector_build(void) { return BF_AVX2; }
+
+/* ---- One call over all columns, split among threads (pagedkv_bf16_{nn,nt}_par) ----
+ *
+ * Built with -fopenmp (bf16_linear.py's first flag set), the parts run on the process's
+ * OpenMP threads: torch's, which is loaded first and whose soname (libgomp.so.1) the dynamic
+ * linker reuses, so no second pool of threads competes with torch's for the cores (each
+ * part a Python worker's call was dear enough that a batch-1 step split only its
+ * vocabulary projection). Parts are columns on 16-column panels, at least BF_PAR_MIN_MACS
+ * multiply-adds each, and a part's outputs do not depend on the split (the header), so the
+ * bits are the one-thread call's. Without OpenMP the parts run one after another here. */
+#ifdef _OPENMP
+#include <omp.h>
+#define BF_IN_PARALLEL omp_in_parallel()
+#else
+#define BF_IN_PARALLEL 1
+#endif
+#define BF_PAR_MAX 8
+#ifndef BF_PAR_MIN_MACS
+#define BF_PAR_MIN_MACS (1 << 15)
+#endif
+
+int pagedkv_bf16_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Cut points of columns [0, out) into at most `threads` parts; returns the number of parts. */
+static int bf_cuts(int64_t rows, int64_t in, int64_t out, int threads, int64_t *cuts) {
+    int64_t parts = threads < BF_PAR_MAX ? threads : BF_PAR_MAX;
+    const int64_t panels = (out + PANEL - 1) / PANEL;
+    if (parts > panels) parts = panels;
+    if (parts > rows * in * out / BF_PAR_MIN_MACS) parts = rows * in * out / BF_PAR_MIN_MACS;
+    if (parts < 1 || BF_IN_PARALLEL) parts = 1;
+    for (int64_t p = 0; p <= parts; p++) {
+        const int64_t c = PANEL * ((panels * p + parts / 2) / parts);
+        cuts[p] = c < out ? c : out;
+    }
+    return (int)parts;
+}
+
+int pagedkv_bf16_nn_par(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                        const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
+                        int64_t out, int threads) {
+    int64_t cuts[BF_PAR_MAX + 1];
+    int rcs[BF_PAR_MAX] = {0};
+    const int parts = bf_cuts(rows, in, out, threads, cuts);
+    if (parts == 1) return pagedkv_bf16_nn(x, ldx, w, ldw, bias, y, ldy, rows, in, out, 0, out);
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int p = 0; p < parts; p++)
+        rcs[p] = pagedkv_bf16_nn(x, ldx, w, ldw, bias, y, ldy, rows, in, out, cuts[p],
+                                 cuts[p + 1]);
+    for (int p = 0; p < parts; p++)
+        if (rcs[p]) return rcs[p];
+    return 0;
+}
+
+int pagedkv_bf16_nt_par(const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y,
+                        int64_t ldy, int64_t rows, int64_t in, int64_t out, int threads) {
+    int64_t cuts[BF_PAR_MAX + 1];
+    int rcs[BF_PAR_MAX] = {0};
+    const int parts = bf_cuts(rows, in, out, threads, cuts);
+    if (parts == 1) return pagedkv_bf16_nt(x, ldx, e, lde, y, ldy, rows, in, out, 0, out);
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int p = 0; p < parts; p++)
+        rcs[p] = pagedkv_bf16_nt(x, ldx, e, lde, y, ldy, rows, in, out, cuts[p], cuts[p + 1]);
+    for (int p = 0; p < parts; p++)
+        if (rcs[p]) return rcs[p];
+    return 0;
+}
