@@ -38,6 +38,7 @@ import torch
 
 from pagedkv.engine import bound_call, native
 from pagedkv.engine.bound_call import BoundKernel
+from pagedkv.engine.native_build import FLAG_SETS
 from pagedkv.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -87,13 +88,26 @@ def require_in_place(quantization: str) -> None:
 
 def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.pagedkv_qlinear_i8
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-    fn.restype = ctypes.c_int
+    fn.restype = i32
+    par = lib.pagedkv_qlinear_i8_par
+    par.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    par.restype = lib.pagedkv_qlinear_openmp.restype = i32
 
 
+# First with OpenMP: ``pagedkv_qlinear_i8_par`` then splits a call on torch's OpenMP threads
+# (csrc/qlinear.c says why); without libgomp to link, Python workers split it.
+_OPENMP_FLAGS: native.FlagSets = (
+    (["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"],
+     ["-shared", "-lm", "-lmvec", "-fopenmp"]),
+)  # fmt: skip
 _native = native.LazyLibrary(
-    _SOURCE, _bind, "native int8 kernel", "int8 layers dequantize in torch on every call (slow)"
+    _SOURCE,
+    _bind,
+    "native int8 kernel",
+    "int8 layers dequantize in torch on every call (slow)",
+    _OPENMP_FLAGS + FLAG_SETS,
 )
 
 
@@ -206,6 +220,9 @@ class QuantizedProjection:
         bias = None if self.bias is None else self.bias.data_ptr()
         head = (x.data_ptr(), in_dim, self.packed.data_ptr(), self.scale.data_ptr(), bias,
                 out.data_ptr(), out_dim, rows, in_dim, out_dim)  # fmt: skip
+        if lib.pagedkv_qlinear_openmp():  # one call, split on OpenMP threads at the count now
+            args = [(*head, torch.get_num_threads())]
+            return BoundKernel(lib, "pagedkv_qlinear_i8_par", args, out, (self, x), "int8 kernel")
         cuts = _split(tiles, in_dim, rows, torch.get_num_threads())
         parts = [(*head, a, b) for a, b in itertools.pairwise(cuts)]
         return BoundKernel(lib, "pagedkv_qlinear_i8", parts, out, (self, x), "int8 kernel")
@@ -236,10 +253,16 @@ class QuantizedProjection:
         args = (self.packed.data_ptr(), self.scale.data_ptr(), bias, y.data_ptr(), out_dim, rows)
         head = (x.data_ptr(), in_dim)
 
+        n = torch.get_num_threads() if threads is None else threads
+        if lib.pagedkv_qlinear_openmp():  # one call, split on OpenMP threads
+            if lib.pagedkv_qlinear_i8_par(*head, *args, in_dim, out_dim, n):
+                raise InvalidRequestError("int8 kernel rejected its inputs (a bad range)")
+            return y
+
         def run(a: int, b: int) -> int:  # tiles a..b-1; ctypes releases the GIL for the call
             return int(fn(*head, *args, in_dim, out_dim, a, b))
 
-        cuts = _split(tiles, in_dim, rows, torch.get_num_threads() if threads is None else threads)
+        cuts = _split(tiles, in_dim, rows, n)
         native.run_ranges(run, cuts, "int8 kernel")
         return y
 

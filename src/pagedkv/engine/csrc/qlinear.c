@@ -331,3 +331,55 @@ int pagedkv_qlinear_i8(const float *x, int64_t ldx, const int8_t *w, const float
     }
     return 0;
 }
+
+/* ---- One call over all tiles, split among threads (pagedkv_qlinear_i8_par) ----
+ *
+ * Built with -fopenmp (qlinear.py's first flag set), the parts run on the process's OpenMP
+ * threads: torch's, which is loaded first and whose soname (libgomp.so.1) the dynamic linker
+ * reuses, so no second pool competes with torch's for the cores (a Python worker per part
+ * cost tens of microseconds, so a batch-1 step split almost nothing). The parts are runs of
+ * about equal numbers of tiles, of QL_PAR_MIN_MACS multiply-adds or more each; every output is
+ * the same whatever the split. Without OpenMP this runs
+ * the whole range on the calling thread (the wrapper then splits on Python workers). */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#define QL_PAR_MAX 8
+#ifndef QL_PAR_MIN_MACS
+#define QL_PAR_MIN_MACS (1 << 15)
+#endif
+
+int pagedkv_qlinear_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int pagedkv_qlinear_i8_par(const float *x, int64_t ldx, const int8_t *w, const float *scale,
+                           const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
+                           int64_t out, int threads) {
+    const int64_t tiles = (out + TILE_J - 1) / TILE_J;
+    int64_t parts = threads < QL_PAR_MAX ? threads : QL_PAR_MAX;
+    if (parts > tiles) parts = tiles;
+    if (parts > rows * tiles * TILE_J * in / QL_PAR_MIN_MACS)
+        parts = rows * tiles * TILE_J * in / QL_PAR_MIN_MACS;
+#ifdef _OPENMP
+    if (omp_in_parallel()) parts = 1;
+#else
+    parts = 1;
+#endif
+    if (parts <= 1)
+        return pagedkv_qlinear_i8(x, ldx, w, scale, bias, y, ldy, rows, in, out, 0, tiles);
+    int64_t cuts[QL_PAR_MAX + 1];
+    int rcs[QL_PAR_MAX] = {0};
+    for (int64_t p = 0; p <= parts; p++) cuts[p] = (tiles * p * 2 + parts) / (2 * parts);
+#pragma omp parallel for num_threads((int)parts) schedule(static, 1)
+    for (int64_t p = 0; p < parts; p++)
+        rcs[p] = pagedkv_qlinear_i8(x, ldx, w, scale, bias, y, ldy, rows, in, out, cuts[p],
+                                    cuts[p + 1]);
+    for (int64_t p = 0; p < parts; p++)
+        if (rcs[p]) return rcs[p];
+    return 0;
+}
