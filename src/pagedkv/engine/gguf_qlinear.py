@@ -38,6 +38,7 @@ import torch
 from pagedkv.engine import bound_call, gguf_q8act, native
 from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.engine.gguf_quants import dequantize
+from pagedkv.engine.native_build import FLAG_SETS
 from pagedkv.engine.qlinear import UnsupportedQuantizationError
 from pagedkv.errors import InvalidRequestError
 
@@ -60,13 +61,22 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pagedkv_ggml_dequant.argtypes = [i32, p, i64, i64, i64, i64, p]
     lib.pagedkv_ggml_dequant.restype = i32
     lib.pagedkv_ggml_has_avx2.restype = i32
+    lib.pagedkv_ggml_qlinear_par.argtypes = [i32, p, i64, p, p, p, i64, i64, i64, i64, i32]
+    lib.pagedkv_ggml_qlinear_par.restype = lib.pagedkv_ggml_openmp.restype = i32
 
 
+# First with OpenMP: ``pagedkv_ggml_qlinear_par`` then splits a call on torch's OpenMP threads
+# (csrc/ggml_qlinear.c says why); without libgomp to link, Python workers split it.
+_OPENMP_FLAGS: native.FlagSets = (
+    (["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"],
+     ["-shared", "-lm", "-lmvec", "-fopenmp"]),
+)  # fmt: skip
 _native = native.LazyLibrary(
     _SOURCE,
     _bind,
     "native GGUF kernel",
     "GGUF-quantized layers dequantize with numpy on every call (slow)",
+    _OPENMP_FLAGS + FLAG_SETS,
 )
 
 
@@ -184,6 +194,9 @@ class GGUFProjection:
         bias = None if self.bias is None else self.bias.data_ptr()
         head = (self._code, x.data_ptr(), in_dim, self.blocks.data_ptr(), bias, out.data_ptr(),
                 out_dim, rows, in_dim, out_dim)  # fmt: skip
+        if lib.pagedkv_ggml_openmp():  # one call, split on OpenMP threads at the count now
+            args = [(*head, torch.get_num_threads())]
+            return BoundKernel(lib, "pagedkv_ggml_qlinear_par", args, out, (self, x), "GGUF kernel")
         cuts = _split(out_dim, in_dim, rows, torch.get_num_threads())
         parts = [(*head, a, b, 0) for a, b in itertools.pairwise(cuts)]
         return BoundKernel(lib, "pagedkv_ggml_qlinear", parts, out, (self, x), "GGUF kernel")
@@ -225,6 +238,13 @@ class GGUFProjection:
             return code
 
         nthreads = torch.get_num_threads() if threads is None else threads
+        if not portable and lib.pagedkv_ggml_openmp():  # one call, split on OpenMP threads
+            code = int(lib.pagedkv_ggml_qlinear_par(*head, *dims, nthreads))
+            if code == -2:
+                raise MemoryError(f"GGUF kernel: no memory for a 6 x {self.in_dim} panel")
+            if code:
+                raise InvalidRequestError("GGUF kernel rejected its inputs (a bad range)")
+            return y
         cuts = _split(out, self.in_dim, rows, nthreads)
         native.run_ranges(run, cuts, "GGUF kernel")
         return y

@@ -348,3 +348,58 @@ int pagedkv_ggml_dequant(int type, const uint8_t *w, int64_t in, int64_t out, in
             dequant_block(type, w + (j * nb + b) * ts, dst + (j - j_begin) * in + b * QK);
     return 0;
 }
+
+/* ---- One call over all outputs, split among threads (pagedkv_ggml_qlinear_par) ----
+ *
+ * Built with -fopenmp (gguf_qlinear.py's first flag set), the parts run on the process's
+ * OpenMP threads: torch's, which is loaded first and whose soname (libgomp.so.1) the dynamic
+ * linker reuses, so no second pool competes with torch's for the cores (a Python worker per
+ * part cost tens of microseconds, so a batch-1 step split almost nothing). Parts are runs of
+ * outputs on multiples of 4 of about equal size, of GQ_PAR_MIN_MACS multiply-adds or more
+ * each; a part's outputs do not depend on the split, so the bits are the one-thread call's.
+ * Without OpenMP this runs the whole range on the calling thread (the wrapper then splits on
+ * Python workers). */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#define GQ_PAR_MAX 8
+#ifndef GQ_PAR_MIN_MACS
+#define GQ_PAR_MIN_MACS (1 << 15)
+#endif
+
+int pagedkv_ggml_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int pagedkv_ggml_qlinear_par(int type, const float *x, int64_t ldx, const uint8_t *w,
+                             const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
+                             int64_t out, int threads) {
+    const int64_t tiles = (out + 3) / 4;
+    int64_t parts = threads < GQ_PAR_MAX ? threads : GQ_PAR_MAX;
+    if (parts > tiles) parts = tiles;
+    if (parts > rows * out * in / GQ_PAR_MIN_MACS) parts = rows * out * in / GQ_PAR_MIN_MACS;
+#ifdef _OPENMP
+    if (omp_in_parallel()) parts = 1;
+#else
+    parts = 1;
+#endif
+    if (parts <= 1)
+        return pagedkv_ggml_qlinear(type, x, ldx, w, bias, y, ldy, rows, in, out, 0, out, 0);
+    int64_t cuts[GQ_PAR_MAX + 1];
+    int rcs[GQ_PAR_MAX] = {0};
+    for (int64_t p = 0; p <= parts; p++) {
+        const int64_t c = 4 * ((tiles * p * 2 + parts) / (2 * parts));
+        cuts[p] = c < out ? c : out;
+    }
+#pragma omp parallel for num_threads((int)parts) schedule(static, 1)
+    for (int64_t p = 0; p < parts; p++)
+        rcs[p] = pagedkv_ggml_qlinear(type, x, ldx, w, bias, y, ldy, rows, in, out, cuts[p],
+                                      cuts[p + 1], 0);
+    for (int64_t p = 0; p < parts; p++)
+        if (rcs[p]) return rcs[p];
+    return 0;
+}
