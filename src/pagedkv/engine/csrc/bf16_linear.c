@@ -466,7 +466,8 @@ int pagedkv_bf16_vector_build(void) { return BF_AVX2; }
  * linker reuses, so no second pool of threads competes with torch's for the cores (each
  * part a Python worker's call was dear enough that a batch-1 step split only its
  * vocabulary projection). Parts are columns on 16-column panels, at least BF_PAR_MIN_MACS
- * multiply-adds each, and a part's outputs do not depend on the split (the header), so the
+ * multiply-adds each (nn at 1-2 rows: BF_PAR_MIN_MACS_NARROW, see pagedkv_bf16_nn_par), and a
+ * part's outputs do not depend on the split (the header), so the
  * bits are the one-thread call's. Without OpenMP the parts run one after another here. */
 #ifdef _OPENMP
 #include <omp.h>
@@ -478,6 +479,9 @@ int pagedkv_bf16_vector_build(void) { return BF_AVX2; }
 #ifndef BF_PAR_MIN_MACS
 #define BF_PAR_MIN_MACS (1 << 15)
 #endif
+#ifndef BF_PAR_MIN_MACS_NARROW
+#define BF_PAR_MIN_MACS_NARROW (1 << 21) /* nn at 1-2 rows (the Python workers' threshold) */
+#endif
 
 int pagedkv_bf16_openmp(void) {
 #ifdef _OPENMP
@@ -487,12 +491,14 @@ int pagedkv_bf16_openmp(void) {
 #endif
 }
 
-/* Cut points of columns [0, out) into at most `threads` parts; returns the number of parts. */
-static int bf_cuts(int64_t rows, int64_t in, int64_t out, int threads, int64_t *cuts) {
+/* Cut points of columns [0, out) into at most `threads` parts of at least min_macs
+ * multiply-adds each; returns the number of parts. */
+static int bf_cuts(int64_t rows, int64_t in, int64_t out, int threads, int64_t min_macs,
+                   int64_t *cuts) {
     int64_t parts = threads < BF_PAR_MAX ? threads : BF_PAR_MAX;
     const int64_t panels = (out + PANEL - 1) / PANEL;
     if (parts > panels) parts = panels;
-    if (parts > rows * in * out / BF_PAR_MIN_MACS) parts = rows * in * out / BF_PAR_MIN_MACS;
+    if (parts > rows * in * out / min_macs) parts = rows * in * out / min_macs;
     if (parts < 1 || BF_IN_PARALLEL) parts = 1;
     for (int64_t p = 0; p <= parts; p++) {
         const int64_t c = PANEL * ((panels * p + parts / 2) / parts);
@@ -506,7 +512,10 @@ int pagedkv_bf16_nn_par(const float *x, int64_t ldx, const uint16_t *w, int64_t 
                         int64_t out, int threads) {
     int64_t cuts[BF_PAR_MAX + 1];
     int rcs[BF_PAR_MAX] = {0};
-    const int parts = bf_cuts(rows, in, out, threads, cuts);
+    /* One or two rows split only large weights (BF_PAR_MIN_MACS_NARROW): both threads would read
+     * every weight row, half of it each, and measured no faster than one (576x1536, cold). */
+    const int64_t min_macs = rows <= 2 ? BF_PAR_MIN_MACS_NARROW : BF_PAR_MIN_MACS;
+    const int parts = bf_cuts(rows, in, out, threads, min_macs, cuts);
     if (parts == 1) return pagedkv_bf16_nn(x, ldx, w, ldw, bias, y, ldy, rows, in, out, 0, out);
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
     for (int p = 0; p < parts; p++)
@@ -521,7 +530,7 @@ int pagedkv_bf16_nt_par(const float *x, int64_t ldx, const uint16_t *e, int64_t 
                         int64_t ldy, int64_t rows, int64_t in, int64_t out, int threads) {
     int64_t cuts[BF_PAR_MAX + 1];
     int rcs[BF_PAR_MAX] = {0};
-    const int parts = bf_cuts(rows, in, out, threads, cuts);
+    const int parts = bf_cuts(rows, in, out, threads, BF_PAR_MIN_MACS, cuts);
     if (parts == 1) return pagedkv_bf16_nt(x, ldx, e, lde, y, ldy, rows, in, out, 0, out);
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
     for (int p = 0; p < parts; p++)
