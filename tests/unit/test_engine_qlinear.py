@@ -71,10 +71,18 @@ def test_kernel_matches_the_float64_reference_within_float32_rounding(
 
 
 @needs_kernel
+@pytest.mark.parametrize("openmp", [True, False])
 @pytest.mark.parametrize("rows", [7, 20])
-def test_threads_and_batch_neighbours_do_not_change_a_rows_output(rows: int) -> None:
-    """Large enough that two threads split the tiles; each row also computed alone (the
+def test_threads_and_batch_neighbours_do_not_change_a_rows_output(
+    rows: int, openmp: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``openmp`` False the library's OpenMP entry is reported missing, so the Python
+    workers split the call (a build without libgomp).
+
+    Large enough that two threads split the tiles; each row also computed alone (the
     one-row path) and in a block of three (20 rows: three 6-row blocks and a remainder)."""
+    if not openmp:
+        monkeypatch.setattr(qlinear._native.load(), "pagedkv_qlinear_openmp", lambda: 0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(rows, 1500, generator=g)
     q, scale = quantize_int8(torch.randn(1500, 333, generator=g))

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 from pagedkv.engine import gguf_q8act, native  # noqa: E402
 from pagedkv.engine.engine_config import EngineConfig  # noqa: E402
 from pagedkv.engine.gguf_qlinear import KEPT_TYPES, GGUFProjection  # noqa: E402
+from pagedkv.engine.native_build import FLAG_SETS  # noqa: E402
 from pagedkv.engine.qlinear import UnsupportedQuantizationError  # noqa: E402
 from unit.test_gguf_qlinear import random_projection  # noqa: E402
 
@@ -229,6 +230,27 @@ def test_the_c_workers_split_gives_the_one_thread_bits(type_name: str) -> None:
     small = _int8(random_projection(type_name, 48, 64, seed=1))  # too small to split: one part
     x = torch.randn(1, 64, generator=g)
     assert torch.equal(_par(small, x, 2), gguf_q8act.linear(small, x, 1))
+
+
+@needs_kernel
+def test_the_pthread_build_splits_with_the_same_bits() -> None:
+    """Without OpenMP (a compiler without libgomp) the C file's own worker threads split a
+    call: the default flag sets build that variant, and its parts give the one-thread bits."""
+    lib = native.compile_library(gguf_q8act._SOURCE, FLAG_SETS)
+    gguf_q8act._bind(lib)
+    assert lib.pagedkv_q8_par_openmp() == 0
+    p = _int8(random_projection("Q4_1", 1024, 1024, seed=4))
+    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(6))
+    want = gguf_q8act.linear(p, x, 1)
+    w = p.blocks if p.packed16 is None else p.packed16
+    for threads in (1, 2, 3, 2):
+        y = torch.full((2, 1024), float("nan"))
+        rc = lib.pagedkv_q8_linear_f32_par(
+            p.type_code, int(p.packed16 is not None), x.data_ptr(), 1024, w.data_ptr(), None,
+            y.data_ptr(), 1024, 2, 1024, 1024, threads,
+        )  # fmt: skip
+        assert rc == 0
+        assert torch.equal(y, want), threads
 
 
 @needs_kernel

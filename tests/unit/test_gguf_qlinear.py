@@ -150,10 +150,18 @@ def test_avx2_paths_dequantize_every_float16_scale_as_the_reference(type_name: s
 
 
 @needs_kernel
+@pytest.mark.parametrize("openmp", [True, False])
 @pytest.mark.parametrize("rows", [5, 20])
-def test_threads_and_batch_neighbours_do_not_change_a_rows_output(rows: int) -> None:
-    """Large enough that two threads split the outputs (333: not a multiple of the 4-output
+def test_threads_and_batch_neighbours_do_not_change_a_rows_output(
+    rows: int, openmp: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``openmp`` False the library's OpenMP entry is reported missing, so the Python
+    workers split the call (a build without libgomp).
+
+    Large enough that two threads split the outputs (333: not a multiple of the 4-output
     tile); each row also computed alone (the one-row path)."""
+    if not openmp:
+        monkeypatch.setattr(gguf_qlinear._native.load(), "pagedkv_ggml_openmp", lambda: 0)
     p = random_projection("Q4_1", 333, 1536, seed=5)
     x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(1))
     assert len(gguf_qlinear._split(333, 1536, rows, 2)) == 3  # the test's premise

@@ -30,7 +30,6 @@ from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from pagedkv.core.eviction import EvictionPolicy
-from pagedkv.core.hashing import BlockHash
 from pagedkv.errors import RequestStateError
 
 
@@ -92,9 +91,6 @@ class FreePathMixin:
     _policy: EvictionPolicy
     _free_uncached: list[int]
     _num_shared: int
-    _copy_of: dict[int, BlockHash]
-    _copies: dict[BlockHash, int]
-    _more_copies: dict[BlockHash, list[int]]
     _num_free_copies: int
     _watched_blocks: dict[int, int]
     watch_epoch: int

@@ -845,10 +845,29 @@ int pagedkv_q8_linear_f32_range(int type, int packed, const float *x, int64_t ld
  * with OMP_WAIT_POLICY=PASSIVE faster (130). The parts and their cut points are the pthread
  * build's, so the bits are the one-thread call's. Under 2^15 multiply-adds a call runs
  * alone: an OpenMP region costs a few microseconds. */
+#define PAR_MAX 8
+
+/* The parts of one call: outputs [0, out) in at most `threads` runs on multiples of 16 when
+ * packed, else 8, each of at least min_macs multiply-adds; their cut points into
+ * cuts[0..parts]. Returns the number of parts (1: the caller runs the call alone). Both
+ * builds below split this way, so they give the same bits as one call. */
+static int64_t par_cuts(int packed, int64_t rows, int64_t in, int64_t out, int threads,
+                        int64_t min_macs, int64_t *cuts) {
+    const int64_t step = packed ? 16 : 8, tiles = (out + step - 1) / step;
+    int64_t parts = threads < PAR_MAX ? threads : PAR_MAX;
+    if (parts > tiles) parts = tiles;
+    if (parts > rows * out * in / min_macs) parts = rows * out * in / min_macs;
+    if (parts < 1) parts = 1;
+    for (int64_t p = 0; p <= parts; p++) {
+        const int64_t c = step * ((tiles * p + parts / 2) / parts);
+        cuts[p] = c < out ? c : out;
+    }
+    return parts;
+}
+
 #ifdef _OPENMP
 #include <omp.h>
 
-#define PAR_MAX 8
 #ifndef PAR_MIN_MACS_OMP
 #define PAR_MIN_MACS_OMP (1 << 15) /* multiply-adds per part at least */
 #endif
@@ -858,19 +877,12 @@ int pagedkv_q8_par_openmp(void) { return 1; }
 int pagedkv_q8_linear_f32_par(int type, int packed, const float *x, int64_t ldx,
                               const uint8_t *w, const float *bias, float *y, int64_t ldy,
                               int64_t rows, int64_t in, int64_t out, int threads) {
-    const int64_t step = packed ? 16 : 8, tiles = (out + step - 1) / step;
-    int64_t parts = threads < PAR_MAX ? threads : PAR_MAX;
-    if (parts > tiles) parts = tiles;
-    if (parts > rows * out * in / PAR_MIN_MACS_OMP) parts = rows * out * in / PAR_MIN_MACS_OMP;
+    int64_t cuts[PAR_MAX + 1];
+    int rcs[PAR_MAX] = {0};
+    const int64_t parts = par_cuts(packed, rows, in, out, threads, PAR_MIN_MACS_OMP, cuts);
     if (parts <= 1 || omp_in_parallel())
         return pagedkv_q8_linear_f32_range(type, packed, x, ldx, w, bias, y, ldy, rows, in, out,
                                            0, out);
-    int64_t cuts[PAR_MAX + 1];
-    int rcs[PAR_MAX] = {0};
-    for (int64_t p = 0; p <= parts; p++) {
-        const int64_t c = step * ((tiles * p + parts / 2) / parts);
-        cuts[p] = c < out ? c : out;
-    }
 #pragma omp parallel for num_threads((int)parts) schedule(static, 1)
     for (int64_t p = 0; p < parts; p++)
         rcs[p] = pagedkv_q8_linear_f32_range(type, packed, x, ldx, w, bias, y, ldy, rows, in,
@@ -900,7 +912,6 @@ int pagedkv_q8_par_openmp(void) { return 0; }
 #include <stdatomic.h>
 #include <time.h>
 
-#define PAR_MAX 8
 #ifndef PAR_MIN_MACS
 #define PAR_MIN_MACS (1 << 20) /* multiply-adds per part at least */
 #endif
@@ -990,10 +1001,8 @@ static void par_child(void) {
 int pagedkv_q8_linear_f32_par(int type, int packed, const float *x, int64_t ldx,
                               const uint8_t *w, const float *bias, float *y, int64_t ldy,
                               int64_t rows, int64_t in, int64_t out, int threads) {
-    const int64_t step = packed ? 16 : 8, tiles = (out + step - 1) / step;
-    int64_t parts = threads < PAR_MAX ? threads : PAR_MAX;
-    if (parts > tiles) parts = tiles;
-    if (parts > rows * out * in / PAR_MIN_MACS) parts = rows * out * in / PAR_MIN_MACS;
+    int64_t cuts[PAR_MAX + 1];
+    const int64_t parts = par_cuts(packed, rows, in, out, threads, PAR_MIN_MACS, cuts);
     if (parts <= 1 || pthread_mutex_trylock(&par_call) != 0)
         return pagedkv_q8_linear_f32_range(type, packed, x, ldx, w, bias, y, ldy, rows, in, out,
                                            0, out);
@@ -1013,10 +1022,7 @@ int pagedkv_q8_linear_f32_par(int type, int packed, const float *x, int64_t ldx,
     }
     par_job *j = &par_cur;
     *j = (par_job){type, packed, x, ldx, w, bias, y, ldy, rows, in, out, {0}, (int)parts};
-    for (int64_t p = 0; p <= parts; p++) {
-        const int64_t c = step * ((tiles * p + parts / 2) / parts);
-        j->cuts[p] = c < out ? c : out;
-    }
+    memcpy(j->cuts, cuts, sizeof j->cuts);
     atomic_store(&par_rc, 0);
     atomic_store(&par_left, par_threads); /* every worker acks, the idle ones too */
     pthread_mutex_lock(&par_sleep);
