@@ -228,7 +228,6 @@ def alloc_cases(quick: bool) -> list[Case]:
 
 
 def evict_cases(quick: bool) -> list[Case]:
-    batch = 64
     cases: list[Case] = []
     for num_blocks in (1024,) if quick else (1024, 16_384, 131_072):
         pool = BlockPool(PoolConfig(num_blocks=num_blocks))
@@ -241,34 +240,44 @@ def evict_cases(quick: bool) -> list[Case]:
             pool.free(ids[::-1])
 
         cache_and_free(pool.allocate(pool.num_free_blocks))  # every free block is cached
-        held: list[list[int]] = []
 
         def check(pool: BlockPool = pool) -> None:
             pool.check_invariants()
             if pool.num_cached_free_blocks != pool.capacity_blocks:
                 raise RuntimeError("evict fixture: a free block was left uncached")
 
-        cases.append(
-            Case(
-                "evict",
-                f"pool={num_blocks:,} batch={batch}",
-                "pagedkv",
-                "block",
-                lambda pool=pool, held=held: held.append(pool.allocate(batch)),
-                ops=batch,
-                teardown=lambda held=held, f=cache_and_free: f(held.pop()),
-                rounds=9 if quick else 41,
-                warmup=3,
-                params={"pool_blocks": num_blocks, "batch": batch},
-                check=check,
-            )
-        )
+        cases.append(_evict_case("", pool, cache_and_free, check, quick))
     return cases
+
+
+def _evict_case(
+    kind: str,
+    pool: BlockPool,
+    refill: Callable[[list[int]], None],
+    check: Callable[[], None],
+    quick: bool,
+) -> Case:
+    """A row of ``evict``: ``allocate(64)`` timed, ``refill`` of those blocks untimed after."""
+    batch = 64
+    held: list[list[int]] = []
+    params: dict[str, Any] = {"pool_blocks": pool.num_blocks, "batch": batch}
+    return Case(
+        "evict",
+        f"{kind + ' ' if kind else ''}pool={pool.num_blocks:,} batch={batch}",
+        "pagedkv",
+        "block",
+        lambda: held.append(pool.allocate(batch)),
+        ops=batch,
+        teardown=lambda: refill(held.pop()),
+        rounds=9 if quick else 41,
+        warmup=3,
+        params={**params, "kind": kind} if kind else params,
+        check=check,
+    )
 
 
 def evict_copy_cases(quick: bool) -> list[Case]:
     """The ``copies`` rows of ``evict``: every free block a freed copy (see the docstring)."""
-    batch = 64
     cases: list[Case] = []
     for num_blocks in (1024,) if quick else (1024, 16_384, 131_072):
         pool = BlockPool(PoolConfig(num_blocks=num_blocks))
@@ -281,28 +290,13 @@ def evict_copy_cases(quick: bool) -> list[Case]:
             pool.free(ids[::-1])
 
         copy_and_free(pool.allocate(pool.num_free_blocks))  # every free block a freed copy
-        held: list[list[int]] = []
 
         def check(pool: BlockPool = pool, half: int = half) -> None:
             pool.check_invariants()
             if pool.num_copy_blocks != pool.capacity_blocks - half:
                 raise RuntimeError("evict fixture (copies): a free block is not a copy")
 
-        cases.append(
-            Case(
-                "evict",
-                f"copies pool={num_blocks:,} batch={batch}",
-                "pagedkv",
-                "block",
-                lambda pool=pool, held=held: held.append(pool.allocate(batch)),
-                ops=batch,
-                teardown=lambda held=held, f=copy_and_free: f(held.pop()),
-                rounds=9 if quick else 41,
-                warmup=3,
-                params={"pool_blocks": num_blocks, "batch": batch, "kind": "copies"},
-                check=check,
-            )
-        )
+        cases.append(_evict_case("copies", pool, copy_and_free, check, quick))
     return cases
 
 

@@ -208,7 +208,6 @@ class VLLMPeer:
         """``BlockPool.get_new_blocks(64)`` when every free block is cached (each is evicted);
         re-cached through ``cache_full_blocks`` and freed untimed between calls."""
         waiting = self.mods["request"].RequestStatus.WAITING
-        batch = 64
         cases: list[Case] = []
         for num_blocks in (1024,) if quick else (1024, 16_384, 131_072):
             pool = self.mods["pool"].BlockPool(num_blocks, True, BLOCK_SIZE)
@@ -224,29 +223,13 @@ class VLLMPeer:
                 pool.free_blocks(reversed(blocks))
 
             cache_and_free(pool.get_new_blocks(pool.get_num_free_blocks()))
-            held: list[list[Any]] = []
 
             def check(pool: Any = pool, n: int = num_blocks) -> None:
                 cached = len(pool.cached_block_hash_to_block._cache)
                 if cached != n - 1:  # every block but the null block holds a hash
                     raise RuntimeError(f"vLLM evict fixture: {cached} cached blocks of {n - 1}")
 
-            cases.append(
-                Case(
-                    "evict",
-                    f"pool={num_blocks:,} batch={batch}",
-                    "vllm",
-                    "block",
-                    lambda pool=pool, held=held: held.append(pool.get_new_blocks(batch)),
-                    ops=batch,
-                    teardown=lambda held=held, f=cache_and_free: f(held.pop()),
-                    rounds=9 if quick else 41,
-                    warmup=3,
-                    params={"pool_blocks": num_blocks, "batch": batch},
-                    note="BlockPool.get_new_blocks",
-                    check=check,
-                )
-            )
+            cases.append(_evict_case("", pool, num_blocks, cache_and_free, check, quick))
         return cases
 
     def evict_copy_cases(self, quick: bool) -> list[Case]:
@@ -255,7 +238,6 @@ class VLLMPeer:
         from bench_core import copy_hash
 
         waiting = self.mods["request"].RequestStatus.WAITING
-        batch = 64
         cases: list[Case] = []
         for num_blocks in (1024,) if quick else (1024, 16_384, 131_072):
             pool = self.mods["pool"].BlockPool(num_blocks, True, BLOCK_SIZE)
@@ -273,29 +255,13 @@ class VLLMPeer:
                 pool.free_blocks(reversed(blocks))
 
             copy_and_free(pool.get_new_blocks(pool.get_num_free_blocks()))
-            held: list[list[Any]] = []
 
             def check(pool: Any = pool, half: int = half) -> None:
                 dup = len(pool.cached_block_hash_to_block._cache)
                 if dup != half:  # one key per held hash (each with its duplicate)
                     raise RuntimeError(f"vLLM evict fixture (copies): {dup} keys, not {half}")
 
-            cases.append(
-                Case(
-                    "evict",
-                    f"copies pool={num_blocks:,} batch={batch}",
-                    "vllm",
-                    "block",
-                    lambda pool=pool, held=held: held.append(pool.get_new_blocks(batch)),
-                    ops=batch,
-                    teardown=lambda held=held, f=copy_and_free: f(held.pop()),
-                    rounds=9 if quick else 41,
-                    warmup=3,
-                    params={"pool_blocks": num_blocks, "batch": batch, "kind": "copies"},
-                    note="BlockPool.get_new_blocks",
-                    check=check,
-                )
-            )
+            cases.append(_evict_case("copies", pool, num_blocks, copy_and_free, check, quick))
         return cases
 
     def count_cases(self, quick: bool) -> list[Case]:
@@ -401,3 +367,32 @@ def load(path: str) -> VLLMPeer:
         "request": "vllm.v1.request",
     }
     return VLLMPeer({k: importlib.import_module(v) for k, v in names.items()})
+
+
+def _evict_case(
+    kind: str,
+    pool: Any,
+    num_blocks: int,
+    refill: Callable[[list[Any]], None],
+    check: Callable[[], None],
+    quick: bool,
+) -> Case:
+    """A vLLM row of ``evict``: ``get_new_blocks(64)`` timed, ``refill`` of them untimed after
+    (bench_core's ``_evict_case``, on vLLM's pool)."""
+    batch = 64
+    held: list[list[Any]] = []
+    params: dict[str, Any] = {"pool_blocks": num_blocks, "batch": batch}
+    return Case(
+        "evict",
+        f"{kind + ' ' if kind else ''}pool={num_blocks:,} batch={batch}",
+        "vllm",
+        "block",
+        lambda: held.append(pool.get_new_blocks(batch)),
+        ops=batch,
+        teardown=lambda: refill(held.pop()),
+        rounds=9 if quick else 41,
+        warmup=3,
+        params={**params, "kind": kind} if kind else params,
+        note="BlockPool.get_new_blocks",
+        check=check,
+    )
