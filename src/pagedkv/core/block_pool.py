@@ -243,11 +243,7 @@ class BlockPool(FreePathMixin, TouchPathMixin, PrefixIndexMixin):
             if watched and b in watched:
                 self.watch_epoch += 1
             if h is None:  # a freed copy (I1): forget it among its hash's copies
-                h = copy_of.pop(b)
-                if self._more_copies:
-                    self._drop_copy(b, h)
-                else:  # every hash has one copy at most: b is h's
-                    del copies[h]
+                self._drop_copy(b, copy_of.pop(b))
                 hashed[b] = 0
                 num_copies += 1
                 continue
