@@ -38,6 +38,7 @@ import torch
 
 from pagedkv.engine import bound_call, native
 from pagedkv.engine.bound_call import BoundKernel
+from pagedkv.engine.native_build import with_openmp
 from pagedkv.errors import InvalidRequestError
 
 MAX_ROWS = 32  # rows the kernel takes; more go to torch.mm over a widened copy
@@ -47,11 +48,9 @@ _SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.c"
 # No -ffast-math (the stated summation order) and no contraction beyond the written fmaf.
 # First with OpenMP: the ``_par`` entry points then split a call on torch's OpenMP threads
 # (csrc/bf16_linear.c says why); without libgomp to link, Python workers split it.
-VECTOR_FLAGS: native.FlagSets = (
-    (["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-fopenmp"],
-     ["-shared", "-lm", "-fopenmp"]),
-    (["-O3", "-march=native", "-ffp-contract=off", "-fPIC"], ["-shared", "-lm"]),
-)  # fmt: skip
+VECTOR_FLAGS: native.FlagSets = with_openmp(
+    ((["-O3", "-march=native", "-ffp-contract=off", "-fPIC"], ["-shared", "-lm"]),)
+)
 PORTABLE_FLAGS: native.FlagSets = ((["-O3", "-ffp-contract=off", "-fPIC"], ["-shared", "-lm"]),)
 
 

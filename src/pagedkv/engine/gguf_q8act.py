@@ -33,7 +33,7 @@ import torch
 
 from pagedkv.engine import bound_call, native
 from pagedkv.engine.bound_call import BoundKernel
-from pagedkv.engine.native_build import FLAG_SETS
+from pagedkv.engine.native_build import FLAG_SETS, with_openmp
 from pagedkv.engine.qlinear import UnsupportedQuantizationError
 
 if TYPE_CHECKING:
@@ -73,19 +73,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pagedkv_q8_par_openmp.restype = i32
 
 
-# First with OpenMP, so the kernel's parts run on torch's OpenMP threads (csrc/ggml_q8act.c,
-# "OpenMP build"); without it (no libgomp to link), the C file's own worker threads.
-_OPENMP_FLAGS: native.FlagSets = (
-    (["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"],
-     ["-shared", "-lm", "-lmvec", "-fopenmp"]),
-    (["-O3", "-ffast-math", "-fPIC", "-fopenmp"], ["-shared", "-lm", "-fopenmp"]),
-)  # fmt: skip
 _native = native.LazyLibrary(
     _SOURCE,
     _bind,
     "native GGUF int8-activation kernel",
     "gguf_activations='int8' is refused",
-    _OPENMP_FLAGS + FLAG_SETS,
+    with_openmp(FLAG_SETS),  # the _par entry on torch's OpenMP threads, else the plain build
 )
 
 

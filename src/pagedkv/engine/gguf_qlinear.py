@@ -38,7 +38,7 @@ import torch
 from pagedkv.engine import bound_call, gguf_q8act, native
 from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.engine.gguf_quants import dequantize
-from pagedkv.engine.native_build import FLAG_SETS
+from pagedkv.engine.native_build import FLAG_SETS, with_openmp
 from pagedkv.engine.qlinear import UnsupportedQuantizationError
 from pagedkv.errors import InvalidRequestError
 
@@ -65,18 +65,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pagedkv_ggml_qlinear_par.restype = lib.pagedkv_ggml_openmp.restype = i32
 
 
-# First with OpenMP: ``pagedkv_ggml_qlinear_par`` then splits a call on torch's OpenMP threads
-# (csrc/ggml_qlinear.c says why); without libgomp to link, Python workers split it.
-_OPENMP_FLAGS: native.FlagSets = (
-    (["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"],
-     ["-shared", "-lm", "-lmvec", "-fopenmp"]),
-)  # fmt: skip
 _native = native.LazyLibrary(
     _SOURCE,
     _bind,
     "native GGUF kernel",
     "GGUF-quantized layers dequantize with numpy on every call (slow)",
-    _OPENMP_FLAGS + FLAG_SETS,
+    with_openmp(FLAG_SETS),  # the _par entry on torch's OpenMP threads, else the plain build
 )
 
 

@@ -37,6 +37,15 @@ FLAG_SETS: FlagSets = (
     (["-O3", "-ffast-math", "-fPIC"], ["-shared", "-lm"]),  # no libmvec, or no -march=native
 )
 
+
+def with_openmp(flag_sets: FlagSets) -> FlagSets:
+    """``flag_sets`` built with OpenMP first, then as they are: a kernel's ``_par`` entry points
+    then run their parts on the process's OpenMP runtime, torch's (loaded first; the dynamic
+    linker reuses a loaded ``libgomp.so.1`` by soname), and a compiler without libgomp falls
+    back to the plain sets."""
+    return tuple(([*c, "-fopenmp"], [*ln, "-fopenmp"]) for c, ln in flag_sets) + flag_sets
+
+
 T = TypeVar("T")
 
 

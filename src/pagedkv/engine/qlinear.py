@@ -38,7 +38,7 @@ import torch
 
 from pagedkv.engine import bound_call, native
 from pagedkv.engine.bound_call import BoundKernel
-from pagedkv.engine.native_build import FLAG_SETS
+from pagedkv.engine.native_build import FLAG_SETS, with_openmp
 from pagedkv.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -96,18 +96,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     par.restype = lib.pagedkv_qlinear_openmp.restype = i32
 
 
-# First with OpenMP: ``pagedkv_qlinear_i8_par`` then splits a call on torch's OpenMP threads
-# (csrc/qlinear.c says why); without libgomp to link, Python workers split it.
-_OPENMP_FLAGS: native.FlagSets = (
-    (["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"],
-     ["-shared", "-lm", "-lmvec", "-fopenmp"]),
-)  # fmt: skip
 _native = native.LazyLibrary(
     _SOURCE,
     _bind,
     "native int8 kernel",
     "int8 layers dequantize in torch on every call (slow)",
-    _OPENMP_FLAGS + FLAG_SETS,
+    with_openmp(FLAG_SETS),  # the _par entry on torch's OpenMP threads, else the plain build
 )
 
 
