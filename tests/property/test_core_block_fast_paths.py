@@ -125,3 +125,40 @@ def test_pop_victims_is_pop_victim_n_times(ops: list[tuple[str, int]], n: int) -
     free = next(b for b in range(16) if b not in listed[k:])  # a block not listed now
     many.push(free)  # still a well-formed list after the relink
     assert len(list(many)) == len(many)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["push", "push_front", "many", "front_many", "remove", "pop"]),
+            st.lists(st.integers(0, 15), max_size=4, unique=True),
+        )
+    )
+)
+def test_lru_pushes_at_both_ends_match_a_list(ops: list[tuple[str, list[int]]]) -> None:
+    """``push``/``push_many`` append, ``push_front``/``push_front_many`` prepend in the given
+    order (the first given is the next victim: a freed request's copies), against a plain list."""
+    lru = LRUPolicy(num_blocks=16)
+    listed: list[int] = []
+    for op, bs in ops:
+        new = [b for b in bs if b not in listed]
+        if op == "push" and new:
+            lru.push(new[0])
+            listed.append(new[0])
+        elif op == "push_front" and new:
+            lru.push_front(new[0])
+            listed.insert(0, new[0])
+        elif op == "many":
+            lru.push_many(new)
+            listed.extend(new)
+        elif op == "front_many":
+            lru.push_front_many(new)
+            listed[:0] = new
+        elif op == "remove" and bs and bs[0] in listed:
+            lru.remove(bs[0])
+            listed.remove(bs[0])
+        elif op == "pop" and listed:
+            assert lru.pop_victim() == listed.pop(0)
+        assert list(lru) == listed
+        assert len(lru) == len(listed)
