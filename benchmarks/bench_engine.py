@@ -90,7 +90,7 @@ from _prefill import run_prefill
 from pagedkv.engine import fewrow
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.models.projection import Projection
+from pagedkv.engine.models.projection import Bf16Projection, Projection
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
 
@@ -308,7 +308,10 @@ class _Stub(Projection):
 
     @classmethod
     def like(cls, p: Any) -> _Stub:
-        in_f, out_f = p.weight_t.shape
+        if isinstance(p, Bf16Projection):
+            in_f, out_f = p.weight.in_features, p.weight.out_features
+        else:
+            in_f, out_f = p.weight_t.shape
         return cls(torch.zeros(()).expand(in_f, out_f), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

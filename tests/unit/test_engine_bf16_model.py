@@ -17,7 +17,7 @@ from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.loader import load_model
 from pagedkv.engine.models.llama import LlamaModel
-from pagedkv.engine.models.projection import Projection
+from pagedkv.engine.models.projection import Bf16Projection, Linear
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
 
@@ -41,6 +41,30 @@ def _run(engine: LLMEngine, new: int) -> list[list[tuple[int, float]]]:
     return [got[f"r{i}"] for i in range(len(PROMPTS))]
 
 
+def _widened_model(model_dir: Path) -> LlamaModel:
+    """The float32 model over the bf16 model's weights: the checkpoint rounded to bf16 and
+    widened back (exact), so it computes on the same values."""
+    ckpt = load_model(model_dir)
+    return LlamaModel(ckpt.config, {n: t.bfloat16().float() for n, t in ckpt.weights.items()})
+
+
+def _linear_names(model: LlamaModel) -> list[tuple[list[Linear], list[list[str]]]]:
+    """Each group of linear layers with the checkpoint names each layer joins."""
+    layers = range(model.config.num_hidden_layers)
+    a, m = "model.layers.{}.self_attn.{}_proj.weight", "model.layers.{}.mlp.{}_proj.weight"
+    return [
+        (model._qkv, [[a.format(i, x) for x in "qkv"] for i in layers]),
+        (model._o, [[a.format(i, "o")] for i in layers]),
+        (model._gate_up, [[m.format(i, x) for x in ("gate", "up")] for i in layers]),
+        (model._down, [[m.format(i, "down")] for i in layers]),
+    ]
+
+
+def _joined(model: LlamaModel, names: list[str]) -> torch.Tensor:
+    """The named ``[out, in]`` weights joined as a layer's ``[in, sum(out)]``."""
+    return torch.cat([model.weights[n] for n in names]).t()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(
@@ -53,7 +77,7 @@ def test_bf16_weights_compute_the_float32_models_arithmetic(model_dir: Path) -> 
     bf16 = load_model(model_dir, dtype="bfloat16")
     assert bf16.dtype is torch.bfloat16
     assert bf16.compute_dtype is torch.float32
-    fp32 = LlamaModel(bf16.config, {n: t.float() for n, t in bf16.weights.items()})
+    fp32 = _widened_model(model_dir)
     cfg = EngineConfig(num_blocks=64, dtype="float32")  # both KV caches float32
     ours = _run(LLMEngine(bf16, None, cfg), 6)
     ref = _run(LLMEngine(fp32, None, EngineConfig(num_blocks=64, linear_kernel="native")), 6)
@@ -64,16 +88,19 @@ def test_bfloat16_keeps_bf16_weights_and_a_bf16_kv_cache(model_dir: Path) -> Non
     engine = LLMEngine.from_model_dir(str(model_dir), EngineConfig(num_blocks=64, dtype="bfloat16"))
     model = engine.model
     assert engine.runner.kv_cache.k[0].dtype is torch.bfloat16
-    for group in (model._qkv, model._o, model._gate_up, model._down):
-        for p in group:
-            assert isinstance(p, Projection)
-            assert p.weight_t.dtype is torch.bfloat16  # half the float32 bytes
+    ckpt = load_model(model_dir)  # float32, as the file holds it
+    for group, names in _linear_names(model):
+        for p, name in zip(group, names, strict=True):
+            assert isinstance(p, Bf16Projection)
+            assert p.weight.tiles.dtype is torch.bfloat16  # half the float32 bytes
             assert p.bias is None or p.bias.dtype is torch.float32
+            assert torch.equal(p.weight.weight_t(), _joined(ckpt, name).bfloat16())
+            assert not any(n in model.weights for n in name)  # the tiles replace them
     assert model.lm_head.dtype is torch.bfloat16
     ours = _run(engine, 6)
     # against the float32 model on the same weights: the KV cache rounding to bf16 is the only
     # difference, so on this tiny model the greedy tokens agree and log-probs stay close
-    fp32 = LlamaModel(model.config, {n: t.float() for n, t in model.weights.items()})
+    fp32 = _widened_model(model_dir)
     ref = _run(LLMEngine(fp32, None, EngineConfig(num_blocks=64)), 6)
     assert [[t for t, _ in r] for r in ours] == [[t for t, _ in r] for r in ref]
     diff = max(abs(a - b) for r, s in zip(ours, ref, strict=True)

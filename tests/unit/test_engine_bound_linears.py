@@ -23,7 +23,7 @@ from pagedkv.engine.gguf_qlinear import GGUFProjection
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.loader import load_model
 from pagedkv.engine.models import bound_linears
-from pagedkv.engine.models.projection import Linear, Projection, linear_into
+from pagedkv.engine.models.projection import Bf16Projection, Linear, Projection, linear_into
 from pagedkv.engine.qlinear import QuantizedProjection
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
@@ -55,8 +55,8 @@ def _layers(in_dim: int, out_dim: int) -> dict[str, Linear]:
         "fp32": Projection(w, None),
         "fp32 bias": Projection(w, b),
         "fp32 few-rows": Projection(w, None, few_rows=True),
-        "bf16": Projection(w.bfloat16(), None),
-        "bf16 bias": Projection(w.bfloat16(), b),
+        "bf16": Bf16Projection.from_weight_t(w.bfloat16(), None),
+        "bf16 bias": Bf16Projection.from_weight_t(w.bfloat16(), b),
         "int8": QuantizedProjection.from_float(w, None),
         "int8 bias": QuantizedProjection.from_float(w, b),
         **_gguf_layers(in_dim, out_dim, b),

@@ -7,9 +7,11 @@
  * activation and the exactly widened weight, summed in float32: for a bf16 checkpoint the
  * same arithmetic as computing in float32 from upcast weights, with half the weight bytes.
  *
- * pagedkv_bf16_nn: y[r, j] = sum_k x[r, k] * w[k, j] (+ bias[j]) for w [in, out] bf16 (row
- *   stride ldw elements; a Projection's layout), columns [j_begin, j_end). Order: for every
- *   (r, j) one fused multiply-add per k, in increasing k, from 0; the bias after the sum.
+ * pagedkv_bf16_tiled: y[r, j] = sum_k x[r, k] * W[k, j] (+ bias[j]) for a weight W [in, out]
+ *   stored as column tiles: t [ceil(out / 16)][in][16] bf16, W[k, j] = t[j / 16][k][j % 16]
+ *   (the last tile zero-padded; bf16_linear.py's TiledWeight packs it), columns [j_begin,
+ *   j_end) with j_begin a multiple of 16. Order: for every (r, j) one fused multiply-add per
+ *   k, in increasing k, from 0; the bias after the sum.
  * pagedkv_bf16_nt: y[r, j] = sum_k x[r, k] * e[j, k] for e [out, in] bf16 (row stride lde; the
  *   tied vocabulary projection's embedding as stored), columns [j_begin, j_end). Order: 8 lane
  *   sums (lane l takes k = l, l + 8, ... below in - in % 8, one FMA each in increasing k),
@@ -18,17 +20,21 @@
  * Neither order depends on the row count or on the split of columns among threads, so a row's
  * output is the same bits alone or in any batch (batch invariance).
  *
- * Blocking (nn): columns in blocks of JB (the rows' partial sums of a block stay in L1/L2),
- * the weight in chunks of KC rows; for each 16-column panel of a chunk every 6-row block runs
- * over it with 12 ymm accumulators loaded from and stored to y between chunks (exact: y is the
- * accumulator), so a chunk's panel comes from memory once and from L1 for the other row
- * blocks (JB = 256 measured the best at 16 rows). One or two rows read the weight in memory
- * order instead (nn_axpy: 2, 4 or 8 weight rows a pass over up to AX_JB columns, y in L1,
- * each weight row's lines prefetched ahead; 8 or 4 accumulators per row).
+ * Why tiles: a tile is one contiguous stream of in * 32 bytes, so a pass over a few tiles
+ * reads a few sequential streams that the hardware prefetcher follows, where the [in, out]
+ * layout made every weight row a separate short stream; and a thread's columns are one
+ * contiguous range of memory. Measured against the [in, out] kernel it replaced (the
+ * development machine, a 2-core AMD EPYC, quiet, 320 MB of weight copies, the same bits):
+ * one row 1.24-2.05x (19.7-23.2 GB/s on SmolLM2's four shapes), two rows 1.17-2.01x, 4-32 rows
+ * 1.3-2.2x (benchmarks/RESULTS.md, "bf16 weights in column tiles").
+ *
+ * Blocking (tiled): one row runs 4 tiles a pass (8 accumulators, 8 FMA chains), two rows 3
+ * tiles (12), each tile's stream prefetched TL_AHEAD k ahead once per 64-byte line; 3..32 rows
+ * run each tile through 6-row register blocks (12 accumulators) over all of k, so a tile comes
+ * from memory once and from L1/L2 for the other row blocks (whole k measured faster than
+ * chunks of 16, 64 or 128 k). Columns of a last partial tile take the scalar loop.
  * nt keeps 4 rows x 3 embedding rows of lane sums in registers; 1 row takes 8 embedding rows
  * (2 rows: 4) at a time, 8 FMA chains, each row's stream prefetching the next group's.
- * Measured (benchmarks/RESULTS.md, "bf16 one-row streaming" and "one-row bf16 linears in the
- * weight's memory order"), one row out of cache: 1.23x then 1.14-1.16x over a layer's linears.
  *
  * Builds: with AVX2 + FMA (gcc -march=native on such a CPU) the vector paths widen 8 weights
  * with vpmovzxwd + vpslld; otherwise the portable loops run (fmaf: the same single rounding
@@ -50,15 +56,12 @@
 #define BF_AVX2 0
 #endif
 
-#ifndef JB
-#define JB 256 /* columns per block (nn), 3+ rows: their partial sums stay in L1/L2 */
-#endif
-#ifndef KC
-#define KC 16 /* weight rows per chunk (nn) */
-#endif
-#define PANEL 16 /* columns per panel (nn): 2 vectors of 8 */
-#define RB 6     /* rows per register block (nn) */
+#define TILE 16  /* columns per tile: 2 vectors of 8 */
+#define RB 6     /* rows per register block (tiled, 3+ rows) */
 #define RB_NT 4  /* rows per register block (nt) */
+#ifndef TL_AHEAD
+#define TL_AHEAD 16 /* k rows of a tile prefetched ahead (512 bytes) */
+#endif
 
 static inline float widen(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -67,14 +70,14 @@ static inline float widen(uint16_t b) {
     return f;
 }
 
-/* Columns [j0, j1) of rows [0, nr), weight rows [k0, k1), one scalar FMA at a time. */
-static void nn_scalar(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
-                      int64_t ldy, int64_t nr, int64_t k0, int64_t k1, int64_t j0, int64_t j1) {
+/* Columns [j0, j1) of rows [0, nr) of the tiled weight t, one scalar FMA at a time. */
+static void tl_scalar(const float *x, int64_t ldx, const uint16_t *t, int64_t in, float *y,
+                      int64_t ldy, int64_t nr, int64_t j0, int64_t j1) {
     for (int64_t r = 0; r < nr; r++)
         for (int64_t j = j0; j < j1; j++) {
-            float acc = k0 ? y[r * ldy + j] : 0.0f;
-            for (int64_t k = k0; k < k1; k++)
-                acc = fmaf(x[r * ldx + k], widen(w[k * ldw + j]), acc);
+            const uint16_t *tj = t + (j / TILE) * in * TILE + j % TILE;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < in; k++) acc = fmaf(x[r * ldx + k], widen(tj[k * TILE]), acc);
             y[r * ldy + j] = acc;
         }
 }
@@ -86,152 +89,105 @@ static inline __m256 load8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-#define NN_LOAD(r, v) c##r##v = first ? z : _mm256_loadu_ps(y + (r) * ldy + 8 * (v))
-#define NN_FMA(r)                                               \
-    if (NR > r) {                                               \
-        __m256 xv = _mm256_broadcast_ss(x + (r) * ldx + k);     \
-        c##r##0 = _mm256_fmadd_ps(xv, w0, c##r##0);             \
-        if (NV > 1) c##r##1 = _mm256_fmadd_ps(xv, w1, c##r##1); \
+/* A prefetch past the weight's end is harmless (prefetches never fault). */
+#define PF_AT(p) _mm_prefetch((const char *)(uintptr_t)(p), _MM_HINT_T0)
+
+#define NN_FMA(r)                                           \
+    if (NR > r) {                                           \
+        __m256 xv = _mm256_broadcast_ss(x + (r) * ldx + k); \
+        c##r##0 = _mm256_fmadd_ps(xv, w0, c##r##0);         \
+        c##r##1 = _mm256_fmadd_ps(xv, w1, c##r##1);         \
     }
-#define NN_ROW_LOAD(r)           \
-    if (NR > r) {                \
-        NN_LOAD(r, 0);           \
-        if (NV > 1) NN_LOAD(r, 1); \
+#define NN_ROW_STORE(r)                                 \
+    if (NR > r) {                                       \
+        _mm256_storeu_ps(y + (r) * ldy, c##r##0);       \
+        _mm256_storeu_ps(y + (r) * ldy + 8, c##r##1);   \
     }
-#define NN_ROW_STORE(r)                                           \
-    if (NR > r) {                                                 \
-        _mm256_storeu_ps(y + (r) * ldy, c##r##0);                 \
-        if (NV > 1) _mm256_storeu_ps(y + (r) * ldy + 8, c##r##1); \
-    }
-/* NR rows x NV vectors (constants after inlining) over weight rows [k0, k1) of the panel at
- * w: named accumulators so they stay in registers (12 + 2 weights + a broadcast). */
+/* NR rows (a constant after inlining) over all of the tile t: named accumulators so they
+ * stay in registers (12 + 2 weights + a broadcast). */
 static inline __attribute__((always_inline)) void nn_block(
-    const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
-    const int NR, const int NV, int64_t k0, int64_t k1) {
+    const float *x, int64_t ldx, const uint16_t *t, float *y, int64_t ldy, const int NR,
+    int64_t in) {
     __m256 z = _mm256_setzero_ps();
-    const int first = k0 == 0;
     __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z;
     __m256 c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
-    NN_ROW_LOAD(0) NN_ROW_LOAD(1) NN_ROW_LOAD(2) NN_ROW_LOAD(3) NN_ROW_LOAD(4) NN_ROW_LOAD(5)
-    for (int64_t k = k0; k < k1; k++) {
-        const uint16_t *wk = w + k * ldw;
-        __m256 w0 = load8(wk);
-        __m256 w1 = NV > 1 ? load8(wk + 8) : z;
+    for (int64_t k = 0; k < in; k++) {
+        __m256 w0 = load8(t + k * TILE), w1 = load8(t + k * TILE + 8);
         NN_FMA(0) NN_FMA(1) NN_FMA(2) NN_FMA(3) NN_FMA(4) NN_FMA(5)
     }
     NN_ROW_STORE(0) NN_ROW_STORE(1) NN_ROW_STORE(2) NN_ROW_STORE(3) NN_ROW_STORE(4)
     NN_ROW_STORE(5)
 }
 
-#define NN_CASE(nr, nv) nn_block(xr, ldx, wp, ldw, yr, ldy, nr, nv, k0, k1)
-static void nn_rows(const float *x, int64_t ldx, const uint16_t *wp, int64_t ldw, float *y,
-                    int64_t ldy, int64_t rows, int nv, int64_t k0, int64_t k1) {
+/* Every row over the tile t (its 16 columns of y at y), RB rows a register block. */
+static void nn_rows(const float *x, int64_t ldx, const uint16_t *t, float *y, int64_t ldy,
+                    int64_t rows, int64_t in) {
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-        int64_t nr = rows - r0 < RB ? rows - r0 : RB;
         const float *xr = x + r0 * ldx;
         float *yr = y + r0 * ldy;
-        switch (nr * 2 + nv - 1) { /* nv is 1 or 2 */
-            case 2: NN_CASE(1, 1); break;
-            case 3: NN_CASE(1, 2); break;
-            case 4: NN_CASE(2, 1); break;
-            case 5: NN_CASE(2, 2); break;
-            case 6: NN_CASE(3, 1); break;
-            case 7: NN_CASE(3, 2); break;
-            case 8: NN_CASE(4, 1); break;
-            case 9: NN_CASE(4, 2); break;
-            case 10: NN_CASE(5, 1); break;
-            case 11: NN_CASE(5, 2); break;
-            case 12: NN_CASE(6, 1); break;
-            default: NN_CASE(6, 2);
+        switch (rows - r0 < RB ? rows - r0 : RB) {
+            case 1: nn_block(xr, ldx, t, yr, ldy, 1, in); break;
+            case 2: nn_block(xr, ldx, t, yr, ldy, 2, in); break;
+            case 3: nn_block(xr, ldx, t, yr, ldy, 3, in); break;
+            case 4: nn_block(xr, ldx, t, yr, ldy, 4, in); break;
+            case 5: nn_block(xr, ldx, t, yr, ldy, 5, in); break;
+            default: nn_block(xr, ldx, t, yr, ldy, 6, in);
         }
     }
 }
 
-/* One row over a 64-column panel, or two rows over a 32-column one: 8 accumulators, so 8
- * independent FMA chains hide the FMA latency (the 6 x 16 block has 2 chains per row when it
- * runs 1 or 2 rows). The same order per output as every other path. */
-/* The same columns PF_ROWS weight rows ahead (a later chunk), one prefetch per 64-byte line:
- * the hardware prefetcher alone does not keep up with a chunk's KC interleaved row streams.
- * A prefetch past the weight's end is harmless (prefetches never fault). */
-#define PF_AT(p) _mm_prefetch((const char *)(uintptr_t)(p), _MM_HINT_T0)
-/* One or two rows in the weight's memory order: R weight rows per pass over a block of at
- * most AX_JB columns (y stays in L1 and is the accumulator between passes), each line of the R
- * rows prefetched pf elements ahead. Per output still one FMA per k in increasing k, from 0
- * (the stated order: the same bits as every other path). Reading R rows side by side, in
- * order, streams better here than a chunk's 64- or 32-column panels: measured on the
- * development machine (2-core AMD EPYC, quiet, 320 MB of weight copies), one row 576x192
- * 10.1 -> 13.5 GB/s, 576x576 and 1536x576 11.2 -> 12.0, 576x1536 15.9 -> 19.0; two rows
- * 1.09-1.74x per shape (benchmarks/RESULTS.md, session 11). */
-#define AX_JB 2048
-#define AX_FMA(v)                                                      \
-    {                                                                  \
-        __m256 wv = load8(wi + 8 * (v));                               \
-        a0##v = _mm256_fmadd_ps(xv[0][i], wv, a0##v);                  \
-        if (M > 1) a1##v = _mm256_fmadd_ps(xv[1][i], wv, a1##v);       \
+#define TL_PF(i) \
+    if (NT > i) PF_AT(t##i + (k + TL_AHEAD) * TILE)
+#define TL_FMA(i)                                                                 \
+    if (NT > i) {                                                                 \
+        __m256 u0 = load8(t##i + k * TILE), u1 = load8(t##i + k * TILE + 8);     \
+        a##i##0 = _mm256_fmadd_ps(xa, u0, a##i##0);                               \
+        a##i##1 = _mm256_fmadd_ps(xa, u1, a##i##1);                               \
+        if (M > 1) {                                                              \
+            b##i##0 = _mm256_fmadd_ps(xb, u0, b##i##0);                           \
+            b##i##1 = _mm256_fmadd_ps(xb, u1, b##i##1);                           \
+        }                                                                         \
     }
-#define AX_LOAD(m, v) \
-    __m256 a##m##v = first || M <= (m) ? z : _mm256_loadu_ps(y + (m) * ldy + j + 8 * (v))
-#define AX_STORE(m, v) \
-    if (M > (m)) _mm256_storeu_ps(y + (m) * ldy + j + 8 * (v), a##m##v)
-static inline __attribute__((always_inline)) void ax_pass(
-    const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
-    int64_t j0, int64_t j1, const int M, const int R, int64_t pf, const int first) {
-    __m256 xv[2][8];
-    for (int m = 0; m < M; m++)
-        for (int i = 0; i < R; i++) xv[m][i] = _mm256_broadcast_ss(x + m * ldx + i);
+#define TL_STORE(i)                                               \
+    if (NT > i) {                                                 \
+        _mm256_storeu_ps(y + TILE * (i), a##i##0);                \
+        _mm256_storeu_ps(y + TILE * (i) + 8, a##i##1);            \
+        if (M > 1) {                                              \
+            _mm256_storeu_ps(y + ldy + TILE * (i), b##i##0);      \
+            _mm256_storeu_ps(y + ldy + TILE * (i) + 8, b##i##1);  \
+        }                                                         \
+    }
+/* M = 1 or 2 rows over NT <= 4 consecutive tiles from t0 (constants after inlining), all of
+ * k: 2 * NT * M accumulators (M = 2 takes NT <= 3: 12 of the 16 registers). */
+static inline __attribute__((always_inline)) void tl_pass(
+    const float *x, int64_t ldx, const uint16_t *t0, int64_t in, float *y, int64_t ldy,
+    const int M, const int NT) {
+    const uint16_t *t1 = t0 + in * TILE, *t2 = t1 + in * TILE, *t3 = t2 + in * TILE;
     __m256 z = _mm256_setzero_ps();
-    int64_t j = j0;
-    for (; j + 32 <= j1; j += 32) {
-        if (pf)
-            for (int i = 0; i < R; i++) PF_AT(w + i * ldw + j + pf);
-        AX_LOAD(0, 0); AX_LOAD(0, 1); AX_LOAD(0, 2); AX_LOAD(0, 3);
-        AX_LOAD(1, 0); AX_LOAD(1, 1); AX_LOAD(1, 2); AX_LOAD(1, 3);
-        for (int i = 0; i < R; i++) {
-            const uint16_t *wi = w + i * ldw + j;
-            AX_FMA(0) AX_FMA(1) AX_FMA(2) AX_FMA(3)
+    __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;
+    __m256 b00 = z, b01 = z, b10 = z, b11 = z, b20 = z, b21 = z, b30 = z, b31 = z;
+    for (int64_t k = 0; k < in; k++) {
+        if ((k & 1) == 0) { /* a 64-byte line holds 2 k of a tile */
+            TL_PF(0); TL_PF(1); TL_PF(2); TL_PF(3);
         }
-        AX_STORE(0, 0); AX_STORE(0, 1); AX_STORE(0, 2); AX_STORE(0, 3);
-        AX_STORE(1, 0); AX_STORE(1, 1); AX_STORE(1, 2); AX_STORE(1, 3);
+        __m256 xa = _mm256_broadcast_ss(x + k);
+        __m256 xb = M > 1 ? _mm256_broadcast_ss(x + ldx + k) : z;
+        TL_FMA(0) TL_FMA(1) TL_FMA(2) TL_FMA(3)
     }
-    for (; j < j1; j += 8) {
-        AX_LOAD(0, 0); AX_LOAD(1, 0);
-        for (int i = 0; i < R; i++) {
-            const uint16_t *wi = w + i * ldw + j;
-            AX_FMA(0)
-        }
-        AX_STORE(0, 0); AX_STORE(1, 0);
-    }
+    TL_STORE(0) TL_STORE(1) TL_STORE(2) TL_STORE(3)
 }
 
-/* Columns [j0, j1) (a multiple of 8 wide) of M = 1 or 2 rows: R and the prefetch distance by
- * the width a pass covers (the measured best of R = 2, 4, 8, 16 and 0-32 rows ahead, at one
- * row). */
-#define AX_RUN(R, ahead)                                                                     \
-    for (; k + (R) <= in; k += (R))                                                         \
-        ax_pass(x + k, ldx, w + k * ldw, ldw, y, ldy, jb, je, M, (R), (ahead) * ldw, !k)
-static inline __attribute__((always_inline)) void nn_axpy(
-    const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
-    const int M, int64_t j0, int64_t j1, int64_t in) {
-    for (int64_t jb = j0; jb < j1; jb += AX_JB) {
-        int64_t je = j1 - jb < AX_JB ? j1 : jb + AX_JB;
-        int64_t span = je - jb, k = 0;
-        if (span >= 1024)
-            AX_RUN(8, 4);
-        else if (span >= 384)
-            AX_RUN(4, 16);
-        else
-            AX_RUN(2, 2);
-        AX_RUN(1, 0);
-    }
-}
-
-/* Weight rows [k0, k1) over the vector columns [jb, jb_end) of a column block. */
-static void nn_panels(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
-                      int64_t ldy, int64_t rows, int64_t jb, int64_t jb_end, int64_t k0,
-                      int64_t k1) {
-    for (int64_t j = jb; j < jb_end; j += PANEL) {
-        int nv = jb_end - j < PANEL ? 1 : 2;
-        nn_rows(x, ldx, w + j, ldw, y + j, ldy, rows, nv, k0, k1);
+/* The full tiles of columns [j, full) (multiples of 16) of 1..32 rows. */
+static void tl_vector(const float *x, int64_t ldx, const uint16_t *t, float *y, int64_t ldy,
+                      int64_t rows, int64_t in, int64_t j, int64_t full) {
+    if (rows == 1) {
+        for (; j + 4 * TILE <= full; j += 4 * TILE) tl_pass(x, ldx, t + j * in, in, y + j, ldy, 1, 4);
+        for (; j < full; j += TILE) tl_pass(x, ldx, t + j * in, in, y + j, ldy, 1, 1);
+    } else if (rows == 2) {
+        for (; j + 3 * TILE <= full; j += 3 * TILE) tl_pass(x, ldx, t + j * in, in, y + j, ldy, 2, 3);
+        for (; j < full; j += TILE) tl_pass(x, ldx, t + j * in, in, y + j, ldy, 2, 1);
+    } else {
+        for (; j < full; j += TILE) nn_rows(x, ldx, t + j * in, y + j, ldy, rows, in);
     }
 }
 #endif
@@ -243,39 +199,24 @@ static void add_bias(const float *bias, float *y, int64_t ldy, int64_t rows, int
         for (int64_t j = j0; j < j1; j++) y[r * ldy + j] += bias[j];
 }
 
-static int nn_bad(int64_t rows, int64_t in, int64_t out, int64_t j_begin, int64_t j_end,
-                  int64_t ldx, int64_t ldw, int64_t ldy) {
-    return rows < 0 || in < 0 || j_begin < 0 || j_end > out || j_begin > j_end || ldx < in ||
-           ldw < out || ldy < out;
+static int tl_bad(int64_t rows, int64_t in, int64_t out, int64_t j_begin, int64_t j_end,
+                  int64_t ldx, int64_t ldy) {
+    return rows < 0 || in < 0 || j_begin < 0 || j_begin % TILE || j_end > out ||
+           j_begin > j_end || ldx < in || ldy < out;
 }
 
-static void zero_cols(float *y, int64_t ldy, int64_t rows, int64_t j0, int64_t j1) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = j0; j < j1; j++) y[r * ldy + j] = 0.0f;
-}
-
-int pagedkv_bf16_nn(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
-                    const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
-                    int64_t out, int64_t j_begin, int64_t j_end) {
-    if (nn_bad(rows, in, out, j_begin, j_end, ldx, ldw, ldy)) return -1;
-    if (in == 0) zero_cols(y, ldy, rows, j_begin, j_end);
-    int64_t vec_end = j_begin; /* vector columns [j_begin, vec_end) */
+int pagedkv_bf16_tiled(const float *x, int64_t ldx, const uint16_t *t, const float *bias,
+                       float *y, int64_t ldy, int64_t rows, int64_t in, int64_t out,
+                       int64_t j_begin, int64_t j_end) {
+    if (tl_bad(rows, in, out, j_begin, j_end, ldx, ldy)) return -1;
+    int64_t j = j_begin; /* columns from j take the scalar loop */
 #if BF_AVX2
-    vec_end = j_begin + (j_end - j_begin) / 8 * 8;
-    if (rows == 1) nn_axpy(x, ldx, w, ldw, y, ldy, 1, j_begin, vec_end, in);
-    if (rows == 2) nn_axpy(x, ldx, w, ldw, y, ldy, 2, j_begin, vec_end, in);
-    for (int64_t jb = j_begin; jb < vec_end && rows > 2; jb += JB) {
-        int64_t jb_end = vec_end - jb < JB ? vec_end : jb + JB;
-        for (int64_t k0 = 0; k0 < in; k0 += KC) {
-            int64_t k1 = in - k0 < KC ? in : k0 + KC;
-            nn_panels(x, ldx, w, ldw, y, ldy, rows, jb, jb_end, k0, k1);
-        }
+    if (rows > 0) {
+        j = j_begin + (j_end - j_begin) / TILE * TILE;
+        tl_vector(x, ldx, t, y, ldy, rows, in, j_begin, j);
     }
 #endif
-    for (int64_t k0 = 0; k0 < in; k0 += KC) {
-        int64_t k1 = in - k0 < KC ? in : k0 + KC;
-        nn_scalar(x, ldx, w, ldw, y, ldy, rows, k0, k1, vec_end, j_end);
-    }
+    tl_scalar(x, ldx, t, in, y, ldy, rows, j, j_end);
     add_bias(bias, y, ldy, rows, j_begin, j_end);
     return 0;
 }
@@ -438,12 +379,11 @@ int pagedkv_bf16_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t lde,
 }
 
 /* The portable paths, exported so tests can check they give the vector paths' bits. */
-int pagedkv_bf16_nn_portable(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
-                             const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
-                             int64_t out, int64_t j_begin, int64_t j_end) {
-    if (nn_bad(rows, in, out, j_begin, j_end, ldx, ldw, ldy)) return -1;
-    zero_cols(y, ldy, rows, j_begin, j_end);
-    if (in > 0) nn_scalar(x, ldx, w, ldw, y, ldy, rows, 0, in, j_begin, j_end);
+int pagedkv_bf16_tiled_portable(const float *x, int64_t ldx, const uint16_t *t,
+                                const float *bias, float *y, int64_t ldy, int64_t rows,
+                                int64_t in, int64_t out, int64_t j_begin, int64_t j_end) {
+    if (tl_bad(rows, in, out, j_begin, j_end, ldx, ldy)) return -1;
+    tl_scalar(x, ldx, t, in, y, ldy, rows, j_begin, j_end);
     add_bias(bias, y, ldy, rows, j_begin, j_end);
     return 0;
 }
@@ -459,16 +399,16 @@ int pagedkv_bf16_nt_portable(const float *x, int64_t ldx, const uint16_t *e, int
 /* 1 when this build runs the AVX2 paths (the wrapper reports it). */
 int pagedkv_bf16_vector_build(void) { return BF_AVX2; }
 
-/* ---- One call over all columns, split among threads (pagedkv_bf16_{nn,nt}_par) ----
+/* ---- One call over all columns, split among threads (pagedkv_bf16_{tiled,nt}_par) ----
  *
  * Built with -fopenmp (bf16_linear.py's first flag set), the parts run on the process's
  * OpenMP threads: torch's, which is loaded first and whose soname (libgomp.so.1) the dynamic
  * linker reuses, so no second pool of threads competes with torch's for the cores (each
  * part a Python worker's call was dear enough that a batch-1 step split only its
- * vocabulary projection). Parts are columns on 16-column panels, at least BF_PAR_MIN_MACS
- * multiply-adds each (nn at 1-2 rows: BF_PAR_MIN_MACS_NARROW, see pagedkv_bf16_nn_par), and a
- * part's outputs do not depend on the split (the header), so the
- * bits are the one-thread call's. Without OpenMP the parts run one after another here. */
+ * vocabulary projection). Parts are columns on whole tiles (16 columns), at least
+ * BF_PAR_MIN_MACS multiply-adds each, so a tiled part reads one contiguous range of the
+ * weight; a part's outputs do not depend on the split (the header), so the bits are the
+ * one-thread call's. Without OpenMP the parts run one after another here. */
 #ifdef _OPENMP
 #include <omp.h>
 #define BF_IN_PARALLEL omp_in_parallel()
@@ -478,9 +418,6 @@ int pagedkv_bf16_vector_build(void) { return BF_AVX2; }
 #define BF_PAR_MAX 8
 #ifndef BF_PAR_MIN_MACS
 #define BF_PAR_MIN_MACS (1 << 15)
-#endif
-#ifndef BF_PAR_MIN_MACS_NARROW
-#define BF_PAR_MIN_MACS_NARROW (1 << 21) /* nn at 1-2 rows (the Python workers' threshold) */
 #endif
 
 int pagedkv_bf16_openmp(void) {
@@ -496,31 +433,28 @@ int pagedkv_bf16_openmp(void) {
 static int bf_cuts(int64_t rows, int64_t in, int64_t out, int threads, int64_t min_macs,
                    int64_t *cuts) {
     int64_t parts = threads < BF_PAR_MAX ? threads : BF_PAR_MAX;
-    const int64_t panels = (out + PANEL - 1) / PANEL;
+    const int64_t panels = (out + TILE - 1) / TILE;
     if (parts > panels) parts = panels;
     if (parts > rows * in * out / min_macs) parts = rows * in * out / min_macs;
     if (parts < 1 || BF_IN_PARALLEL) parts = 1;
     for (int64_t p = 0; p <= parts; p++) {
-        const int64_t c = PANEL * ((panels * p + parts / 2) / parts);
+        const int64_t c = TILE * ((panels * p + parts / 2) / parts);
         cuts[p] = c < out ? c : out;
     }
     return (int)parts;
 }
 
-int pagedkv_bf16_nn_par(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
-                        const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
-                        int64_t out, int threads) {
+int pagedkv_bf16_tiled_par(const float *x, int64_t ldx, const uint16_t *t, const float *bias,
+                           float *y, int64_t ldy, int64_t rows, int64_t in, int64_t out,
+                           int threads) {
     int64_t cuts[BF_PAR_MAX + 1];
     int rcs[BF_PAR_MAX] = {0};
-    /* One or two rows split only large weights (BF_PAR_MIN_MACS_NARROW): both threads would read
-     * every weight row, half of it each, and measured no faster than one (576x1536, cold). */
-    const int64_t min_macs = rows <= 2 ? BF_PAR_MIN_MACS_NARROW : BF_PAR_MIN_MACS;
-    const int parts = bf_cuts(rows, in, out, threads, min_macs, cuts);
-    if (parts == 1) return pagedkv_bf16_nn(x, ldx, w, ldw, bias, y, ldy, rows, in, out, 0, out);
+    const int parts = bf_cuts(rows, in, out, threads, BF_PAR_MIN_MACS, cuts);
+    if (parts == 1) return pagedkv_bf16_tiled(x, ldx, t, bias, y, ldy, rows, in, out, 0, out);
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
     for (int p = 0; p < parts; p++)
-        rcs[p] = pagedkv_bf16_nn(x, ldx, w, ldw, bias, y, ldy, rows, in, out, cuts[p],
-                                 cuts[p + 1]);
+        rcs[p] = pagedkv_bf16_tiled(x, ldx, t, bias, y, ldy, rows, in, out, cuts[p],
+                                    cuts[p + 1]);
     for (int p = 0; p < parts; p++)
         if (rcs[p]) return rcs[p];
     return 0;

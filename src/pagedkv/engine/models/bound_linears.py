@@ -10,7 +10,7 @@ size and thread count (the buffers are kept across steps, so in practice once), 
 
 - a float32 ``Projection``: ``torch.mm(x, W, out=out)`` (``addmm`` with a bias) through
   ``functools.partial``, the call ``Projection.into`` makes, so the same bits;
-- a bfloat16 ``Projection``: :func:`bf16_linear.bind_into`'s prebuilt kernel call;
+- a ``Bf16Projection``: :func:`bf16_linear.bind_into`'s prebuilt kernel call;
 - an int8 ``QuantizedProjection``: :meth:`QuantizedProjection.bind_into`'s;
 - a ``GGUFProjection`` (the file's blocks, float32 or 8-bit activations):
   :meth:`GGUFProjection.bind_into`'s;
@@ -32,7 +32,7 @@ import torch
 from pagedkv.engine import bf16_linear, fewrow
 from pagedkv.engine.gguf_qlinear import GGUFProjection
 from pagedkv.engine.layer_op_buffers import StepBuffers
-from pagedkv.engine.models.projection import Linear, Projection, linear_into
+from pagedkv.engine.models.projection import Bf16Projection, Linear, Projection, linear_into
 from pagedkv.engine.qlinear import QuantizedProjection
 
 Call = Callable[[], torch.Tensor]
@@ -41,13 +41,13 @@ LayerCalls = tuple[Call, Call, Call, Call]  # q/k/v, o, gate/up, down
 
 def bind_into(p: Linear, x: torch.Tensor, out: torch.Tensor) -> Call:
     """``linear_into(p, x, out)`` as a zero-argument call (module docstring)."""
-    if type(p) is Projection:
+    if type(p) is Bf16Projection:
+        bound = bf16_linear.bind_into(x, p.weight, p.bias, out)
+        if bound is not None:
+            return bound
+    elif type(p) is Projection:
         w, bias = p.weight_t, p.bias
-        if w.dtype is torch.bfloat16 and x.dtype is torch.float32:
-            bound = bf16_linear.bind_into(x, w, bias, out)
-            if bound is not None:
-                return bound
-        elif not (p.few_rows and fewrow.accepts(x)) and w.dtype is x.dtype is out.dtype:
+        if not (p.few_rows and fewrow.accepts(x)) and w.dtype is x.dtype is out.dtype:
             if bias is None:
                 return partial(torch.mm, x, w, out=out)
             return partial(torch.addmm, bias, x, w, out=out)

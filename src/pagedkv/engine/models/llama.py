@@ -18,8 +18,11 @@ the linear layers and the vocabulary projection keep their bf16 weights and run
 :mod:`pagedkv.engine.bf16_linear`'s kernel, the embedding rows widen on lookup, the norm
 weights and biases widen once at load, and every activation is float32 (``compute_dtype``):
 for a bf16 checkpoint the float32 model's arithmetic on the same weights, with half the weight
-bytes. ``dtype`` stays the weights' dtype (bfloat16), and so the KV cache's. Without the
-kernel a bfloat16 model computes in bfloat16 with torch's ops, as before.
+bytes. The linear layers' weights are repacked into the kernel's column tiles
+(:class:`Bf16Projection`), so their checkpoint names leave ``weights`` (as a quantized
+layer's do; ``Bf16Projection.weight.weight_t()`` rebuilds one exactly). ``dtype`` stays the
+weights' dtype (bfloat16), and so the KV cache's. Without the kernel a bfloat16 model
+computes in bfloat16 with torch's ops, as before.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
 from pagedkv.engine.models.bound_linears import BoundLinears, LayerCalls
 from pagedkv.engine.models.projection import (
+    Bf16Projection,
     Linear,
     Projection,
     to_quantized,
@@ -177,19 +181,25 @@ class LlamaModel:
         """``t`` in the compute dtype (a float32 copy of a small bf16 tensor, or ``t``)."""
         return t if t.dtype is self.compute_dtype else t.to(self.compute_dtype)
 
-    def _project(self, prefixes: list[str]) -> Projection:
+    def _project(self, prefixes: list[str]) -> Projection | Bf16Projection:
         """One projection for the named linears that read the same input (q/k/v; gate/up):
         one matmul instead of several, bit-identical outputs on CPU. The weight is kept
         transposed, ``[in, out]``: with 16 rows and weights streaming from memory, ``x @ W``
         measured ~5% faster per decode step than ``x @ W.T`` (the same rounding: both are
         row-for-row identical across batch sizes from 4 rows up). The checkpoint's names stay
-        in ``weights`` as views of it, so memory is not doubled."""
+        in ``weights`` as views of it, so memory is not doubled; bf16 weights computing in
+        float32 are repacked into the kernel's tiles instead, and their names leave
+        ``weights`` (module docstring)."""
         names = [f"{p}.weight" for p in prefixes]
         wt = torch.cat([self.weights[n] for n in names]).t().contiguous()  # [in, sum(out)]
+        tiled = wt.dtype is torch.bfloat16 and self.compute_dtype is torch.float32
         start = 0
         for n in names:
             rows = self.weights[n].shape[0]
-            self.weights[n] = wt[:, start : start + rows].t()
+            if tiled:
+                del self.weights[n]
+            else:
+                self.weights[n] = wt[:, start : start + rows].t()
             start += rows
         bias = None
         bias_names = [f"{p}.bias" for p in prefixes]
@@ -201,6 +211,8 @@ class LlamaModel:
                 self.weights[n] = bias[start : start + size]
                 start += size
             bias = self._widened(bias)
+        if tiled:
+            return Bf16Projection.from_weight_t(wt, bias)
         return Projection(wt, bias)
 
     def quantize(self, method: str) -> None:
@@ -259,7 +271,7 @@ class LlamaModel:
         for group, i, names, new in plan:
             group[i] = new
             for name in names:
-                self.weights.pop(f"{name}.weight")
+                self.weights.pop(f"{name}.weight", None)  # a Bf16Projection's left already
                 self.weights.pop(f"{name}.bias", None)
         self._lm_head_q = head
         self.quantization = method

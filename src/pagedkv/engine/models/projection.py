@@ -1,6 +1,8 @@
 """A Llama layer's linear projection: the float layer (:class:`Projection`, its weight kept
-transposed, ``[in, out]``) and the helpers the model's forwards call on any ``Linear`` (a float
-``Projection`` or a quantized layer with the same call signature)."""
+transposed, ``[in, out]``), the bfloat16 layer of a CPU model computing in float32
+(:class:`Bf16Projection`, its weight in the bf16 kernel's column tiles), and the helpers the
+model's forwards call on any ``Linear`` (either, or a quantized layer with the same call
+signature)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.engine import bf16_linear, fewrow
+from pagedkv.engine.bf16_linear import TiledWeight
 from pagedkv.engine.qlinear import QuantizedProjection
 from pagedkv.errors import InvalidRequestError
 
@@ -18,17 +21,14 @@ from pagedkv.errors import InvalidRequestError
 class Projection:
     """A linear layer with its weight stored transposed (``[in, out]``) and an optional bias.
     ``few_rows``: calls of 2..32 rows take :mod:`pagedkv.engine.fewrow`'s kernel
-    (``EngineConfig.linear_kernel="native"``), the others ``torch.mm``. A bfloat16 weight
-    with float32 inputs (and a float32 bias) runs :mod:`pagedkv.engine.bf16_linear`: bf16
-    storage, float32 compute."""
+    (``EngineConfig.linear_kernel="native"``), the others ``torch.mm`` (in the weight's
+    dtype: a bf16 CPU model computing in float32 holds :class:`Bf16Projection` instead)."""
 
     weight_t: torch.Tensor
     bias: torch.Tensor | None
     few_rows: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t.dtype is torch.bfloat16 and x.dtype is torch.float32:
-            return bf16_linear.linear(x, self.weight_t, self.bias)
         if self.few_rows and fewrow.accepts(x):
             return fewrow.linear(x, self.weight_t, self.bias)
         if self.bias is None:
@@ -37,8 +37,6 @@ class Projection:
 
     def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``self(x)`` written into ``out`` (the same kernel, so the same bits)."""
-        if self.weight_t.dtype is torch.bfloat16 and x.dtype is torch.float32:
-            return bf16_linear.linear(x, self.weight_t, self.bias, out)
         if self.few_rows and fewrow.accepts(x):
             return fewrow.linear(x, self.weight_t, self.bias, out)
         if self.bias is None:
@@ -46,12 +44,33 @@ class Projection:
         return torch.addmm(self.bias, x, self.weight_t, out=out)
 
 
-Linear = Callable[[torch.Tensor], torch.Tensor]  # a Projection or a QuantizedProjection
+@dataclass(frozen=True, slots=True)
+class Bf16Projection:
+    """A linear layer with a bfloat16 weight in column tiles and an optional float32 bias,
+    called with float32 inputs: :mod:`pagedkv.engine.bf16_linear`'s kernel (bf16 storage,
+    float32 compute; more than ``MAX_ROWS`` rows: ``torch.mm`` over a widened copy)."""
+
+    weight: TiledWeight
+    bias: torch.Tensor | None
+
+    @classmethod
+    def from_weight_t(cls, weight_t: torch.Tensor, bias: torch.Tensor | None) -> Bf16Projection:
+        return cls(TiledWeight.from_weight_t(weight_t), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return bf16_linear.linear(x, self.weight, self.bias)
+
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` written into ``out`` (the same kernel, so the same bits)."""
+        return bf16_linear.linear(x, self.weight, self.bias, out)
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]  # a Projection, Bf16Projection or quantized
 
 
 def linear_into(p: Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``p(x)``, into ``out`` when ``p`` is a float projection; contiguous either way."""
-    if isinstance(p, Projection):
+    if isinstance(p, Projection | Bf16Projection):
         return p.into(x, out)
     return p(x).contiguous()
 
@@ -63,7 +82,9 @@ def unit_stride(w: torch.Tensor) -> bool:
 
 def to_quantized(p: Linear) -> QuantizedProjection:
     """``p`` as an int8 weight-only layer (:mod:`pagedkv.engine.qlinear`); only a float
-    :class:`Projection` can be quantized."""
+    :class:`Projection` or a :class:`Bf16Projection` can be quantized."""
+    if isinstance(p, Bf16Projection):
+        return QuantizedProjection.from_float(p.weight.weight_t(), p.bias)
     if not isinstance(p, Projection):
         raise InvalidRequestError(f"cannot quantize a {type(p).__name__}")
     return QuantizedProjection.from_float(p.weight_t, p.bias)
