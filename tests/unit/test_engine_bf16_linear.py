@@ -160,6 +160,22 @@ def test_every_pass_width_gives_the_portable_and_few_row_bits(
         assert torch.equal(fewrow.linear(x, w.widened().contiguous(), bias), one)
 
 
+@pytest.mark.parametrize("out_dim", [1, 2, 3, 4, 7, 8, 9, 11, 24, 25, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+def test_every_vocabulary_stream_split_gives_the_portable_bits(rows: int, out_dim: int) -> None:
+    """The vocabulary projection spreads a range's columns over 8 (one row), 4 (two rows) or 3
+    (more rows) streams of ``width // streams`` columns, and the columns left over take the
+    3-row blocks: every width from none spread to some left over gives the portable bits and,
+    from 2 rows, the float32 few-row kernel's."""
+    gen = torch.Generator().manual_seed(rows * 100 + out_dim)
+    e = _bf16(out_dim, 83, gen=gen)
+    x = torch.randn(rows, 83, generator=gen)
+    one = bf16_linear.linear_nt(x, e, threads=1)
+    assert torch.equal(bf16_linear.linear_nt(x, e, threads=1, portable=True), one)
+    if rows > 1:
+        assert torch.equal(fewrow.linear_nt(x, e.float()), one)
+
+
 @pytest.mark.parametrize("out_dim", [1, 15, 16, 17, 203])
 def test_tiles_pack_and_unpack_exactly(out_dim: int) -> None:
     """``W[k, j] = tiles[j // 16, k, j % 16]``, zeros past the last column, and both the bf16

@@ -34,7 +34,8 @@
  * from memory once and from L1/L2 for the other row blocks (whole k measured faster than
  * chunks of 16, 64 or 128 k). Columns of a last partial tile take the scalar loop.
  * nt keeps 4 rows x 3 embedding rows of lane sums in registers; 1 row takes 8 embedding rows
- * (2 rows: 4) at a time, 8 FMA chains, each row's stream prefetching the next group's.
+ * (2 rows: 4) at a time, 8 FMA chains, the 8 (4) rows a range's width / 8 (4) apart so each is
+ * one long stream (nt_wide1 says why), the rest in the 3-row blocks.
  *
  * Builds: with AVX2 + FMA (gcc -march=native on such a CPU) the vector paths widen 8 weights
  * with vpmovzxwd + vpslld; otherwise the portable loops run (fmaf: the same single rounding
@@ -260,41 +261,50 @@ static inline float hsum(__m256 v) {
         if (NC > 2) c##r##2 = _mm256_fmadd_ps(xv, e2, c##r##2); \
     }
 #define NT_OUT1(r, v) \
-    y[(r) * ldy + (v)] = nt_tail(hsum(c##r##v), x + (r) * ldx, e + (v) * lde, k8, in);
+    y[(r) * ldy + (v) * sy] = nt_tail(hsum(c##r##v), x + (r) * ldx, e + (v) * st, k8, in);
 #define NT_OUT(r)                      \
     if (NR > r) {                      \
         NT_OUT1(r, 0)                  \
         if (NC > 1) { NT_OUT1(r, 1) }  \
         if (NC > 2) { NT_OUT1(r, 2) }  \
     }
-/* NR rows x NC embedding rows (output columns); y and e offset to the block's first. */
+/* NR rows x NC embedding rows (output columns) st elements apart, their outputs sy columns
+ * apart; y and e offset to the block's first. */
 static inline __attribute__((always_inline)) void nt_block(
-    const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y, int64_t ldy,
-    const int NR, const int NC, int64_t in) {
+    const float *x, int64_t ldx, const uint16_t *e, int64_t st, float *y, int64_t ldy,
+    int64_t sy, const int NR, const int NC, int64_t in) {
     __m256 z = _mm256_setzero_ps();
     __m256 c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z;
     __m256 c20 = z, c21 = z, c22 = z, c30 = z, c31 = z, c32 = z;
     int64_t k8 = in / 8 * 8;
     for (int64_t k = 0; k < k8; k += 8) {
         __m256 e0 = load8(e + k);
-        __m256 e1 = NC > 1 ? load8(e + lde + k) : z;
-        __m256 e2 = NC > 2 ? load8(e + 2 * lde + k) : z;
+        __m256 e1 = NC > 1 ? load8(e + st + k) : z;
+        __m256 e2 = NC > 2 ? load8(e + 2 * st + k) : z;
         NT_FMA(0) NT_FMA(1) NT_FMA(2) NT_FMA(3)
     }
     NT_OUT(0) NT_OUT(1) NT_OUT(2) NT_OUT(3)
 }
 
-/* One row over NC_WIDE = 8 embedding rows, or two rows over 4: 8 lane-sum accumulators, so 8
- * independent FMA chains (nt_block at one row has 3), and each embedding row's stream prefetches
- * the same k of the row NC_WIDE ahead (the next call), once per 64-byte line (every fourth k8
- * step). The same order per output as nt_block and nt_scalar. */
+/* One row over NC_WIDE = 8 outputs, or two rows over 4: 8 lane-sum accumulators, so 8
+ * independent FMA chains (nt_block at one row has 3). The outputs are S columns apart
+ * (pagedkv_bf16_nt spreads a range's columns over NC streams, S = its width / NC), so each
+ * embedding row stream runs through one long contiguous run of rows over successive calls,
+ * which the hardware prefetcher follows; each stream also prefetches NT_AHEAD elements ahead,
+ * once per 64-byte line (every fourth k8 step). Measured (one row, 49152 x 576, cold): 8
+ * adjacent rows a call 10.8 GB/s, 8 rows S apart 23.2 GB/s. The same order per output as
+ * nt_block and nt_scalar. */
 #define NC_WIDE 8
-#define T_FMA(i) a##i = _mm256_fmadd_ps(xv, load8(e + (i) * lde + k), a##i)
-#define T_PF(i) PF_AT(e + ((i) + NC) * lde + k)
-#define T_OUT(r, i, v) y[(r) * ldy + (i)] = nt_tail(hsum(v), x + (r) * ldx, e + (i) * lde, k8, in)
-static void nt_wide1(const float *x, const uint16_t *e, int64_t lde, float *y, int64_t in) {
-    enum { NC = NC_WIDE };
-    const int64_t ldx = 0, ldy = 0, k8 = in / 8 * 8;
+#ifndef NT_AHEAD
+#define NT_AHEAD 256
+#endif
+#define T_FMA(i) a##i = _mm256_fmadd_ps(xv, load8(e + (i) * st + k), a##i)
+#define T_PF(i) PF_AT(e + (i) * st + k + NT_AHEAD)
+#define T_OUT(r, i, v) \
+    y[(r) * ldy + (i) * S] = nt_tail(hsum(v), x + (r) * ldx, e + (i) * st, k8, in)
+static void nt_wide1(const float *x, const uint16_t *e, int64_t lde, int64_t S, float *y,
+                     int64_t in) {
+    const int64_t ldx = 0, ldy = 0, k8 = in / 8 * 8, st = S * lde;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
            a7 = a0;
     for (int64_t k = 0; k < k8; k += 8) {
@@ -306,17 +316,16 @@ static void nt_wide1(const float *x, const uint16_t *e, int64_t lde, float *y, i
     T_OUT(0, 4, a4); T_OUT(0, 5, a5); T_OUT(0, 6, a6); T_OUT(0, 7, a7);
 }
 
-static void nt_wide2(const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y,
-                     int64_t ldy, int64_t in) {
-    enum { NC = NC_WIDE / 2 };
-    const int64_t k8 = in / 8 * 8;
+static void nt_wide2(const float *x, int64_t ldx, const uint16_t *e, int64_t lde, int64_t S,
+                     float *y, int64_t ldy, int64_t in) {
+    const int64_t k8 = in / 8 * 8, st = S * lde;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
            b3 = a0;
     for (int64_t k = 0; k < k8; k += 8) {
         if ((k & 31) == 0) { T_PF(0); T_PF(1); T_PF(2); T_PF(3); }
         __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + ldx + k);
-        __m256 e0 = load8(e + k), e1 = load8(e + lde + k), e2 = load8(e + 2 * lde + k),
-               e3 = load8(e + 3 * lde + k);
+        __m256 e0 = load8(e + k), e1 = load8(e + st + k), e2 = load8(e + 2 * st + k),
+               e3 = load8(e + 3 * st + k);
         a0 = _mm256_fmadd_ps(x0, e0, a0); a1 = _mm256_fmadd_ps(x0, e1, a1);
         a2 = _mm256_fmadd_ps(x0, e2, a2); a3 = _mm256_fmadd_ps(x0, e3, a3);
         b0 = _mm256_fmadd_ps(x1, e0, b0); b1 = _mm256_fmadd_ps(x1, e1, b1);
@@ -326,9 +335,22 @@ static void nt_wide2(const float *x, int64_t ldx, const uint16_t *e, int64_t lde
     T_OUT(1, 0, b0); T_OUT(1, 1, b1); T_OUT(1, 2, b2); T_OUT(1, 3, b3);
 }
 
-#define NT_CASE(nr, nc) nt_block(xr, ldx, ej, lde, yr, ldy, nr, nc, in)
-static void nt_rows(const float *x, int64_t ldx, const uint16_t *ej, int64_t lde, float *y,
-                    int64_t ldy, int64_t rows, int nc, int64_t in) {
+/* Columns [j0, j1) of M = 1 or 2 rows as nc = 8 / M streams of S = (j1 - j0) / nc columns
+ * each (the first nc * S columns); returns the first column left over. */
+static int64_t nt_spread(const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y,
+                         int64_t ldy, int M, int64_t in, int64_t j0, int64_t j1) {
+    const int64_t nc = NC_WIDE / M, S = (j1 - j0) / nc;
+    for (int64_t j = j0; j < j0 + S; j++) {
+        if (M == 1) nt_wide1(x, e + j * lde, lde, S, y + j, in);
+        else nt_wide2(x, ldx, e + j * lde, lde, S, y + j, ldy, in);
+    }
+    return j0 + nc * S;
+}
+
+#define NT_CASE(nr, nc) nt_block(xr, ldx, ej, st, yr, ldy, sy, nr, nc, in)
+/* Every row over nc <= 3 embedding rows st elements apart (outputs sy columns apart). */
+static void nt_rows(const float *x, int64_t ldx, const uint16_t *ej, int64_t st, float *y,
+                    int64_t ldy, int64_t sy, int64_t rows, int nc, int64_t in) {
     for (int64_t r0 = 0; r0 < rows; r0 += RB_NT) {
         int64_t nr = rows - r0 < RB_NT ? rows - r0 : RB_NT;
         const float *xr = x + r0 * ldx;
@@ -363,15 +385,12 @@ int pagedkv_bf16_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t lde,
     if (nt_bad(rows, in, out, j_begin, j_end, ldx, lde, ldy)) return -1;
 #if BF_AVX2
     int64_t j = j_begin;
-    if (rows == 1)
-        for (; j + NC_WIDE <= j_end; j += NC_WIDE) nt_wide1(x, e + j * lde, lde, y + j, in);
-    if (rows == 2)
-        for (; j + NC_WIDE / 2 <= j_end; j += NC_WIDE / 2)
-            nt_wide2(x, ldx, e + j * lde, lde, y + j, ldy, in);
-    for (; j < j_end; j += 3) {
-        int nc = (int)(j_end - j < 3 ? j_end - j : 3);
-        nt_rows(x, ldx, e + j * lde, lde, y + j, ldy, rows, nc, in);
-    }
+    if (rows == 1 || rows == 2) j = nt_spread(x, ldx, e, lde, y, ldy, (int)rows, in, j, j_end);
+    const int64_t S = (j_end - j) / 3; /* 3 streams of S columns, as nt_spread's */
+    for (int64_t i = j; i < j + S; i++)
+        nt_rows(x, ldx, e + i * lde, S * lde, y + i, ldy, S, rows, 3, in);
+    j += 3 * S;
+    if (j < j_end) nt_rows(x, ldx, e + j * lde, lde, y + j, ldy, 1, rows, (int)(j_end - j), in);
 #else
     nt_scalar(x, ldx, e, lde, y, ldy, rows, in, j_begin, j_end);
 #endif
