@@ -124,8 +124,9 @@ class TiledWeight:
     """A bfloat16 weight ``W [in, out]`` as the kernel's column tiles (module docstring).
 
     Invariants: ``tiles`` is a contiguous bfloat16 CPU tensor ``[ceil(out / TILE), in, TILE]``
-    with ``W[k, j] = tiles[j // TILE, k, j % TILE]`` and zeros in the columns past ``out``
-    (checked at construction). Packing and unpacking are exact copies, O(in * out)."""
+    (checked at construction) with ``W[k, j] = tiles[j // TILE, k, j % TILE]``; the last
+    tile's columns past ``out`` are padding, zeros from :meth:`from_weight_t`, never read by
+    the kernel. Packing and unpacking are exact copies, O(in * out)."""
 
     tiles: torch.Tensor
     out_features: int

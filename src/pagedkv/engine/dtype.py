@@ -26,14 +26,16 @@ arithmetic on the same weights (only the summation order differs); other checkpo
 rounded to bf16 once at load. Without a C compiler ``bfloat16`` is torch's bf16 ops, as before
 (a warning says so). Quantization with it is refused (``UnsupportedQuantizationError``).
 
-Why ``auto`` still picks float32 on a CPU, measured on SmolLM2-135M (the Q4_1 GGUF, 1 thread,
-the same 2-core VM under load average 5-9 from other jobs, so noisy; benchmarks/RESULTS.md,
-"Issue 15: bf16 weights"): bfloat16 decoded 1.18x faster than float32 at batch 1 (98.5 against
-115.9 ms per token) and 1.25x at 16 concurrent (31.0 against 38.8 ms), with run-to-run spreads
-of 12-42%; a 512-token prefill pays ~0.1 s of widening (of ~3 s); quality: 128 of 128 greedy
-tokens equal, mean log-likelihood -2.4e-4 nats from float32. A gain of ~1.2x inside the noise
-does not outweigh the default's guarantee (float32 on a CPU is token-identical to
-transformers), so ``bfloat16`` stays one explicit flag away.
+Why ``auto`` still picks float32 on a CPU. Measured on SmolLM2-135M (the Q4_1 GGUF, a quiet
+2-core AMD EPYC VM, AVX2; benchmarks/RESULTS.md, "Issue 15: bf16 weights in column tiles"):
+since the bf16 weights are kept in column tiles, bfloat16 decodes **2.5x** faster than float32
+at batch 1 on one thread (14.8 against 38.0 ms per token in the decode steps) and 3.8x on two
+(9.7 against 36.7 ms); quality (the "bf16 weights" section): 128 of 128 greedy tokens equal,
+mean log-likelihood -2.4e-4 nats from float32. That is a large gain, but the default's
+guarantee is exactness (issue 15: "the fp32 path remains token-identical to transformers"),
+which bf16 weights and a bf16 KV cache cannot give for a checkpoint stored in float32 or
+quantized, and do not give bit for bit even for a bf16 one (the KV cache rounds). So ``auto``
+stays float32 and ``bfloat16`` is one explicit flag away; the start-up line names the dtype.
 
 An explicit ``float16`` on a CPU is refused (:class:`UnsupportedDtypeError`) unless a probe
 finds torch can run the operations the model needs in float16 on this CPU.

@@ -452,12 +452,12 @@ int pagedkv_bf16_openmp(void) {
 static int bf_cuts(int64_t rows, int64_t in, int64_t out, int threads, int64_t min_macs,
                    int64_t *cuts) {
     int64_t parts = threads < BF_PAR_MAX ? threads : BF_PAR_MAX;
-    const int64_t panels = (out + TILE - 1) / TILE;
-    if (parts > panels) parts = panels;
+    const int64_t tiles = (out + TILE - 1) / TILE;
+    if (parts > tiles) parts = tiles;
     if (parts > rows * in * out / min_macs) parts = rows * in * out / min_macs;
     if (parts < 1 || BF_IN_PARALLEL) parts = 1;
     for (int64_t p = 0; p <= parts; p++) {
-        const int64_t c = TILE * ((panels * p + parts / 2) / parts);
+        const int64_t c = TILE * ((tiles * p + parts / 2) / parts);
         cuts[p] = c < out ? c : out;
     }
     return (int)parts;

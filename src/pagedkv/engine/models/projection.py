@@ -82,9 +82,8 @@ def unit_stride(w: torch.Tensor) -> bool:
 
 def to_quantized(p: Linear) -> QuantizedProjection:
     """``p`` as an int8 weight-only layer (:mod:`pagedkv.engine.qlinear`); only a float
-    :class:`Projection` or a :class:`Bf16Projection` can be quantized."""
-    if isinstance(p, Bf16Projection):
-        return QuantizedProjection.from_float(p.weight.weight_t(), p.bias)
+    :class:`Projection` can be quantized (a bfloat16 model's quantization is refused before
+    this, ``check_quantization``)."""
     if not isinstance(p, Projection):
         raise InvalidRequestError(f"cannot quantize a {type(p).__name__}")
     return QuantizedProjection.from_float(p.weight_t, p.bias)
