@@ -60,7 +60,7 @@ def test_linear_is_within_the_float32_bound_of_float64(in_dim: int, out_dim: int
     w_t = _bf16(in_dim, out_dim, gen=gen)
     bias = torch.randn(out_dim, generator=gen)
     e = _bf16(out_dim, in_dim, gen=gen)
-    for rows in (1, 2, 3, 5, 6, 7, 12, 16, 31, 32, 33):  # 33: the widened torch.mm path
+    for rows in (1, 2, 3, 5, 6, 7, 12, 16, 31, 32, 33, 70):  # 33, 70: prefill's path
         x = torch.randn(rows, in_dim, generator=gen)
         ref = x.double() @ w_t.double() + bias.double()
         err = (bf16_linear.linear(x, _tiled(w_t), bias).double() - ref).abs()
@@ -158,6 +158,25 @@ def test_every_pass_width_gives_the_portable_and_few_row_bits(
     assert torch.equal(bf16_linear.linear(x, w, bias, threads=1, portable=True), one)
     if rows > 1:  # fewrow's kernel takes 2..32 rows
         assert torch.equal(fewrow.linear(x, w.widened().contiguous(), bias), one)
+
+
+def test_prefill_rows_run_the_kernel_in_chunks_with_each_rows_bits() -> None:
+    """Where :func:`kernel_prefill` holds (the AVX2 build without AVX-512), more than 32 rows
+    run the kernel 32 rows at a time: each row gets the bits it gets alone, the portable bits
+    too; elsewhere they take torch's GEMM over the widened weight, within the float32 bound."""
+    gen = torch.Generator().manual_seed(17)
+    w = _tiled(_bf16(77, 203, gen=gen))
+    bias = torch.randn(203, generator=gen)
+    x = torch.randn(100, 77, generator=gen)
+    got = bf16_linear.linear(x, w, bias)
+    alone = torch.cat([bf16_linear.linear(x[r : r + 1], w, bias) for r in range(100)])
+    if bf16_linear.kernel_prefill():
+        assert torch.equal(got, alone)
+        assert torch.equal(bf16_linear.linear(x, w, bias, threads=2), got)
+        assert torch.equal(bf16_linear.linear(x, w, bias, portable=True), got)  # plain C
+    else:
+        ref = x.double() @ w.widened().double() + bias.double()
+        assert bool(((got.double() - ref).abs() <= _bound(x, w.widened(), bias)).all())
 
 
 @pytest.mark.parametrize("out_dim", [1, 2, 3, 4, 7, 8, 9, 11, 24, 25, 100])

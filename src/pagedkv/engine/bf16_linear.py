@@ -23,10 +23,12 @@ Rows: 1..``MAX_ROWS`` (a decode step) run the kernel, which streams each weight 
 rows, with columns (whole tiles) shared among torch's intra-op thread count: on torch's own
 OpenMP threads when the library is built with OpenMP (``pagedkv_bf16_*_par``, from 2^15
 multiply-adds a part; ``openmp_build``), else on Python workers (``native.run_ranges``) from
-``_MIN_MACS_PER_THREAD`` multiply-adds per thread. More rows (prefill, compute bound) widen the
-weight once into a float32 copy and call ``torch.mm`` (:func:`linear`), or run the kernel on
-``MAX_ROWS`` rows at a time (:func:`linear_nt`, the vocabulary projection, which sees many
-rows only when many sequences sample at once).
+``_MIN_MACS_PER_THREAD`` multiply-adds per thread. More rows (prefill, compute bound) run the
+kernel ``MAX_ROWS`` rows at a time where that measured faster (:func:`kernel_prefill`: the
+AVX2 build without AVX-512), else widen the weight once into a float32 copy and call
+``torch.mm`` (:func:`linear`); the vocabulary projection (:func:`linear_nt`, which sees many
+rows only when many sequences sample at once) always runs the kernel ``MAX_ROWS`` rows at a
+time.
 
 **Exactness.** Each output of the kernel is a float32 sum of the exact products in an order
 fixed by the weight's shape (csrc/bf16_linear.c states it): within ``(in + 2) * 2^-24 *
@@ -51,7 +53,7 @@ from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.engine.native_build import with_openmp
 from pagedkv.errors import InvalidRequestError
 
-MAX_ROWS = 32  # rows the kernel takes; more go to torch.mm over a widened copy
+MAX_ROWS = 32  # rows a kernel call takes (more: kernel_prefill says how they run)
 _MIN_MACS_PER_THREAD = 1 << 21
 TILE = 16  # columns per tile (TiledWeight); thread splits fall on whole tiles
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.c"
@@ -79,6 +81,7 @@ def bind(lib: ctypes.CDLL) -> bool:
     lib.pagedkv_bf16_tiled_par.restype = lib.pagedkv_bf16_nt_par.restype = i32
     lib.pagedkv_bf16_openmp.restype = i32
     lib.pagedkv_bf16_vector_build.restype = ctypes.c_int
+    lib.pagedkv_bf16_avx512_target.restype = ctypes.c_int
     return bool(lib.pagedkv_bf16_vector_build())
 
 
@@ -100,6 +103,18 @@ def unavailable_reason() -> str | None:
 def vector_build() -> bool:
     """Whether the loaded build runs the AVX2 paths (False: the portable loops, or none)."""
     return _native.load() is not None and bool(_native.bound)
+
+
+def kernel_prefill() -> bool:
+    """Whether more than ``MAX_ROWS`` rows run the kernel ``MAX_ROWS`` rows at a time (the
+    AVX2 build on a CPU without AVX-512) rather than ``torch.mm`` over a widened copy. Measured
+    on the development machine (AVX2, 1024 rows, SmolLM2's shapes): the kernel 43-44 against
+    36-38 G multiply-adds/s on one thread, 77-83 against 69-73 on two, with no widening copy,
+    and a row's bits then do not depend on its batch at any size. With AVX-512 torch's GEMM
+    runs 512-bit FMAs and the 256-bit kernel is expected to lose (not measured), so prefill
+    keeps it there, as without the vector build."""
+    lib = _native.load()
+    return bool(_native.bound) and lib is not None and not lib.pagedkv_bf16_avx512_target()
 
 
 def openmp_build() -> bool:
@@ -223,12 +238,29 @@ def linear(
     _check_bias(bias, cols)
     rows = x.shape[0]
     y = native.float32_output(out, rows, cols, "bf16 linear")
-    if rows > MAX_ROWS:  # prefill: compute bound, one widened copy and torch's GEMM
+    if rows > MAX_ROWS and not (portable or kernel_prefill()):  # widened copy, torch's GEMM
         w = weight.widened()
         if bias is None:
             return torch.mm(x, w, out=y)
         return torch.addmm(bias, x, w, out=y)
     lib = _library()
+    for r0 in range(0, rows, MAX_ROWS):  # more rows (prefill): each chunk streams the weight
+        r1 = min(rows, r0 + MAX_ROWS)
+        _kernel_rows(lib, x[r0:r1], weight, bias, y[r0:r1], threads, portable)
+    return y
+
+
+def _kernel_rows(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: TiledWeight,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    threads: int | None,
+    portable: bool,
+) -> None:
+    """The kernel over ``x``'s 1..``MAX_ROWS`` rows into ``y`` (checked by :func:`linear`)."""
+    rows, in_dim, cols = x.shape[0], weight.in_features, weight.out_features
     fn = lib.pagedkv_bf16_tiled_portable if portable else lib.pagedkv_bf16_tiled
     b = None if bias is None else bias.data_ptr()
     args = (x.data_ptr(), x.stride(0), weight.tiles.data_ptr(), b, y.data_ptr(), y.stride(0),
@@ -236,13 +268,12 @@ def linear(
     if not portable and lib.pagedkv_bf16_openmp():  # one call, split on OpenMP threads
         if lib.pagedkv_bf16_tiled_par(*args, _threads(threads)):
             raise InvalidRequestError("bf16 linear kernel rejected its inputs (a bad range)")
-        return y
+        return
 
     def run(a: int, b: int) -> int:
         return int(fn(*args, a, b))
 
     _run_split(run, cols, rows * in_dim, threads)
-    return y
 
 
 def linear_nt(

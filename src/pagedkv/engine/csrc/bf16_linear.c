@@ -418,6 +418,16 @@ int pagedkv_bf16_nt_portable(const float *x, int64_t ldx, const uint16_t *e, int
 /* 1 when this build runs the AVX2 paths (the wrapper reports it). */
 int pagedkv_bf16_vector_build(void) { return BF_AVX2; }
 
+/* 1 when the build targets AVX-512 (-march=native on such a CPU): there torch's float32 GEMM
+ * runs 512-bit FMAs and prefill keeps it (bf16_linear.py, kernel_prefill). */
+int pagedkv_bf16_avx512_target(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* ---- One call over all columns, split among threads (pagedkv_bf16_{tiled,nt}_par) ----
  *
  * Built with -fopenmp (bf16_linear.py's first flag set), the parts run on the process's

@@ -48,7 +48,7 @@ class Projection:
 class Bf16Projection:
     """A linear layer with a bfloat16 weight in column tiles and an optional float32 bias,
     called with float32 inputs: :mod:`pagedkv.engine.bf16_linear`'s kernel (bf16 storage,
-    float32 compute; more than ``MAX_ROWS`` rows: ``torch.mm`` over a widened copy)."""
+    float32 compute; more than ``MAX_ROWS`` rows: ``bf16_linear.kernel_prefill`` says how)."""
 
     weight: TiledWeight
     bias: torch.Tensor | None
