@@ -130,3 +130,37 @@ def test_float32_compute_over_bf16_weights_is_its_own_cache_namespace(model_dir:
     assert engine.scheduler.manager.config.model_id == "m+compute=float32"
     fp32 = LLMEngine(load_model(model_dir), None, EngineConfig(num_blocks=16, model_id="m"))
     assert fp32.config.model_id == "m"
+
+
+def test_prefix_caching_gives_the_same_log_probabilities_bit_for_bit(model_dir: Path) -> None:
+    """Where prefill runs the kernel 32 rows at a time (``bf16_linear.kernel_prefill``), a
+    row's bits do not depend on how many rows its step computes, so prompts of more than 32
+    tokens sharing a 48-token prefix get the same tokens and log-probabilities, bit for bit,
+    with the prefix computed again (caching off) or served from the cache (caching on, after a
+    first pass filled it)."""
+    if not bf16_linear.kernel_prefill():
+        pytest.skip("prefill widens the weights for torch.mm on this build (portable C)")
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(2, 60, (48,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(2, 60, (n,), generator=gen).tolist() for n in (22, 9, 30)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run(caching: bool, passes: int) -> list[list[tuple[int, float]]]:
+        cfg = EngineConfig(num_blocks=64, dtype="bfloat16", enable_prefix_caching=caching)
+        engine = LLMEngine.from_model_dir(str(model_dir), cfg)
+        for p in range(passes):
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"p{p}r{i}", prompt, params)
+            got: dict[str, list[tuple[int, float]]] = {}
+            cached = 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        lps = out.outputs[0].logprobs
+                        assert lps is not None
+                        got[out.request_id] = [(t.token_id, t.logprob) for t in lps]
+                        cached += out.num_cached_tokens
+        assert (cached >= 3 * 48) is caching  # the last pass was served the shared prefix
+        return [got[f"p{passes - 1}r{i}"] for i in range(len(prompts))]
+
+    assert run(caching=True, passes=2) == run(caching=False, passes=1)
