@@ -161,7 +161,7 @@ def test_every_pass_width_gives_the_portable_and_few_row_bits(
 
 
 def test_prefill_rows_run_the_kernel_in_chunks_with_each_rows_bits() -> None:
-    """Where :func:`kernel_prefill` holds (the AVX2 build without AVX-512), more than 32 rows
+    """Where :func:`kernel_prefill` holds (every vector build), more than 32 rows
     run the kernel 32 rows at a time: each row gets the bits it gets alone, the portable bits
     too; elsewhere they take torch's GEMM over the widened weight, within the float32 bound."""
     gen = torch.Generator().manual_seed(17)
@@ -277,3 +277,42 @@ def test_bad_inputs_are_refused() -> None:
         bf16_linear.linear_nt(torch.randn(2, 4), w_t.t())  # column stride 4
     with pytest.raises(InvalidRequestError, match="bf16 linear_nt"):
         bf16_linear.linear_nt(torch.randn(2, 8), w_t.float().t().contiguous())  # float32
+
+
+_CFLAGS, _LINK = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC"], ["-shared", "-lm"]
+# build -> (flag sets, the vector width it must report, else the test is skipped)
+_ISA_BUILDS: dict[str, tuple[native.FlagSets, int]] = {
+    "avx512": (((_CFLAGS, _LINK),), 512),
+    "avx2": ((([*_CFLAGS, "-mno-avx512f"], _LINK),), 256),
+}
+
+
+@pytest.mark.parametrize("name", list(_ISA_BUILDS))
+def test_every_vector_width_gives_the_portable_bits(name: str) -> None:
+    """The 512-bit paths (one zmm a tile: 1 row 8 tiles a pass, 2 rows 4, 3..32 rows blocks of
+    up to 12 rows over 2 tiles, 13..32 rows split into near-equal blocks; nt: row pairs in one
+    zmm, up to 8 pairs x 3 embedding rows, odd row counts padded) and the 256-bit paths each
+    give the portable bits, whichever of them ``-march=native`` picked for the default build:
+    each build this CPU can run is compiled and compared. Skipped where the CPU (or compiler)
+    has no such path."""
+    flags, want_bits = _ISA_BUILDS[name]
+    lib = native.compile_library(bf16_linear._SOURCE, flags)
+    bf16_linear.bind(lib)
+    if lib.pagedkv_bf16_vector_bits() != want_bits:
+        pytest.skip(f"this CPU/compiler gives no {name} path")
+    gen = torch.Generator().manual_seed(23)
+    for in_dim, out_dim in ((577, 83), (64, 200), (1, 48)):
+        w = _tiled(_bf16(in_dim, out_dim, gen=gen))
+        e = _bf16(out_dim, in_dim, gen=gen)
+        bias = torch.randn(out_dim, generator=gen)
+        for rows in (1, 2, 3, 8, 12, 13, 16, 17, 25, 32):
+            x = torch.randn(rows, in_dim, generator=gen)
+            y, ye = torch.empty(rows, out_dim), torch.empty(rows, out_dim)
+            assert lib.pagedkv_bf16_tiled(x.data_ptr(), in_dim, w.tiles.data_ptr(),
+                                          bias.data_ptr(), y.data_ptr(), out_dim, rows, in_dim,
+                                          out_dim, 0, out_dim) == 0  # fmt: skip
+            assert lib.pagedkv_bf16_nt(x.data_ptr(), in_dim, e.data_ptr(), in_dim, ye.data_ptr(),
+                                       out_dim, rows, in_dim, out_dim, 0, out_dim) == 0  # fmt: skip
+            want = bf16_linear.linear(x, w, bias, threads=1, portable=True)
+            assert torch.equal(y, want), (in_dim, out_dim, rows)
+            assert torch.equal(ye, bf16_linear.linear_nt(x, e, portable=True)), (in_dim, rows)

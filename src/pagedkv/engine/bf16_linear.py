@@ -24,18 +24,19 @@ rows, with columns (whole tiles) shared among torch's intra-op thread count: on 
 OpenMP threads when the library is built with OpenMP (``pagedkv_bf16_*_par``, from 2^15
 multiply-adds a part; ``openmp_build``), else on Python workers (``native.run_ranges``) from
 ``_MIN_MACS_PER_THREAD`` multiply-adds per thread. More rows (prefill, compute bound) run the
-kernel ``MAX_ROWS`` rows at a time where that measured faster (:func:`kernel_prefill`: the
-AVX2 build without AVX-512), else widen the weight once into a float32 copy and call
-``torch.mm`` (:func:`linear`); the vocabulary projection (:func:`linear_nt`, which sees many
-rows only when many sequences sample at once) always runs the kernel ``MAX_ROWS`` rows at a
-time.
+kernel ``MAX_ROWS`` rows at a time on the vector builds (:func:`kernel_prefill`: batch
+invariance, at 0.92-1.2x torch's speed), else widen the weight once into a float32 copy and
+call ``torch.mm`` (:func:`linear`); the vocabulary projection (:func:`linear_nt`, which sees
+many rows only when many sequences sample at once) always runs the kernel ``MAX_ROWS`` rows
+at a time.
 
 **Exactness.** Each output of the kernel is a float32 sum of the exact products in an order
 fixed by the weight's shape (csrc/bf16_linear.c states it): within ``(in + 2) * 2^-24 *
 (|x| @ |W|)`` of the float64 result, and the same bits for a row alone or among 1..32 rows
-(batch invariance), on any thread split, on the AVX2 build and the portable one. The vector
-path is AVX2 + FMA; an AVX512-BF16 variant would round activations to bf16 (a different
-contract) and is not written, for want of a CPU to test it on.
+(batch invariance), on any thread split, on the AVX-512, AVX2 and portable builds
+(:func:`vector_bits`). An AVX512-BF16 (``vdpbf16ps``) or AMX variant would round the
+activations to bf16 (a different contract, not bit-comparable with float32 compute), so it
+is not written.
 """
 
 from __future__ import annotations
@@ -80,9 +81,8 @@ def bind(lib: ctypes.CDLL) -> bool:
     lib.pagedkv_bf16_nt_par.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i32]
     lib.pagedkv_bf16_tiled_par.restype = lib.pagedkv_bf16_nt_par.restype = i32
     lib.pagedkv_bf16_openmp.restype = i32
-    lib.pagedkv_bf16_vector_build.restype = ctypes.c_int
-    lib.pagedkv_bf16_avx512_target.restype = ctypes.c_int
-    return bool(lib.pagedkv_bf16_vector_build())
+    lib.pagedkv_bf16_vector_bits.restype = i32
+    return bool(lib.pagedkv_bf16_vector_bits())
 
 
 _native = native.LazyLibrary(
@@ -101,20 +101,29 @@ def unavailable_reason() -> str | None:
 
 
 def vector_build() -> bool:
-    """Whether the loaded build runs the AVX2 paths (False: the portable loops, or none)."""
+    """Whether the loaded build runs vector paths (False: the portable loops, or none)."""
     return _native.load() is not None and bool(_native.bound)
 
 
-def kernel_prefill() -> bool:
-    """Whether more than ``MAX_ROWS`` rows run the kernel ``MAX_ROWS`` rows at a time (the
-    AVX2 build on a CPU without AVX-512) rather than ``torch.mm`` over a widened copy. Measured
-    on the development machine (AVX2, 1024 rows, SmolLM2's shapes): the kernel 43-44 against
-    36-38 G multiply-adds/s on one thread, 77-83 against 69-73 on two, with no widening copy,
-    and a row's bits then do not depend on its batch at any size. With AVX-512 torch's GEMM
-    runs 512-bit FMAs and the 256-bit kernel is expected to lose (not measured), so prefill
-    keeps it there, as without the vector build."""
+def vector_bits() -> int:
+    """The vector width of the loaded build's tiled and multi-row paths: 512 (AVX-512F,
+    chosen at compile time where ``-march=native`` has it), 256 (AVX2 + FMA) or 0 (portable
+    C); 0 when unavailable. All give the same bits (csrc/bf16_linear.c)."""
     lib = _native.load()
-    return bool(_native.bound) and lib is not None and not lib.pagedkv_bf16_avx512_target()
+    return 0 if lib is None else int(lib.pagedkv_bf16_vector_bits())
+
+
+def kernel_prefill() -> bool:
+    """Whether more than ``MAX_ROWS`` rows run the kernel ``MAX_ROWS`` rows at a time (any
+    vector build) rather than ``torch.mm`` over a widened copy (the portable build, whose
+    plain loops are far slower). A row's bits then do not depend on its batch at any size, so
+    prefix caching cannot change a bf16 output, and no widened copy is made. Measured, 1,024
+    rows of SmolLM2's four shapes, one thread: on a 2-core AMD EPYC (AVX2) the kernel 43-44
+    against torch's 36-38 G multiply-adds/s (77-83 against 69-73 on two threads); on a
+    2-core Intel Xeon with AVX-512 the 512-bit kernel 144-146 GFLOP/s against widen +
+    ``torch.mm``'s 144-158 (0.92-0.99x: the price of batch invariance there;
+    benchmarks/RESULTS.md, "bf16 on AVX-512")."""
+    return vector_build()
 
 
 def openmp_build() -> bool:

@@ -37,17 +37,20 @@
  * (2 rows: 4) at a time, 8 FMA chains, the 8 (4) rows a range's width / 8 (4) apart so each is
  * one long stream (nt_wide1 says why), the rest in the 3-row blocks.
  *
- * Builds: with AVX2 + FMA (gcc -march=native on such a CPU) the vector paths widen 8 weights
- * with vpmovzxwd + vpslld; otherwise the portable loops run (fmaf: the same single rounding
- * as a vector FMA), and the *_portable entry points always run them, so tests can check both
- * give the same bits. An AVX512-BF16 variant (vdpbf16ps) would change the arithmetic (it
- * rounds the activations to bf16 and pairs products), so it would need its own stated order;
- * it is not written here because no CPU this was developed on has it.
+ * Builds: with AVX-512F (gcc -march=native on such a CPU) the tiled paths hold a tile in
+ * one zmm and the nt path of 3..32 rows holds two rows' lane sums in one zmm (the "512-bit"
+ * sections below); with AVX2 + FMA the vector paths widen 8 weights with vpmovzxwd + vpslld;
+ * otherwise the portable loops run (fmaf: the same single rounding as a vector FMA), and the
+ * *_portable entry points always run them, so tests can check that every build gives the
+ * same bits. An AVX512-BF16 (vdpbf16ps) or AMX variant would change the arithmetic (it rounds
+ * the activations to bf16 and pairs products), so it would need its own stated order and is
+ * not written: bf16 compute is a different contract from this file's.
  * Returns 0, or -1 for a bad range or stride.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -179,7 +182,7 @@ static inline __attribute__((always_inline)) void tl_pass(
 }
 
 /* The full tiles of columns [j, full) (multiples of 16) of 1..32 rows. */
-static void tl_vector(const float *x, int64_t ldx, const uint16_t *t, float *y, int64_t ldy,
+static __attribute__((unused)) void tl_vector(const float *x, int64_t ldx, const uint16_t *t, float *y, int64_t ldy,
                       int64_t rows, int64_t in, int64_t j, int64_t full) {
     if (rows == 1) {
         for (; j + 4 * TILE <= full; j += 4 * TILE) tl_pass(x, ldx, t + j * in, in, y + j, ldy, 1, 4);
@@ -191,6 +194,133 @@ static void tl_vector(const float *x, int64_t ldx, const uint16_t *t, float *y, 
         for (; j < full; j += TILE) nn_rows(x, ldx, t + j * in, y + j, ldy, rows, in);
     }
 }
+#endif
+
+#if BF_AVX2 && defined(__AVX512F__)
+/* ---- The tiled paths with 512-bit vectors (an AVX-512F build) ----
+ * One zmm holds a tile's 16 columns, so a k step of a tile is one widening (vpmovzxwd +
+ * vpslld) and one FMA per row instead of two of each. Every output is still one FMA per k in
+ * increasing k from 0: the same bits as the AVX2 and portable loops. */
+#define BF_512 1
+#ifndef ZN_AHEAD
+#define ZN_AHEAD 32 /* k rows of a tile prefetched ahead by the row blocks */
+#endif
+static inline __m512 load16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+#define ZN_FMA(r)                                                 \
+    if (NR > r) {                                                 \
+        __m512 xv = _mm512_set1_ps(x[(r) * ldx + k]);             \
+        c##r##0 = _mm512_fmadd_ps(xv, w0, c##r##0);               \
+        if (NT > 1) c##r##1 = _mm512_fmadd_ps(xv, w1, c##r##1);   \
+    }
+#define ZN_STORE(r)                                                \
+    if (NR > r) {                                                  \
+        _mm512_storeu_ps(y + (r) * ldy, c##r##0);                  \
+        if (NT > 1) _mm512_storeu_ps(y + (r) * ldy + TILE, c##r##1); \
+    }
+/* NR <= 12 rows over NT = 1 or 2 consecutive tiles from t (constants after inlining), all of
+ * k: NR * NT accumulators, the weights widened once per k for all the rows and each x value
+ * broadcast once for both tiles (2 tiles x 12 rows: 24 FMAs to 4 widening operations and 14
+ * loads a k, within the two load ports where one tile x 16 rows needed 17). */
+static inline __attribute__((always_inline)) void zn_block(
+    const float *x, int64_t ldx, const uint16_t *t, int64_t in, float *y, int64_t ldy,
+    const int NR, const int NT) {
+    const uint16_t *t1 = t + in * TILE;
+    __m512 z = _mm512_setzero_ps();
+    __m512 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
+    __m512 c40 = z, c41 = z, c50 = z, c51 = z, c60 = z, c61 = z, c70 = z, c71 = z;
+    __m512 c80 = z, c81 = z, c90 = z, c91 = z, c100 = z, c101 = z, c110 = z, c111 = z;
+    for (int64_t k = 0; k < in; k++) {
+        if ((k & 1) == 0) { /* a 64-byte line holds 2 k of a tile */
+            PF_AT(t + (k + ZN_AHEAD) * TILE);
+            if (NT > 1) PF_AT(t1 + (k + ZN_AHEAD) * TILE);
+        }
+        __m512 w0 = load16(t + k * TILE), w1 = NT > 1 ? load16(t1 + k * TILE) : z;
+        ZN_FMA(0) ZN_FMA(1) ZN_FMA(2) ZN_FMA(3) ZN_FMA(4) ZN_FMA(5)
+        ZN_FMA(6) ZN_FMA(7) ZN_FMA(8) ZN_FMA(9) ZN_FMA(10) ZN_FMA(11)
+    }
+    ZN_STORE(0) ZN_STORE(1) ZN_STORE(2) ZN_STORE(3) ZN_STORE(4) ZN_STORE(5)
+    ZN_STORE(6) ZN_STORE(7) ZN_STORE(8) ZN_STORE(9) ZN_STORE(10) ZN_STORE(11)
+}
+
+#define ZN_CASE(n)                                                        \
+    case n:                                                               \
+        if (nt == 2) zn_block(xr, ldx, t, in, yr, ldy, n, 2);             \
+        else zn_block(xr, ldx, t, in, yr, ldy, n, 1);                     \
+        break;
+/* Every row over nt = 1 or 2 tiles from t, in ceil(rows / 12) register blocks of near-equal
+ * size (16 rows run 8 + 8, 13 rows 7 + 6: no block is left with a row or two). */
+static void zn_rows(const float *x, int64_t ldx, const uint16_t *t, float *y, int64_t ldy,
+                    int64_t rows, int64_t in, int nt) {
+    const int64_t blocks = (rows + 11) / 12, per = (rows + blocks - 1) / blocks;
+    for (int64_t r0 = 0; r0 < rows; r0 += per) {
+        const float *xr = x + r0 * ldx;
+        float *yr = y + r0 * ldy;
+        switch (rows - r0 < per ? rows - r0 : per) {
+            ZN_CASE(1) ZN_CASE(2) ZN_CASE(3) ZN_CASE(4) ZN_CASE(5) ZN_CASE(6)
+            ZN_CASE(7) ZN_CASE(8) ZN_CASE(9) ZN_CASE(10) ZN_CASE(11)
+            default:
+                if (nt == 2) zn_block(xr, ldx, t, in, yr, ldy, 12, 2);
+                else zn_block(xr, ldx, t, in, yr, ldy, 12, 1);
+        }
+    }
+}
+
+#define ZL_PF(i) \
+    if (NT > i) PF_AT(t##i + (k + TL_AHEAD) * TILE)
+#define ZL_FMA(i)                                           \
+    if (NT > i) {                                           \
+        __m512 u = load16(t##i + k * TILE);                 \
+        a##i = _mm512_fmadd_ps(xa, u, a##i);                \
+        if (M > 1) b##i = _mm512_fmadd_ps(xb, u, b##i);     \
+    }
+#define ZL_STORE(i)                                                      \
+    if (NT > i) {                                                        \
+        _mm512_storeu_ps(y + TILE * (i), a##i);                          \
+        if (M > 1) _mm512_storeu_ps(y + ldy + TILE * (i), b##i);         \
+    }
+/* M = 1 or 2 rows over NT <= 8 consecutive tiles from t0, all of k: NT * M accumulators,
+ * so 8 FMA chains at M = 1 (8 tiles) and M = 2 (4 tiles). */
+static inline __attribute__((always_inline)) void zl_pass(
+    const float *x, int64_t ldx, const uint16_t *t0, int64_t in, float *y, int64_t ldy,
+    const int M, const int NT) {
+    const int64_t s = in * TILE;
+    const uint16_t *t1 = t0 + s, *t2 = t1 + s, *t3 = t2 + s, *t4 = t3 + s, *t5 = t4 + s,
+                   *t6 = t5 + s, *t7 = t6 + s;
+    __m512 z = _mm512_setzero_ps();
+    __m512 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z;
+    __m512 b0 = z, b1 = z, b2 = z, b3 = z, b4 = z, b5 = z, b6 = z, b7 = z;
+    for (int64_t k = 0; k < in; k++) {
+        if ((k & 1) == 0) { /* a 64-byte line holds 2 k of a tile */
+            ZL_PF(0); ZL_PF(1); ZL_PF(2); ZL_PF(3); ZL_PF(4); ZL_PF(5); ZL_PF(6); ZL_PF(7);
+        }
+        __m512 xa = _mm512_set1_ps(x[k]);
+        __m512 xb = M > 1 ? _mm512_set1_ps(x[ldx + k]) : z;
+        ZL_FMA(0) ZL_FMA(1) ZL_FMA(2) ZL_FMA(3) ZL_FMA(4) ZL_FMA(5) ZL_FMA(6) ZL_FMA(7)
+    }
+    ZL_STORE(0) ZL_STORE(1) ZL_STORE(2) ZL_STORE(3) ZL_STORE(4) ZL_STORE(5) ZL_STORE(6)
+    ZL_STORE(7)
+}
+
+/* The full tiles of columns [j, full) of 1..32 rows, 512-bit. */
+static void tl_vector512(const float *x, int64_t ldx, const uint16_t *t, float *y,
+                         int64_t ldy, int64_t rows, int64_t in, int64_t j, int64_t full) {
+    if (rows == 1) {
+        for (; j + 8 * TILE <= full; j += 8 * TILE) zl_pass(x, ldx, t + j * in, in, y + j, ldy, 1, 8);
+        for (; j < full; j += TILE) zl_pass(x, ldx, t + j * in, in, y + j, ldy, 1, 1);
+    } else if (rows == 2) {
+        for (; j + 4 * TILE <= full; j += 4 * TILE) zl_pass(x, ldx, t + j * in, in, y + j, ldy, 2, 4);
+        for (; j < full; j += TILE) zl_pass(x, ldx, t + j * in, in, y + j, ldy, 2, 1);
+    } else {
+        for (; j + 2 * TILE <= full; j += 2 * TILE) zn_rows(x, ldx, t + j * in, y + j, ldy, rows, in, 2);
+        for (; j < full; j += TILE) zn_rows(x, ldx, t + j * in, y + j, ldy, rows, in, 1);
+    }
+}
+#else
+#define BF_512 0
 #endif
 
 static void add_bias(const float *bias, float *y, int64_t ldy, int64_t rows, int64_t j0,
@@ -214,7 +344,11 @@ int pagedkv_bf16_tiled(const float *x, int64_t ldx, const uint16_t *t, const flo
 #if BF_AVX2
     if (rows > 0) {
         j = j_begin + (j_end - j_begin) / TILE * TILE;
+#if BF_512
+        tl_vector512(x, ldx, t, y, ldy, rows, in, j_begin, j);
+#else
         tl_vector(x, ldx, t, y, ldy, rows, in, j_begin, j);
+#endif
     }
 #endif
     tl_scalar(x, ldx, t, in, y, ldy, rows, j, j_end);
@@ -373,6 +507,120 @@ static void nt_rows(const float *x, int64_t ldx, const uint16_t *ej, int64_t st,
 }
 #endif
 
+#if BF_512
+/* ---- The vocabulary projection with 512-bit vectors, 3..32 rows ----
+ * One zmm holds two rows' 8 lane sums for one embedding row: x is packed once per call as
+ * pairs of rows, xp[p][k / 8] = x[2p, k..k+8) | x[2p+1, k..k+8) (zeros for the missing row of
+ * an odd count), and an embedding row's 8 weights are widened into both halves. Each half is
+ * then nt_block's accumulator for its row, summed by the same hsum and nt_tail: the same bits.
+ * A block is NP <= 8 row pairs x NC <= 3 embedding rows (24 accumulators; per 8 k: 24 FMAs,
+ * 6 widening operations, 11 loads). */
+static inline __m512 load8x2(const uint16_t *p) {
+    __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256 upper8(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* x's rows as pairs (the layout above); NULL when out of memory. */
+static float *zt_pack(const float *x, int64_t ldx, int64_t rows, int64_t k8) {
+    const int64_t pairs = (rows + 1) / 2;
+    float *xp = malloc((size_t)(pairs * k8 * 2 + 16) * sizeof(float));
+    if (!xp) return NULL;
+    for (int64_t p = 0; p < pairs; p++)
+        for (int64_t k = 0; k < k8; k += 8)
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 8; l++) {
+                    const int64_t r = 2 * p + h;
+                    xp[(p * k8 + k) * 2 + h * 8 + l] = r < rows ? x[r * ldx + k + l] : 0.0f;
+                }
+    return xp;
+}
+
+#define ZT_FMA(p)                                                    \
+    if (NP > p) {                                                    \
+        __m512 xv = _mm512_loadu_ps(xp + ((p) * k8 + k) * 2);        \
+        c##p##0 = _mm512_fmadd_ps(xv, e0, c##p##0);                  \
+        if (NC > 1) c##p##1 = _mm512_fmadd_ps(xv, e1, c##p##1);      \
+        if (NC > 2) c##p##2 = _mm512_fmadd_ps(xv, e2, c##p##2);      \
+    }
+#define ZT_OUT1(p, v)                                                                       \
+    y[2 * (p) * ldy + (v) * sy] =                                                           \
+        nt_tail(hsum(_mm512_castps512_ps256(c##p##v)), x + 2 * (p) * ldx, e + (v) * st, k8, in); \
+    if (2 * (p) + 1 < nr)                                                                   \
+        y[(2 * (p) + 1) * ldy + (v) * sy] =                                                 \
+            nt_tail(hsum(upper8(c##p##v)), x + (2 * (p) + 1) * ldx, e + (v) * st, k8, in);
+#define ZT_OUT(p)                     \
+    if (NP > p) {                     \
+        ZT_OUT1(p, 0)                 \
+        if (NC > 1) { ZT_OUT1(p, 1) } \
+        if (NC > 2) { ZT_OUT1(p, 2) } \
+    }
+/* nr rows (NP = ceil(nr / 2) pairs from xp) x NC embedding rows st elements apart, outputs sy
+ * columns apart; x, xp, y and e offset to the block's first. */
+static inline __attribute__((always_inline)) void zt_block(
+    const float *x, int64_t ldx, const float *xp, const uint16_t *e, int64_t st, float *y,
+    int64_t ldy, int64_t sy, int64_t nr, const int NP, const int NC, int64_t in) {
+    __m512 z = _mm512_setzero_ps();
+    __m512 c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z, c20 = z, c21 = z;
+    __m512 c22 = z, c30 = z, c31 = z, c32 = z, c40 = z, c41 = z, c42 = z, c50 = z;
+    __m512 c51 = z, c52 = z, c60 = z, c61 = z, c62 = z, c70 = z, c71 = z, c72 = z;
+    const int64_t k8 = in / 8 * 8;
+    for (int64_t k = 0; k < k8; k += 8) {
+        __m512 e0 = load8x2(e + k);
+        __m512 e1 = NC > 1 ? load8x2(e + st + k) : z;
+        __m512 e2 = NC > 2 ? load8x2(e + 2 * st + k) : z;
+        ZT_FMA(0) ZT_FMA(1) ZT_FMA(2) ZT_FMA(3) ZT_FMA(4) ZT_FMA(5) ZT_FMA(6) ZT_FMA(7)
+    }
+    ZT_OUT(0) ZT_OUT(1) ZT_OUT(2) ZT_OUT(3) ZT_OUT(4) ZT_OUT(5) ZT_OUT(6) ZT_OUT(7)
+}
+
+#define ZT_NC(np)                                                                  \
+    case np:                                                                       \
+        if (nc == 3) zt_block(xr, ldx, xq, ej, st, yr, ldy, sy, nr, np, 3, in);    \
+        else if (nc == 2) zt_block(xr, ldx, xq, ej, st, yr, ldy, sy, nr, np, 2, in); \
+        else zt_block(xr, ldx, xq, ej, st, yr, ldy, sy, nr, np, 1, in);            \
+        break;
+/* Every row over nc <= 3 embedding rows st elements apart (outputs sy columns apart), in
+ * ceil(pairs / 8) blocks of near-equal size. */
+static void zt_rows(const float *x, int64_t ldx, const float *xp, const uint16_t *ej,
+                    int64_t st, float *y, int64_t ldy, int64_t sy, int64_t rows, int nc,
+                    int64_t in) {
+    const int64_t pairs = (rows + 1) / 2, blocks = (pairs + 7) / 8;
+    const int64_t per = (pairs + blocks - 1) / blocks, k8 = in / 8 * 8;
+    for (int64_t p0 = 0; p0 < pairs; p0 += per) {
+        const int64_t np = pairs - p0 < per ? pairs - p0 : per;
+        const int64_t nr = rows - 2 * p0 < 2 * np ? rows - 2 * p0 : 2 * np;
+        const float *xr = x + 2 * p0 * ldx, *xq = xp + p0 * k8 * 2;
+        float *yr = y + 2 * p0 * ldy;
+        switch (np) {
+            ZT_NC(1) ZT_NC(2) ZT_NC(3) ZT_NC(4) ZT_NC(5) ZT_NC(6) ZT_NC(7)
+            default:
+                if (nc == 3) zt_block(xr, ldx, xq, ej, st, yr, ldy, sy, nr, 8, 3, in);
+                else if (nc == 2) zt_block(xr, ldx, xq, ej, st, yr, ldy, sy, nr, 8, 2, in);
+                else zt_block(xr, ldx, xq, ej, st, yr, ldy, sy, nr, 8, 1, in);
+        }
+    }
+}
+
+/* Columns [j, j_end) of 3..32 rows as nt's 3 streams; -1 when the packing buffer cannot be
+ * had (the caller then runs the 256-bit path). */
+static int zt_columns(const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y,
+                      int64_t ldy, int64_t rows, int64_t in, int64_t j, int64_t j_end) {
+    float *xp = zt_pack(x, ldx, rows, in / 8 * 8);
+    if (!xp) return -1;
+    const int64_t S = (j_end - j) / 3;
+    for (int64_t i = j; i < j + S; i++)
+        zt_rows(x, ldx, xp, e + i * lde, S * lde, y + i, ldy, S, rows, 3, in);
+    j += 3 * S;
+    if (j < j_end) zt_rows(x, ldx, xp, e + j * lde, lde, y + j, ldy, 1, rows, (int)(j_end - j), in);
+    free(xp);
+    return 0;
+}
+#endif
+
 static int nt_bad(int64_t rows, int64_t in, int64_t out, int64_t j_begin, int64_t j_end,
                   int64_t ldx, int64_t lde, int64_t ldy) {
     return rows < 0 || in < 0 || j_begin < 0 || j_end > out || j_begin > j_end || ldx < in ||
@@ -386,6 +634,9 @@ int pagedkv_bf16_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t lde,
 #if BF_AVX2
     int64_t j = j_begin;
     if (rows == 1 || rows == 2) j = nt_spread(x, ldx, e, lde, y, ldy, (int)rows, in, j, j_end);
+#if BF_512
+    else if (zt_columns(x, ldx, e, lde, y, ldy, rows, in, j, j_end) == 0) return 0;
+#endif
     const int64_t S = (j_end - j) / 3; /* 3 streams of S columns, as nt_spread's */
     for (int64_t i = j; i < j + S; i++)
         nt_rows(x, ldx, e + i * lde, S * lde, y + i, ldy, S, rows, 3, in);
@@ -415,18 +666,9 @@ int pagedkv_bf16_nt_portable(const float *x, int64_t ldx, const uint16_t *e, int
     return 0;
 }
 
-/* 1 when this build runs the AVX2 paths (the wrapper reports it). */
-int pagedkv_bf16_vector_build(void) { return BF_AVX2; }
-
-/* 1 when the build targets AVX-512 (-march=native on such a CPU): there torch's float32 GEMM
- * runs 512-bit FMAs and prefill keeps it (bf16_linear.py, kernel_prefill). */
-int pagedkv_bf16_avx512_target(void) {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* The vector width the tiled and multi-row nt paths run: 512 (an AVX-512F build), 256 (AVX2
+ * + FMA) or 0 (the portable loops); the wrapper reports it. */
+int pagedkv_bf16_vector_bits(void) { return BF_512 ? 512 : BF_AVX2 ? 256 : 0; }
 
 /* ---- One call over all columns, split among threads (pagedkv_bf16_{tiled,nt}_par) ----
  *
