@@ -31,13 +31,13 @@ Why ``auto`` still picks float32 on a CPU. Measured on SmolLM2-135M (the Q4_1 GG
 since the bf16 weights are kept in column tiles, bfloat16 decodes **2.5x** faster than float32
 at batch 1 on one thread (14.8 against 38.0 ms per token in the decode steps) and 3.8x on two
 (9.7 against 36.7 ms); on a 2-core Intel Xeon with AVX-512 ("bf16 on AVX-512") 1.9x at one
-thread and two, and 2.15x at 16 concurrent requests; quality (the "bf16 weights" section):
-128 of 128 greedy tokens equal, mean log-likelihood -2.4e-4 nats from float32. That is a large
-gain, but the default's
-guarantee is exactness (issue 15: "the fp32 path remains token-identical to transformers"),
-which bf16 weights and a bf16 KV cache cannot give for a checkpoint stored in float32 or
-quantized, and do not give bit for bit even for a bf16 one (the KV cache rounds). So ``auto``
-stays float32 and ``bfloat16`` is one explicit flag away; the start-up line names the dtype.
+thread and two, and 2.15x at 16 concurrent requests; quality (the "bf16 weights" section): 128
+of 128 greedy tokens equal, mean log-likelihood -2.4e-4 nats from float32. That is a large
+gain, but the default's guarantee is exactness (issue 15: "the fp32 path remains
+token-identical to transformers"), which bf16 weights and a bf16 KV cache cannot give for a
+checkpoint stored in float32 or quantized, and do not give bit for bit even for a bf16 one (the
+KV cache rounds). So ``auto`` stays float32 and ``bfloat16`` is one explicit flag away; the
+start-up line names the dtype.
 
 An explicit ``float16`` on a CPU is refused (:class:`UnsupportedDtypeError`) unless a probe
 finds torch can run the operations the model needs in float16 on this CPU.
