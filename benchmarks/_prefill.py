@@ -21,8 +21,9 @@ by each distinct ``[in, out]``), measured in the same process right before the c
 FLOP-weighted rate (total FLOPs / total median time). float32: ``x @ W`` with ``W [in, out]``
 (the layout pagedkv's projections use). bfloat16: torch's bf16 GEMM in its fastest layout on
 this CPU, ``x @ W.T`` (``F.linear``; ``x @ W`` measured ~8x slower still), both operands bf16.
-A ``--dtype bfloat16`` engine stores bf16 weights and computes in float32 on a CPU without
-bf16 arithmetic (``engine/dtype.py``), so its row is given against both limits.
+A ``--dtype bfloat16`` engine stores bf16 weights and computes in float32 (``engine/dtype.py``),
+so its row is given against both limits; so is the ``bf16 medium`` row (bf16 arithmetic on
+AMX, ``engine/bf16_dot.py``), run where the CPU has AMX.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from _harness import Case, Result
+from pagedkv.engine import bf16_dot
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.model_config import ModelConfig
@@ -141,18 +143,22 @@ def sdpa_line(cfg: ModelConfig, n: int, reps: int, clock: Clock) -> str:
 def prefill_cases(
     model_dir: Path, hf: Any, lengths: tuple[int, ...], quick: bool
 ) -> tuple[list[Case], ModelConfig]:
-    """Per prompt length: pagedkv float32, pagedkv bfloat16 (bf16 weights, float32 compute)
-    and transformers (its own dtype), rounds interleaved. A case's check raises unless every
+    """Per prompt length: pagedkv float32, pagedkv bfloat16 (bf16 weights, float32 compute),
+    where AMX runs pagedkv bf16 medium (bf16 arithmetic: ``matmul_precision="medium"``), and
+    transformers (its own dtype), rounds interleaved. A case's check raises unless every
     timed prefill was uncached and one step."""
     engines = {}
-    for dtype in ("float32", "bfloat16"):
+    rows = [("pagedkv", "float32", "highest"), ("pagedkv bfloat16", "bfloat16", "highest")]
+    if bf16_dot.amx():  # bf16 arithmetic on AMX (matmul_precision="medium")
+        rows.append(("pagedkv bf16 medium", "bfloat16", "medium"))
+    for name, dtype, precision in rows:
         cfg = EngineConfig(
             block_size=16, num_blocks=2 * max(lengths) // 16 + 8, max_model_len=4096,
             max_num_batched_tokens=max(2048, max(lengths)), enable_prefix_caching=False,
-            dtype=dtype,
+            dtype=dtype, matmul_precision=precision,
         )  # fmt: skip
-        engines[dtype] = LLMEngine.from_model_dir(str(model_dir), cfg)
-    model_cfg = engines["float32"].model.config
+        engines[name] = LLMEngine.from_model_dir(str(model_dir), cfg)
+    model_cfg = engines["pagedkv"].model.config
     gen = torch.Generator().manual_seed(2)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     cases: list[Case] = []
@@ -179,8 +185,7 @@ def prefill_cases(
         case = f"prompt={n} uncached"
         common: dict[str, Any] = {"rounds": 2 if quick else 3, "warmup": 1,
                                   "interleave": f"prefill{n}"}  # fmt: skip
-        for dtype, engine in engines.items():
-            name = "pagedkv" if dtype == "float32" else "pagedkv bfloat16"
+        for name, engine in engines.items():
             run = partial(ours, engine)
             cases.append(Case("prefill", case, name, "prompt", run, check=check, **common))
         cases.append(Case("prefill", case, "transformers", "prompt", theirs, **common))
@@ -200,7 +205,7 @@ def prefill_footer(
         gflops = flops.total / r.timing.median_s / 1e9
         fp32, bf16 = limits[n]["float32"], limits[n]["bfloat16"]
         share = f"{100 * gflops / fp32:.0f}% of the float32 limit {fp32:.1f}"
-        if r.impl == "pagedkv bfloat16":
+        if r.impl.startswith("pagedkv bf"):
             share += f"; {100 * gflops / bf16:.0f}% of the bf16 limit {bf16:.2f}"
         lines.append(
             f"prefill {n}: {r.impl} {r.timing.median_s * 1e3:.0f} ms, {gflops:.1f} GFLOP/s "

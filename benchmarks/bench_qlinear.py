@@ -58,7 +58,7 @@ from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.gguf_qlinear import GGUFProjection
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.models.llama import LlamaModel
-from pagedkv.engine.models.projection import Bf16Projection, Projection
+from pagedkv.engine.models.projection import Bf16DotProjection, Bf16Projection, Projection
 from pagedkv.engine.qlinear import QuantizedProjection, int8_linear, pack, quantize_int8
 from pagedkv.engine.sampler import SamplingParams
 
@@ -105,7 +105,7 @@ def weight_bytes_per_token(model: LlamaModel) -> int:
         for p in group:
             if isinstance(p, QuantizedProjection | GGUFProjection):
                 total += p.num_weight_bytes
-            elif isinstance(p, Bf16Projection):
+            elif isinstance(p, Bf16Projection | Bf16DotProjection):
                 total += p.weight.num_bytes
             elif isinstance(p, Projection):
                 total += p.weight_t.numel() * p.weight_t.element_size()

@@ -34,9 +34,9 @@ at a time.
 fixed by the weight's shape (csrc/bf16_linear.c states it): within ``(in + 2) * 2^-24 *
 (|x| @ |W|)`` of the float64 result, and the same bits for a row alone or among 1..32 rows
 (batch invariance), on any thread split, on the AVX-512, AVX2 and portable builds
-(:func:`vector_bits`). An AVX512-BF16 (``vdpbf16ps``) or AMX variant would round the
-activations to bf16 (a different contract, not bit-comparable with float32 compute), so it
-is not written.
+(:func:`vector_bits`). bf16 arithmetic (AMX, the activations rounded to bf16) is a different
+contract, not bit-comparable with float32 compute: it is :mod:`pagedkv.engine.bf16_dot`,
+opt-in with ``matmul_precision="medium"``.
 """
 
 from __future__ import annotations

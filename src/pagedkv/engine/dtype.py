@@ -25,6 +25,10 @@ precise than bf16, not less. For a bf16 checkpoint the linears compute the float
 arithmetic on the same weights (only the summation order differs); other checkpoints are
 rounded to bf16 once at load. Without a C compiler ``bfloat16`` is torch's bf16 ops, as before
 (a warning says so). Quantization with it is refused (``UnsupportedQuantizationError``).
+``--matmul-precision medium`` (torch's name for "bf16 inside float32 matmuls") goes one step
+further where the CPU has AMX-BF16: the linear layers round their inputs to bf16 and run bf16
+arithmetic on AMX tiles (``engine/bf16_dot.py``), as vLLM, transformers and llama.cpp's bf16
+paths do; elsewhere it runs as the default ``highest``.
 
 Why ``auto`` still picks float32 on a CPU. Measured on SmolLM2-135M (the Q4_1 GGUF, a quiet
 2-core AMD EPYC VM, AVX2; benchmarks/RESULTS.md, "Issue 15: bf16 weights in column tiles"):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.config import check_invariants_default
 from pagedkv.core.hashing import HashAlgo
+from pagedkv.engine.bf16_dot import check_matmul_precision
 from pagedkv.engine.fewrow import check_linear_kernel
 from pagedkv.engine.gguf_q8act import check_activations
 from pagedkv.engine.kv_cache import parse_dtype
@@ -43,6 +44,10 @@ class EngineConfig:
     ``linear_kernel="native"`` runs the float32 linear layers
     and vocabulary projection at 2..32 rows (decode steps) through a batch-invariant C kernel
     (``pagedkv.engine.fewrow``; CPU float32), ``"torch"`` keeps ``torch.mm``.
+    ``matmul_precision="medium"`` (``dtype="bfloat16"`` on a CPU) runs the linear layers and
+    the vocabulary projection in bf16 arithmetic on AMX, their inputs rounded to bf16
+    (``pagedkv.engine.bf16_dot``; as ``highest`` where the CPU has no AMX, with a warning);
+    ``"highest"`` keeps float32 arithmetic.
 
     Resolved by ``LLMEngine.from_model_dir`` from the checkpoint: ``dtype="auto"`` (float32 on
     a CPU, the checkpoint's dtype on CUDA: ``pagedkv.engine.dtype``), ``model_id=""`` (the
@@ -74,6 +79,7 @@ class EngineConfig:
     quantization: str | None = None  # None | "int8" | "gguf" (pagedkv.engine.qlinear)
     gguf_activations: str = "float32"  # "float32" | "int8" (gguf only: engine.gguf_q8act)
     linear_kernel: str = "torch"  # "torch" | "native": few-row fp32 matmuls (engine.fewrow)
+    matmul_precision: str = "highest"  # "highest" | "medium": bf16 on AMX (engine.bf16_dot)
     watermark: float = 0.01
     reservation: str = "max_tokens"
     model_id: str = ""  # default: the checkpoint's fingerprint (pagedkv.engine.fingerprint)
@@ -110,6 +116,7 @@ class EngineConfig:
         check_quantization(self.quantization, self.dtype, self.device)
         check_activations(self.gguf_activations, self.quantization)
         check_linear_kernel(self.linear_kernel, self.device, self.quantization)
+        check_matmul_precision(self.matmul_precision, self.dtype, self.device, self.quantization)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

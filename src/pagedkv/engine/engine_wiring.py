@@ -116,8 +116,10 @@ def cache_namespace(model_id: str, model: LlamaModel, gguf_activations: str = "f
     - a compute dtype other than the weights' (bf16 weights widened and computed in float32,
       against torch's bf16 ops where the kernel does not build) writes other values into a
       cache of the same dtype.
+    - bf16 arithmetic in the linear layers (``matmul_precision="medium"`` where it runs:
+      inputs rounded to bf16) writes KV that differs by more than float32 rounding.
 
-    Engines differing in either never share a hash chain or a tier key, so a block one of them
+    Engines differing in any of these never share a hash chain or a tier key, so a block one of them
     stored is never served to the other. Kernel choices that change only float32 summation
     order (``linear_kernel``, the decode kernel) keep the namespace: their KV agree to within
     float32 rounding. An unnamed engine (``""``, built from a model) stays unnamed unless there
@@ -129,6 +131,8 @@ def cache_namespace(model_id: str, model: LlamaModel, gguf_activations: str = "f
         suffix.append(f"act={gguf_activations}")
     if model.compute_dtype is not model.dtype:
         suffix.append(f"compute={str(model.compute_dtype).removeprefix('torch.')}")
+    if model.matmul_precision != "highest":
+        suffix.append(f"matmul={model.matmul_precision}")
     if not suffix:
         return model_id
     return "+".join([model_id or "model", *suffix])

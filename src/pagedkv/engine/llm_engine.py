@@ -104,6 +104,8 @@ class LLMEngine:
             set_gguf_activations(model, config.gguf_activations)  # refuses: already quantized
         if config.linear_kernel != model.linear_kernel:
             model.set_linear_kernel(config.linear_kernel)
+        if config.matmul_precision != model.matmul_precision:
+            model.set_matmul_precision(config.matmul_precision)  # what runs: the model's
         # what decides the KV content besides the checkpoint joins its id (cache_namespace)
         namespace = engine_wiring.cache_namespace(config.model_id, model, config.gguf_activations)
         config = replace(config, model_id=namespace)

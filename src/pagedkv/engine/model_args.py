@@ -16,6 +16,8 @@ vLLM's names are the primary spelling; pagedkv's earlier spellings stay as alias
     --quantization int8|gguf                int8 weight-only linears (pagedkv.engine.qlinear);
                                             gguf: keep a .gguf file's Q8_0/Q4_0/Q4_1 blocks
     --gguf-activations float32|int8         int8: 8-bit activations on those (engine.gguf_q8act)
+    --linear-kernel torch|native            float32 few-row matmuls (engine.fewrow)
+    --matmul-precision highest|medium       medium: bf16 linears on AMX (engine.bf16_dot)
 
 Exit codes, the same for every command: 2 for bad usage (argparse's, also for a flag value
 :class:`EngineConfig` rejects), 1 for a failure while running (a model folder that cannot be
@@ -28,6 +30,7 @@ import argparse
 import logging
 import sys
 
+from pagedkv.engine.bf16_dot import MATMUL_PRECISION_CHOICES
 from pagedkv.engine.dtype import DTYPE_CHOICES
 from pagedkv.engine.engine_config import PREFIX_HASH_ALGOS, EngineConfig
 from pagedkv.engine.fewrow import LINEAR_KERNEL_CHOICES
@@ -127,6 +130,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "batch-invariant C kernel that reads each weight once for all rows; CPU)",
     )
     parser.add_argument(
+        "--matmul-precision",
+        default="highest",
+        choices=MATMUL_PRECISION_CHOICES,
+        help="with --dtype bfloat16 on a CPU: highest (float32 arithmetic, default) or medium "
+        "(linear layers in bf16 arithmetic on AMX, inputs rounded to bf16; as highest where "
+        "the CPU has no AMX)",
+    )
+    parser.add_argument(
         "--chat-template", default=None, help="a template file, or the template itself"
     )
     parser.add_argument(
@@ -176,6 +187,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             quantization=args.quantization,
             gguf_activations=args.gguf_activations,
             linear_kernel=args.linear_kernel,
+            matmul_precision=args.matmul_precision,
             chat_template=args.chat_template,
             generation_config=args.generation_config,
             tokenizer=args.tokenizer,

@@ -46,6 +46,8 @@ def startup_line(engine: LLMEngine, model: str) -> str:
     quant = f", {cfg.quantization} weights" if cfg.quantization else ""
     if cfg.gguf_activations != "float32":
         quant += f", {cfg.gguf_activations} activations"
+    if cfg.matmul_precision != "highest":  # what runs (the model's), not only what was asked
+        quant += f", matmul precision {engine.model.matmul_precision}"
     return (
         f"pagedkv: model {model} ({mcfg.model_type}, {fingerprint}) | dtype {cfg.dtype}{quant} | "
         f"context {engine.max_model_len} tokens | KV pool {num_blocks} blocks x "

@@ -42,9 +42,8 @@
  * sections below); with AVX2 + FMA the vector paths widen 8 weights with vpmovzxwd + vpslld;
  * otherwise the portable loops run (fmaf: the same single rounding as a vector FMA), and the
  * *_portable entry points always run them, so tests can check that every build gives the
- * same bits. An AVX512-BF16 (vdpbf16ps) or AMX variant would change the arithmetic (it rounds
- * the activations to bf16 and pairs products), so it would need its own stated order and is
- * not written: bf16 compute is a different contract from this file's.
+ * same bits. bf16 arithmetic on AMX (the activations rounded to bf16) is a different contract
+ * from this file's: bf16_dot.c, opt-in (matmul_precision "medium").
  * Returns 0, or -1 for a bad range or stride.
  */
 #include <math.h>

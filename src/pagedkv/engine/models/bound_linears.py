@@ -11,6 +11,7 @@ size and thread count (the buffers are kept across steps, so in practice once), 
 - a float32 ``Projection``: ``torch.mm(x, W, out=out)`` (``addmm`` with a bias) through
   ``functools.partial``, the call ``Projection.into`` makes, so the same bits;
 - a ``Bf16Projection``: :func:`bf16_linear.bind_into`'s prebuilt kernel call;
+- a ``Bf16DotProjection`` (bf16 arithmetic on AMX): :func:`bf16_dot.bind_into`'s;
 - an int8 ``QuantizedProjection``: :meth:`QuantizedProjection.bind_into`'s;
 - a ``GGUFProjection`` (the file's blocks, float32 or 8-bit activations):
   :meth:`GGUFProjection.bind_into`'s;
@@ -29,10 +30,16 @@ from functools import partial
 
 import torch
 
-from pagedkv.engine import bf16_linear, fewrow
+from pagedkv.engine import bf16_dot, bf16_linear, fewrow
 from pagedkv.engine.gguf_qlinear import GGUFProjection
 from pagedkv.engine.layer_op_buffers import StepBuffers
-from pagedkv.engine.models.projection import Bf16Projection, Linear, Projection, linear_into
+from pagedkv.engine.models.projection import (
+    Bf16DotProjection,
+    Bf16Projection,
+    Linear,
+    Projection,
+    linear_into,
+)
 from pagedkv.engine.qlinear import QuantizedProjection
 
 Call = Callable[[], torch.Tensor]
@@ -45,6 +52,10 @@ def bind_into(p: Linear, x: torch.Tensor, out: torch.Tensor) -> Call:
         bound = bf16_linear.bind_into(x, p.weight, p.bias, out)
         if bound is not None:
             return bound
+    elif type(p) is Bf16DotProjection:
+        dot = bf16_dot.bind_into(x, p.weight, p.bias, out)
+        if dot is not None:
+            return dot
     elif type(p) is Projection:
         w, bias = p.weight_t, p.bias
         if not (p.few_rows and fewrow.accepts(x)) and w.dtype is x.dtype is out.dtype:

@@ -22,7 +22,9 @@ bytes. The linear layers' weights are repacked into the kernel's column tiles
 (:class:`Bf16Projection`), so their checkpoint names leave ``weights`` (as a quantized
 layer's do; ``Bf16Projection.weight.weight_t()`` rebuilds one exactly). ``dtype`` stays the
 weights' dtype (bfloat16), and so the KV cache's. Without the kernel a bfloat16 model
-computes in bfloat16 with torch's ops, as before.
+computes in bfloat16 with torch's ops, as before. ``set_matmul_precision("medium")`` repacks
+those layers for bf16 arithmetic on AMX (:class:`Bf16DotProjection`, inputs rounded to bf16;
+the vocabulary projection too where the hidden size is a multiple of 32).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pagedkv.engine import bf16_linear, fewrow, layer_op_buffers, layer_ops
+from pagedkv.engine import bf16_dot, bf16_linear, fewrow, layer_op_buffers, layer_ops
 from pagedkv.engine.attention import (
     AttentionMetadata,
     attend,
@@ -47,6 +49,7 @@ from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
 from pagedkv.engine.models.bound_linears import BoundLinears, LayerCalls
 from pagedkv.engine.models.projection import (
+    Bf16DotProjection,
     Bf16Projection,
     Linear,
     Projection,
@@ -129,6 +132,7 @@ class LlamaModel:
         self.quantization: str | None = None
         self._lm_head_q: Linear | None = None
         self.linear_kernel = "torch"  # set_linear_kernel: "native" = fewrow's few-row kernel
+        self.matmul_precision = "highest"  # set_matmul_precision: "medium" = bf16 on AMX
         self.deferred_quantization: dict[str, Callable[[LlamaModel], None]] = {}  # quantize()
         self._qkv: list[Linear] = []
         self._o: list[Linear] = []
@@ -296,6 +300,40 @@ class LlamaModel:
             group[:] = [replace(p, few_rows=native) if type(p) is Projection else p for p in group]
         self.linear_kernel = kernel
 
+    def set_matmul_precision(self, precision: str) -> None:
+        """``"medium"``: the bf16 linear layers and vocabulary projection of a bfloat16 CPU
+        model computing in float32 take :mod:`pagedkv.engine.bf16_dot` (inputs rounded to
+        bf16, bf16 products summed in float32 on AMX); ``"highest"``: the float32-compute
+        kernel (:mod:`pagedkv.engine.bf16_linear`). Where AMX does not run, ``medium`` stays
+        ``highest`` (torch's semantics) and a warning says why; ``matmul_precision`` is what
+        runs. Refused (nothing changed) for another dtype, off the CPU, or when quantized.
+        Every layer is repacked (exactly) before any is replaced: a peak of twice the
+        linear weights' memory while it runs."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        bf16_dot.check_matmul_precision(precision, dtype, self.device.type, self.quantization)
+        if precision == "medium" and (
+            self.compute_dtype is not torch.float32 or not bf16_dot.amx()
+        ):
+            why = bf16_dot.unavailable_reason() or "the bf16 float32-compute kernel is missing"
+            logger.warning("matmul_precision='medium' runs as 'highest' here: %s", why)
+            precision = "highest"
+        if precision == self.matmul_precision:
+            return
+        medium = precision == "medium"
+        groups = (self._qkv, self._o, self._gate_up, self._down)
+
+        def convert(p: Linear) -> Linear:
+            if medium and type(p) is Bf16Projection:
+                return Bf16DotProjection.from_bf16(p)
+            if not medium and type(p) is Bf16DotProjection:
+                return p.to_bf16()
+            return p
+
+        new = [[convert(p) for p in group] for group in groups]
+        for group, layers in zip(groups, new, strict=True):
+            group[:] = layers
+        self.matmul_precision = precision
+
     def expected_weight_names(self) -> list[str]:
         cfg = self.config
         names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -461,6 +499,9 @@ class LlamaModel:
         if self.linear_kernel == "native" and fewrow.accepts(hidden) and unit_stride(self.lm_head):
             return fewrow.linear_nt(hidden, self.lm_head)
         if self.lm_head.dtype is torch.bfloat16 and hidden.dtype is torch.float32:
+            medium = self.matmul_precision == "medium" and bf16_dot.nt_accepts(self.lm_head)
+            if medium and hidden.stride(1) == 1:  # bf16 arithmetic on AMX
+                return bf16_dot.linear_nt(hidden, self.lm_head)
             if self.lm_head.stride(1) == 1 and hidden.stride(1) == 1:  # bf16 weights
                 return bf16_linear.linear_nt(hidden, self.lm_head)
             return F.linear(hidden, self.lm_head.float())

@@ -1,8 +1,9 @@
 """A Llama layer's linear projection: the float layer (:class:`Projection`, its weight kept
 transposed, ``[in, out]``), the bfloat16 layer of a CPU model computing in float32
-(:class:`Bf16Projection`, its weight in the bf16 kernel's column tiles), and the helpers the
-model's forwards call on any ``Linear`` (either, or a quantized layer with the same call
-signature)."""
+(:class:`Bf16Projection`, its weight in the bf16 kernel's column tiles), the same layer in bf16
+arithmetic on AMX (:class:`Bf16DotProjection`, ``matmul_precision="medium"``), and the helpers
+the model's forwards call on any ``Linear`` (any of these, or a quantized layer with the same
+call signature)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.engine import bf16_linear, fewrow
+from pagedkv.engine import bf16_dot, bf16_linear, fewrow
+from pagedkv.engine.bf16_dot import PairedWeight
 from pagedkv.engine.bf16_linear import TiledWeight
 from pagedkv.engine.qlinear import QuantizedProjection
 from pagedkv.errors import InvalidRequestError
@@ -65,12 +67,36 @@ class Bf16Projection:
         return bf16_linear.linear(x, self.weight, self.bias, out)
 
 
-Linear = Callable[[torch.Tensor], torch.Tensor]  # a Projection, Bf16Projection or quantized
+@dataclass(frozen=True, slots=True)
+class Bf16DotProjection:
+    """A bfloat16 linear layer computing in bf16 arithmetic (inputs rounded to bf16, float32
+    sums) on AMX: :mod:`pagedkv.engine.bf16_dot`, ``matmul_precision="medium"``. Converts
+    to and from :class:`Bf16Projection` exactly (the weight is repacked, not rounded)."""
+
+    weight: PairedWeight
+    bias: torch.Tensor | None
+
+    @classmethod
+    def from_bf16(cls, p: Bf16Projection) -> Bf16DotProjection:
+        return cls(PairedWeight.from_tiled(p.weight), p.bias)
+
+    def to_bf16(self) -> Bf16Projection:
+        return Bf16Projection(self.weight.tiled(), self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return bf16_dot.linear(x, self.weight, self.bias)
+
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` written into ``out`` (the same kernel, so the same bits)."""
+        return bf16_dot.linear(x, self.weight, self.bias, out)
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]  # a Projection, a bf16 one, or quantized
 
 
 def linear_into(p: Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``p(x)``, into ``out`` when ``p`` is a float projection; contiguous either way."""
-    if isinstance(p, Projection | Bf16Projection):
+    if isinstance(p, Projection | Bf16Projection | Bf16DotProjection):
         return p.into(x, out)
     return p(x).contiguous()
 

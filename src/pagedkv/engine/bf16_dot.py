@@ -1,0 +1,298 @@
+"""Linear layers in bf16 arithmetic on AMX (``csrc/bf16_dot.c``): ``--matmul-precision medium``.
+
+**Contract** (torch's ``set_float32_matmul_precision("medium")``: "float32 matrix
+multiplications use bfloat16 for internal computations" where a fast path exists). A
+bfloat16 model's linear layers and vocabulary projection round their float32 inputs to bf16
+(round to nearest even) and sum the bf16 x bf16 products in float32 on AMX-BF16 tiles; the
+outputs, the residual stream, norms, attention and sampling stay float32 as with
+``highest`` (``engine/bf16_linear.py``: bf16 storage, float32 compute). This is the
+arithmetic of vLLM's, transformers' and llama.cpp's bf16 paths for a linear layer (their
+activations are bf16 throughout), so it is not exact against float32: a row's inputs carry
+a relative rounding of up to 2^-9. Where the CPU has no AMX-BF16 (or the OS refuses the tile
+data), ``medium`` runs as ``highest``, as torch's does, and the engine says so on stderr.
+
+**Bounds and bits.** Each output is within ``(kp + 2) * 2^-24 * (|xb| @ |W|)`` of the exact
+sum over the bf16-rounded inputs ``xb`` (``kp``: ``in`` rounded up to 32), plus subnormal
+flushes; tests check it against float64. A row's output is the same bits alone or in any
+batch and on any thread split (the AMX order per output is fixed by ``in``), so prefill and
+decode, chunked or not, cached or not, compute the same KV: prefix caching never changes an
+output under ``medium`` either. The AMX tiles do not follow Intel's documented sequential
+order bit for bit (measured: 1-43 of 64 sums at 576 inputs equal that order or a pairwise
+tree), so the portable loops (``portable=True``: the stated sequential order, any CPU) are a
+reference within the bound, not bit for bit.
+
+**Layout.** :class:`PairedWeight` keeps ``W [in, out]`` as AMX's B tiles: ``[ceil(out / 16),
+kp / 2, 16, 2]``, each column tile one contiguous stream with k pairs interleaved, repacked
+exactly from (and back to) ``bf16_linear.TiledWeight`` when the precision changes. The
+vocabulary projection reads the embedding as stored (``[vocab, in]``, ``in`` a multiple of
+32; the caller keeps the float32-compute kernel otherwise).
+
+Measured (one thread, SmolLM2-135M's shapes, 30 copies of each weight, this 2-core Xeon with
+AMX; benchmarks/RESULTS.md, "bf16 on AMX"): 16 rows 2.5-3.4x the float32-compute kernel
+(170-190 G multiply-adds/s, at the copy bandwidth), the 16-row vocabulary projection 3.5x;
+one row 1.1x; 1,024 rows (prefill) 0.35-0.65x torch's oneDNN bf16 matmul, which is not
+batch invariant and rounds its output to bf16.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.engine import native
+from pagedkv.engine.bf16_linear import TILE, TiledWeight
+from pagedkv.engine.bound_call import BoundKernel, fits
+from pagedkv.engine.native_build import with_openmp
+from pagedkv.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+MATMUL_PRECISION_CHOICES = ("highest", "medium")
+KB = 32  # k per AMX tile step; the weights' k is zero-padded to a multiple of it
+_SOURCE = Path(__file__).with_name("csrc") / "bf16_dot.c"
+_FLAGS: native.FlagSets = with_openmp(
+    ((["-O3", "-march=native", "-ffp-contract=off", "-fPIC"], ["-shared", "-lm"]),)
+)
+_PORTABLE_FLAGS: native.FlagSets = ((["-O3", "-ffp-contract=off", "-fPIC"], ["-shared", "-lm"]),)
+_ERRORS = {-1: "a bad shape or stride", -2: "out of memory for its buffers",
+           -3: "AMX is unavailable here"}  # fmt: skip
+
+
+def _bind(lib: ctypes.CDLL) -> bool:
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.pagedkv_bf16dot_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
+    lib.pagedkv_bf16dot_nt.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i32, i32]
+    lib.pagedkv_bf16dot_linear.restype = lib.pagedkv_bf16dot_nt.restype = i32
+    lib.pagedkv_bf16dot_amx.restype = i32
+    return bool(lib.pagedkv_bf16dot_amx())
+
+
+_native = native.LazyLibrary(
+    _SOURCE, _bind, "bf16 AMX linear kernel", "matmul_precision='medium' runs as 'highest'",
+    _FLAGS + _PORTABLE_FLAGS,
+)  # fmt: skip
+
+
+def amx() -> bool:
+    """Whether the AMX paths run here (built with AMX-BF16, tile data permitted by the OS)."""
+    return _native.load() is not None and bool(_native.bound)
+
+
+def unavailable_reason() -> str:
+    """Why ``medium`` would run as ``highest`` here ('' when it would not)."""
+    if _native.load() is None:
+        return f"the kernel could not be built ({_native.error})"
+    if not _native.bound:
+        return "this CPU has no AMX-BF16 (or the OS refused the tile data)"
+    return ""
+
+
+def check_matmul_precision(
+    precision: str, dtype: str, device: str, quantization: str | None
+) -> None:
+    """Refuse (``InvalidRequestError`` naming why) an unknown precision, or ``medium`` where it
+    cannot apply: off the CPU, for weights that are not bfloat16 (``dtype`` must be
+    ``bfloat16``), or with a ``quantization`` (whose layers have their own arithmetic)."""
+    if precision not in MATMUL_PRECISION_CHOICES:
+        raise InvalidRequestError(
+            f"matmul_precision must be one of {', '.join(MATMUL_PRECISION_CHOICES)}, "
+            f"got {precision!r}"
+        )
+    if precision == "highest":
+        return
+    if device != "cpu":
+        raise InvalidRequestError(f"matmul_precision='medium' runs on the CPU only, not {device!r}")
+    if dtype != "bfloat16":
+        raise InvalidRequestError(
+            f"matmul_precision='medium' needs bfloat16 weights (--dtype bfloat16), not dtype "
+            f"{dtype!r}"
+        )
+    if quantization is not None:
+        raise InvalidRequestError(
+            f"matmul_precision='medium' cannot be combined with quantization={quantization!r}"
+        )
+
+
+def _library() -> ctypes.CDLL:
+    lib = _native.load()
+    if lib is None:
+        raise InvalidRequestError(f"the bf16 AMX kernel is unavailable: {_native.error}")
+    return lib
+
+
+def _check_rc(rc: int) -> None:
+    if rc:
+        raise InvalidRequestError(f"bf16 AMX kernel: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+@dataclass(frozen=True, slots=True)
+class PairedWeight:
+    """A bfloat16 weight ``W [in, out]`` as AMX B tiles (module docstring).
+
+    Invariants: ``tiles`` is a contiguous bfloat16 CPU tensor ``[ceil(out / 16), kp / 2, 16,
+    2]``, ``kp`` = ``in_features`` rounded up to 32, with ``W[k, j] = tiles[j // 16, k // 2,
+    j % 16, k % 2]`` and zeros past ``in_features`` and ``out_features`` (checked at
+    construction, the zeros by the packers). Packing and unpacking are exact, O(in * out)."""
+
+    tiles: torch.Tensor
+    in_features: int
+    out_features: int
+
+    def __post_init__(self) -> None:
+        t, kp = self.tiles, -(-self.in_features // KB) * KB
+        n = -(-self.out_features // TILE)
+        if not (
+            t.dtype is torch.bfloat16
+            and t.device.type == "cpu"
+            and tuple(t.shape) == (n, kp // 2, TILE, 2)
+            and t.is_contiguous()
+            and self.in_features > 0
+        ):
+            raise InvalidRequestError(
+                f"bf16 pair tiles {tuple(t.shape)} {t.dtype} for [{self.in_features}, "
+                f"{self.out_features}] (needs a contiguous bfloat16 CPU tensor [{n}, {kp // 2}, "
+                f"{TILE}, 2])"
+            )
+
+    @classmethod
+    def from_weight_t(cls, weight_t: torch.Tensor) -> PairedWeight:
+        """The pair tiles of a bfloat16 ``weight_t [in, out]``."""
+        if weight_t.dtype is not torch.bfloat16 or weight_t.dim() != 2 or not weight_t.is_cpu:
+            raise InvalidRequestError(
+                f"bf16 pair tiles: a weight {tuple(weight_t.shape)} {weight_t.dtype} on "
+                f"{weight_t.device} (needs a 2-D bfloat16 CPU tensor [in, out])"
+            )
+        in_dim, out = weight_t.shape
+        kp, n = -(-in_dim // KB) * KB, -(-out // TILE)
+        padded = torch.nn.functional.pad(weight_t, (0, n * TILE - out, 0, kp - in_dim))
+        tiles = padded.view(kp // 2, 2, n, TILE).permute(2, 0, 3, 1).contiguous()
+        return cls(tiles, in_dim, out)
+
+    @classmethod
+    def from_tiled(cls, weight: TiledWeight) -> PairedWeight:
+        return cls.from_weight_t(weight.weight_t())
+
+    @property
+    def num_bytes(self) -> int:
+        return self.tiles.numel() * self.tiles.element_size()
+
+    def weight_t(self) -> torch.Tensor:
+        """``W [in, out]`` in bfloat16, a new contiguous tensor (exact)."""
+        n, half, _, _ = self.tiles.shape
+        full = self.tiles.permute(1, 3, 0, 2).reshape(half * 2, n * TILE)
+        return full[: self.in_features, : self.out_features].contiguous()
+
+    def tiled(self) -> TiledWeight:
+        """The same weight as ``bf16_linear``'s column tiles (exact)."""
+        return TiledWeight.from_weight_t(self.weight_t())
+
+
+def _check_input(x: torch.Tensor, in_dim: int, what: str) -> None:
+    if not (
+        x.dtype is torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[1] == in_dim
+        and x.stride(1) == 1
+        and x.shape[0] > 0
+    ):
+        raise InvalidRequestError(
+            f"bf16 AMX {what}: input {tuple(x.shape)} {x.dtype} (needs a float32 CPU input "
+            f"[rows >= 1, {in_dim}] with unit column stride)"
+        )
+
+
+def _threads(threads: int | None) -> int:
+    return torch.get_num_threads() if threads is None else threads
+
+
+def linear(
+    x: torch.Tensor,
+    weight: PairedWeight,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    threads: int | None = None,
+    portable: bool = False,
+) -> torch.Tensor:
+    """``bf16(x) @ W (+ bias)`` in float32 for any number of rows, into ``out`` when given.
+    ``portable`` runs the plain-C loops (any CPU; the stated order)."""
+    in_dim, cols = weight.in_features, weight.out_features
+    _check_input(x, in_dim, "linear")
+    if bias is not None and (
+        bias.shape != (cols,) or bias.dtype is not torch.float32 or not bias.is_contiguous()
+    ):
+        raise InvalidRequestError(
+            f"bf16 AMX linear: bias {tuple(bias.shape)} {bias.dtype} (needs a contiguous "
+            f"float32 [{cols}])"
+        )
+    y = native.float32_output(out, x.shape[0], cols, "bf16 AMX linear")
+    b = None if bias is None else bias.data_ptr()
+    rc = _library().pagedkv_bf16dot_linear(
+        x.data_ptr(), x.stride(0), weight.tiles.data_ptr(), b, y.data_ptr(), y.stride(0),
+        x.shape[0], in_dim, cols, _threads(threads), int(portable),
+    )  # fmt: skip
+    _check_rc(rc)
+    return y
+
+
+def nt_accepts(weight: torch.Tensor) -> bool:
+    """Whether :func:`linear_nt` takes ``weight`` (bf16 ``[out, in]``, ``in`` a multiple of
+    32, unit column stride)."""
+    return (
+        weight.dtype is torch.bfloat16
+        and weight.dim() == 2
+        and weight.device.type == "cpu"
+        and weight.shape[1] % KB == 0
+        and weight.stride(1) == 1
+    )
+
+
+def linear_nt(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    threads: int | None = None,
+    portable: bool = False,
+) -> torch.Tensor:
+    """``bf16(x) @ weight.T`` in float32 for a bf16 ``weight [out, in]`` as stored (the
+    vocabulary projection's embedding), any number of rows."""
+    if not nt_accepts(weight):
+        raise InvalidRequestError(
+            f"bf16 AMX linear_nt: a weight {tuple(weight.shape)} {weight.dtype} (needs a "
+            f"bfloat16 CPU weight [out, in] with in a multiple of {KB} and unit column stride)"
+        )
+    cols, in_dim = weight.shape
+    _check_input(x, in_dim, "linear_nt")
+    y = native.float32_output(out, x.shape[0], cols, "bf16 AMX linear")
+    rc = _library().pagedkv_bf16dot_nt(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0), y.data_ptr(),
+        y.stride(0), x.shape[0], in_dim, cols, _threads(threads), int(portable),
+    )  # fmt: skip
+    _check_rc(rc)
+    return y
+
+
+def bind_into(
+    x: torch.Tensor, weight: PairedWeight, bias: torch.Tensor | None, out: torch.Tensor
+) -> BoundKernel | None:
+    """``linear(x, weight, bias, out)`` with every argument converted once, at torch's
+    intra-op thread count now (the same bits: no split changes them); None when the AMX path
+    does not run here or the buffers do not fit it as they are."""
+    in_dim, cols = weight.in_features, weight.out_features
+    if not amx() or not fits(x, out, in_dim, cols, 1 << 30) or x.shape[0] == 0:
+        return None
+    if bias is not None and not (
+        bias.shape == (cols,) and bias.dtype is torch.float32 and bias.is_contiguous()
+    ):
+        return None
+    b = None if bias is None else bias.data_ptr()
+    args = (x.data_ptr(), in_dim, weight.tiles.data_ptr(), b, out.data_ptr(), cols,
+            x.shape[0], in_dim, cols, torch.get_num_threads(), 0)  # fmt: skip
+    return BoundKernel(_library(), "pagedkv_bf16dot_linear", [args], out,
+                       (x, weight.tiles, bias), "bf16 AMX linear kernel")  # fmt: skip

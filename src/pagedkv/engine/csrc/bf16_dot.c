@@ -1,0 +1,426 @@
+/* Linear layers in bf16 arithmetic ("matmul precision medium"): bf16 x bf16 products summed
+ * in float32, on AMX-BF16 tiles where the CPU has them, for any number of rows.
+ *
+ * Contract. The activations are rounded to bf16 once per call (round to nearest even; a NaN
+ * stays a NaN; a result below bf16's smallest normal becomes a signed zero) and the weights
+ * are bf16. A product of two bf16 values is exact in float32 (8 x 8 significant bits), so
+ * the only roundings are the sums'. For every output (r, j):
+ *     s = +0; for k = 0, 1, ..., kp - 1 (kp: in rounded up to 32, zero padding):
+ *         s = s + xb[r, k] * W[k, j]         (one float32 add, round to nearest even,
+ *                                              a subnormal input or sum flushed to zero)
+ *     y[r, j] = s (+ bias[j], a float32 add after the sum)
+ * which is the order TDPBF16PS states (per k pair, the even product, then the odd one). The
+ * order depends neither on the row count nor on the split of columns among threads, so a
+ * row's output is the same bits alone or in any batch (batch invariance), and the portable
+ * loops (*_portable) follow it step by step; tests check the AMX paths against them bit for
+ * bit where AMX runs.
+ *
+ * pagedkv_bf16dot_linear: W [in, out] as pair tiles p [ceil(out / 16)][kp / 2][16][2] bf16,
+ *   W[k, j] = p[j / 16][k / 2][j % 16][k % 2], zero-padded past in and out (bf16_dot.py's
+ *   PairedWeight packs it): AMX's B ("VNNI") layout, each 16 x 32 tile one contiguous KiB and
+ *   each column tile one contiguous stream. A tile of 16 rows of xb times two column tiles
+ *   accumulate in four C tiles over all of k (rows in blocks of 32: two A tiles).
+ * pagedkv_bf16dot_nt: y = xb @ e^T for e [out, in] bf16 as stored (the tied vocabulary
+ *   projection), in a multiple of 32: e's rows are the A operand (16 rows x 32 k read with
+ *   e's row stride) and xb^T, packed per call in the B layout, the B operand; each C tile is
+ *   16 columns x 16 rows, written transposed. A partial last block of e's rows is copied into
+ *   a zeroed buffer first.
+ *
+ * Threads: a call's columns are cut into parts on whole tiles (16 columns) of at least
+ * BD_PAR_MIN_MACS multiply-adds, run on the process's OpenMP threads (torch's; see
+ * bf16_linear.c); each part configures its own tiles and releases them. Returns 0; -1 for a
+ * bad shape or stride; -2 when a buffer cannot be allocated; -3 when the AMX path was asked
+ * for and cannot run (not built, or the kernel refused the tile-data permission).
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define BD_AMX 1
+#else
+#define BD_AMX 0
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#define BD_IN_PARALLEL omp_in_parallel()
+#else
+#define BD_IN_PARALLEL 1
+#endif
+
+#define TILE 16     /* columns per tile */
+#ifndef BD_PANEL
+#define BD_PANEL (1 << 18) /* bytes of weights per column panel (prefill) */
+#endif
+#define KB 32       /* k per tile step */
+#define BD_PAR_MAX 16
+#ifndef BD_PAR_MIN_MACS
+#define BD_PAR_MIN_MACS (1 << 16)
+#endif
+
+/* ---- bf16 rounding and the portable loops (the stated order, step by step) ---- */
+
+static inline uint16_t to_bf16(float f) { /* branch-free, so the packing loops vectorize */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
+    uint32_t r = u + 0x7fffu + ((u >> 16) & 1u);
+    r = (r & 0x7f800000u) ? r : (r & 0x80000000u); /* below the smallest normal: signed 0 */
+    return (uint16_t)(nan ? ((u >> 16) | 0x40u) : (r >> 16));
+}
+
+static inline float widen_daz(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    if ((u & 0x7f800000u) == 0) u &= 0x80000000u; /* a subnormal input reads as zero */
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float add_ftz(float s, float p) {
+    const float t = s + p;
+    return fabsf(t) < 1.17549435e-38f ? copysignf(0.0f, t) : t;
+}
+
+/* Row r, k of the packed activations xa: A tiles of 16 rows x 32 k (1 KiB each, contiguous),
+ * [ceil(rows / 16)][kp / 32][16][32] bf16, so a tile load reads one contiguous KiB. */
+#define XA(xa, kp, r, k) (xa)[((r) / TILE * ((kp) / KB) + (k) / KB) * TILE * KB + (r) % TILE * KB + (k) % KB]
+
+/* xa from x: rounded to bf16, zero past in and from rows up to rows_pad. */
+static void pack_tiles(const float *x, int64_t ldx, int64_t rows, int64_t rows_pad, int64_t in,
+                       int64_t kp, uint16_t *xa) {
+    for (int64_t r = 0; r < rows_pad; r++)
+        for (int64_t k0 = 0; k0 < kp; k0 += KB) {
+            uint16_t *dst = &XA(xa, kp, r, k0);
+            const float *src = x + r * ldx + k0;
+            if (r < rows && k0 + KB <= in) {
+                for (int k = 0; k < KB; k++) dst[k] = to_bf16(src[k]);
+            } else {
+                for (int k = 0; k < KB; k++) dst[k] = r < rows && k0 + k < in ? to_bf16(src[k]) : 0;
+            }
+        }
+}
+
+static void linear_portable(const uint16_t *xa, int64_t kp, const uint16_t *p,
+                            const float *bias, float *y, int64_t ldy, int64_t rows, int64_t j0,
+                            int64_t j1) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = j0; j < j1; j++) {
+            const uint16_t *col = p + (j / TILE) * kp * TILE + (j % TILE) * 2;
+            float s = 0.0f;
+            for (int64_t k = 0; k < kp; k += 2) {
+                s = add_ftz(s, widen_daz(XA(xa, kp, r, k)) * widen_daz(col[k * TILE]));
+                s = add_ftz(s, widen_daz(XA(xa, kp, r, k + 1)) * widen_daz(col[k * TILE + 1]));
+            }
+            y[r * ldy + j] = bias ? s + bias[j] : s;
+        }
+}
+
+static void nt_portable(const uint16_t *xa, int64_t kp, const uint16_t *e, int64_t lde,
+                        float *y, int64_t ldy, int64_t rows, int64_t j0, int64_t j1) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = j0; j < j1; j++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < kp; k++)
+                s = add_ftz(s, widen_daz(XA(xa, kp, r, k)) * widen_daz(e[j * lde + k]));
+            y[r * ldy + j] = s;
+        }
+}
+
+/* ---- AMX ---- */
+#if BD_AMX
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* Tiles 0-3: C (16 x 16 float32), 4-5: A (16 x 32 bf16), 6-7: B (16 pairs x 16 x 2). */
+static void tiles_on(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* C tile `buf` (16 x 16, row-major) into y rows [0, nr), columns [0, nc). */
+static void put_tile(const float *buf, const float *bias, float *y, int64_t ldy, int64_t nr,
+                     int64_t nc) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++)
+            y[r * ldy + c] = bias ? buf[r * TILE + c] + bias[c] : buf[r * TILE + c];
+}
+
+/* The C tile `c` of rows [r0, r0 + nr) and columns [j, j + nc) into y: stored in place when
+ * whole (then the bias added), else through `buf`. */
+#define PUT(c, r0, nr, j, nc)                                                               \
+    do {                                                                                    \
+        float *yt = y + (r0) * ldy + (j);                                                   \
+        if ((nr) == TILE && (nc) == TILE) {                                                 \
+            _tile_stored(c, yt, ldy * 4);                                                   \
+            if (bias)                                                                       \
+                for (int64_t r = 0; r < TILE; r++)                                          \
+                    for (int64_t q = 0; q < TILE; q++) yt[r * ldy + q] += bias[(j) + q];    \
+        } else {                                                                            \
+            _tile_stored(c, buf, 64);                                                       \
+            put_tile(buf, bias ? bias + (j) : NULL, yt, ldy, nr, nc);                       \
+        }                                                                                   \
+    } while (0)
+
+/* One row tile (A in tile 4) times `nc` (1..2) column tiles (B in 6, 7; C in 0, 1). */
+#define ROW1(nc)                                                                            \
+    do {                                                                                    \
+        _tile_zero(0);                                                                      \
+        if ((nc) > 1) _tile_zero(1);                                                        \
+        for (int64_t kb = 0; kb < nk; kb++) {                                               \
+            _tile_loadd(4, a0 + kb * TILE * KB, 64);                                        \
+            _tile_loadd(6, b0 + kb * KB * TILE, 64);                                        \
+            if ((nc) > 1) _tile_loadd(7, b0 + kp * TILE + kb * KB * TILE, 64);              \
+            _tile_dpbf16ps(0, 4, 6);                                                        \
+            if ((nc) > 1) _tile_dpbf16ps(1, 4, 7);                                          \
+        }                                                                                   \
+        PUT(0, r0, nr0, t * TILE, nc_at(t));                                                \
+        if ((nc) > 1) PUT(1, r0, nr0, (t + 1) * TILE, nc_at(t + 1));                        \
+    } while (0)
+
+/* Two row tiles (A in 4, 5) times `nc` (1..2) column tiles (B in 6, 7; C in 0..3). */
+#define ROW2(nc)                                                                            \
+    do {                                                                                    \
+        _tile_zero(0);                                                                      \
+        _tile_zero(2);                                                                      \
+        if ((nc) > 1) _tile_zero(1);                                                        \
+        if ((nc) > 1) _tile_zero(3);                                                        \
+        for (int64_t kb = 0; kb < nk; kb++) {                                               \
+            _tile_loadd(4, a0 + kb * TILE * KB, 64);                                        \
+            _tile_loadd(6, b0 + kb * KB * TILE, 64);                                        \
+            _tile_loadd(5, a0 + nk * TILE * KB + kb * TILE * KB, 64);                       \
+            if ((nc) > 1) _tile_loadd(7, b0 + kp * TILE + kb * KB * TILE, 64);              \
+            _tile_dpbf16ps(0, 4, 6);                                                        \
+            if ((nc) > 1) _tile_dpbf16ps(1, 4, 7);                                          \
+            _tile_dpbf16ps(2, 5, 6);                                                        \
+            if ((nc) > 1) _tile_dpbf16ps(3, 5, 7);                                          \
+        }                                                                                   \
+        PUT(0, r0, nr0, t * TILE, nc_at(t));                                                \
+        PUT(2, r0 + TILE, nr1, t * TILE, nc_at(t));                                         \
+        if ((nc) > 1) PUT(1, r0, nr0, (t + 1) * TILE, nc_at(t + 1));                        \
+        if ((nc) > 1) PUT(3, r0 + TILE, nr1, (t + 1) * TILE, nc_at(t + 1));                 \
+    } while (0)
+
+/* Column tiles [t0, t1) of rows [0, rows); xa from pack_tiles (16-row blocks of A tiles).
+ * Column tiles run in pairs (two weight streams). Up to 16 rows: one row tile, so each
+ * weight tile is read once. More (prefill): panels of column tiles whose weights fit in
+ * BD_PANEL bytes (L2); within a panel, blocks of 32 rows x 2 column tiles (four C tiles),
+ * each 32-row block of activations kept in L1 across the panel's columns. Measured (one
+ * thread, 1,024 rows of SmolLM2's shapes): rows outside the columns 1.1-1.2x faster than
+ * inside. */
+static void linear_amx(const uint16_t *xa, int64_t kp, const uint16_t *p, const float *bias,
+                       float *y, int64_t ldy, int64_t rows, int64_t out, int64_t t0,
+                       int64_t t1) {
+    float buf[TILE * TILE] __attribute__((aligned(64)));
+    const int64_t nk = kp / KB;
+    int64_t panel = BD_PANEL / (kp * TILE * 2) / 2 * 2;
+    if (panel < 2 || rows <= TILE) panel = t1 - t0;
+#define nc_at(tt) (out - (tt) * TILE < TILE ? out - (tt) * TILE : TILE)
+    tiles_on();
+    for (int64_t p0 = t0; p0 < t1; p0 += panel) {
+        const int64_t p1 = p0 + panel < t1 ? p0 + panel : t1;
+        for (int64_t r0 = 0; r0 < rows; r0 += 2 * TILE) {
+            const uint16_t *a0 = xa + r0 * kp;
+            const int64_t nr0 = rows - r0 < TILE ? rows - r0 : TILE;
+            const int64_t nr1 = rows - r0 - TILE < TILE ? rows - r0 - TILE : TILE;
+            for (int64_t t = p0; t < p1; t += 2) {
+                const uint16_t *b0 = p + t * kp * TILE;
+                if (nr1 > 0) {
+                    if (t + 1 < p1) ROW2(2);
+                    else ROW2(1);
+                } else if (t + 1 < p1) {
+                    ROW1(2);
+                } else {
+                    ROW1(1);
+                }
+            }
+        }
+    }
+#undef nc_at
+    _tile_release();
+}
+
+/* xa as B tiles: xv[g][kp / 2][16][2] for row groups g of 16 (zero past rows). */
+static void pack_pairs(const uint16_t *xa, int64_t rows, int64_t kp, uint16_t *xv) {
+    const int64_t groups = (rows + TILE - 1) / TILE;
+    memset(xv, 0, (size_t)(groups * kp * TILE) * sizeof *xv);
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *g = xv + (r / TILE) * kp * TILE + (r % TILE) * 2;
+        for (int64_t k = 0; k < kp; k += 2) {
+            g[k * TILE] = XA(xa, kp, r, k);
+            g[k * TILE + 1] = XA(xa, kp, r, k + 1);
+        }
+    }
+}
+
+/* The transposed C tile (16 columns x 16 rows) into y rows [0, nr), columns [j, j + nc). */
+static void put_tile_t(const float *buf, float *y, int64_t ldy, int64_t nr, int64_t j,
+                       int64_t nc) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++) y[r * ldy + j + c] = buf[c * TILE + r];
+}
+
+/* Columns [j0, j1) (j0 a multiple of 16) of y = xb @ e^T, xv from pack_pairs. */
+static int nt_amx(const uint16_t *xv, int64_t kp, const uint16_t *e, int64_t lde, float *y,
+                  int64_t ldy, int64_t rows, int64_t j0, int64_t j1) {
+    float buf[2][TILE * TILE] __attribute__((aligned(64)));
+    uint16_t *stage = NULL;
+    tiles_on();
+    for (int64_t j = j0; j < j1; j += TILE) {
+        const int64_t nc = j1 - j < TILE ? j1 - j : TILE;
+        const uint16_t *a = e + j * lde;
+        int64_t lda = lde;
+        if (nc < TILE) { /* a partial block of e's rows: a zeroed copy */
+            stage = calloc((size_t)(TILE * kp), sizeof *stage);
+            if (!stage) {
+                _tile_release();
+                return -2;
+            }
+            for (int64_t c = 0; c < nc; c++) memcpy(stage + c * kp, a + c * lde, kp * 2);
+            a = stage;
+            lda = kp;
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += 2 * TILE) {
+            const int two = r0 + TILE < rows;
+            const uint16_t *b0 = xv + r0 * kp;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t kb = 0; kb < kp / KB; kb++) {
+                _tile_loadd(4, a + kb * KB, lda * 2);
+                _tile_loadd(6, b0 + kb * KB * TILE, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) {
+                    _tile_loadd(7, b0 + kp * TILE + kb * KB * TILE, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+            }
+            _tile_stored(0, buf[0], 64);
+            _tile_stored(1, buf[1], 64);
+            const int64_t nr0 = rows - r0 < TILE ? rows - r0 : TILE;
+            put_tile_t(buf[0], y + r0 * ldy, ldy, nr0, j, nc);
+            if (two) put_tile_t(buf[1], y + (r0 + TILE) * ldy, ldy, rows - r0 - TILE < TILE ?
+                                rows - r0 - TILE : TILE, j, nc);
+        }
+    }
+    free(stage);
+    _tile_release();
+    return 0;
+}
+
+static int amx_state = -1; /* -1 unknown, 0 refused, 1 permitted */
+
+static int amx_permitted(void) {
+    if (amx_state < 0) {
+        unsigned long mask = 0;
+        int ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 &&
+                 syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) == 0 &&
+                 ((mask >> XFEATURE_XTILEDATA) & 1);
+        amx_state = ok;
+    }
+    return amx_state;
+}
+#else
+static int amx_permitted(void) { return 0; }
+#endif
+
+/* 1 when the AMX paths run here (built with AMX-BF16 and the tile data permitted). */
+int pagedkv_bf16dot_amx(void) { return amx_permitted(); }
+
+/* Cut points of `tiles` column tiles into at most `threads` parts; returns the count. */
+static int cut_tiles(int64_t macs, int64_t tiles, int threads, int64_t *cuts) {
+    int64_t parts = threads < BD_PAR_MAX ? threads : BD_PAR_MAX;
+    if (parts > tiles) parts = tiles;
+    if (parts > macs / BD_PAR_MIN_MACS) parts = macs / BD_PAR_MIN_MACS;
+    if (parts < 1 || BD_IN_PARALLEL) parts = 1;
+    for (int64_t q = 0; q <= parts; q++) cuts[q] = (tiles * q + parts / 2) / parts;
+    return (int)parts;
+}
+
+static int bad(int64_t rows, int64_t in, int64_t out, int64_t ldx, int64_t ldy) {
+    return rows < 1 || in < 1 || out < 1 || ldx < in || ldy < out;
+}
+
+/* y [rows, out] = bf16(x) @ W (+ bias), W as pair tiles (the header). */
+int pagedkv_bf16dot_linear(const float *x, int64_t ldx, const uint16_t *p, const float *bias,
+                           float *y, int64_t ldy, int64_t rows, int64_t in, int64_t out,
+                           int threads, int portable) {
+    if (bad(rows, in, out, ldx, ldy)) return -1;
+    if (!portable && !amx_permitted()) return -3;
+    const int64_t kp = (in + KB - 1) / KB * KB, rows_pad = (rows + TILE - 1) / TILE * TILE;
+    uint16_t *xb = malloc((size_t)(rows_pad * kp) * sizeof *xb);
+    if (!xb) return -2;
+    pack_tiles(x, ldx, rows, rows_pad, in, kp, xb);
+    const int64_t tiles = (out + TILE - 1) / TILE;
+    int64_t cuts[BD_PAR_MAX + 1];
+    const int parts = cut_tiles(rows * kp * out, tiles, threads, cuts);
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+    for (int q = 0; q < parts; q++) {
+        const int64_t j0 = cuts[q] * TILE, j1 = cuts[q + 1] * TILE < out ? cuts[q + 1] * TILE : out;
+        if (portable) {
+            linear_portable(xb, kp, p, bias, y, ldy, rows, j0, j1);
+        } else {
+#if BD_AMX
+            linear_amx(xb, kp, p, bias, y, ldy, rows, out, cuts[q], cuts[q + 1]);
+#endif
+        }
+    }
+    free(xb);
+    return 0;
+}
+
+/* y [rows, out] = bf16(x) @ e^T for e [out, in] bf16 (row stride lde), in % 32 == 0. */
+int pagedkv_bf16dot_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y,
+                       int64_t ldy, int64_t rows, int64_t in, int64_t out, int threads,
+                       int portable) {
+    if (bad(rows, in, out, ldx, ldy) || in % KB || lde < in) return -1;
+    if (!portable && !amx_permitted()) return -3;
+    const int64_t rows_pad = (rows + TILE - 1) / TILE * TILE;
+    uint16_t *xb = malloc((size_t)(rows_pad * in) * sizeof *xb * 2);
+    if (!xb) return -2;
+    pack_tiles(x, ldx, rows, rows_pad, in, in, xb);
+    uint16_t *xv = xb + rows_pad * in;
+#if BD_AMX
+    if (!portable) pack_pairs(xb, rows, in, xv);
+#else
+    (void)xv;
+#endif
+    const int64_t tiles = (out + TILE - 1) / TILE;
+    int64_t cuts[BD_PAR_MAX + 1];
+    int rcs[BD_PAR_MAX] = {0};
+    const int parts = cut_tiles(rows * in * out, tiles, threads, cuts);
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+    for (int q = 0; q < parts; q++) {
+        const int64_t j0 = cuts[q] * TILE, j1 = cuts[q + 1] * TILE < out ? cuts[q + 1] * TILE : out;
+        if (portable) {
+            nt_portable(xb, in, e, lde, y, ldy, rows, j0, j1);
+        } else {
+#if BD_AMX
+            rcs[q] = nt_amx(xv, in, e, lde, y, ldy, rows, j0, j1);
+#endif
+        }
+    }
+    free(xb);
+    for (int q = 0; q < parts; q++)
+        if (rcs[q]) return rcs[q];
+    return 0;
+}
