@@ -501,7 +501,7 @@ def test_core_manager_machine() -> None:
     run_state_machine_as_test(
         CoreManagerMachine,
         settings=settings(
-            max_examples=200,
+            max_examples=300,
             stateful_step_count=70,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagedkv.engine import bf16_dot
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.sampler import SamplingParams
@@ -107,10 +108,13 @@ def test_bench_engine_prefill_quick_reports_each_row_against_the_limits(tmp_path
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("prefill 256: ")]
-    for impl in ("pagedkv", "pagedkv bfloat16", "transformers"):
+    impls = {"pagedkv", "pagedkv bfloat16", "transformers"}
+    if bf16_dot.amx():  # where AMX runs, the matmul_precision="medium" engine too
+        impls.add("pagedkv bf16 medium")
+    for impl in impls:
         assert any(line.startswith(f"prefill 256: {impl} ") and "% of the float32 limit" in line
                    for line in lines), lines  # fmt: skip
     assert any("% of the bf16 limit" in line for line in lines), lines
     assert any("one layer's SDPA, causal" in line for line in lines), lines
     rows = json.loads(out.read_text())["results"]
-    assert {r["impl"] for r in rows} == {"pagedkv", "pagedkv bfloat16", "transformers"}
+    assert {r["impl"] for r in rows} == impls
