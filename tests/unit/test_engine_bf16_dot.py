@@ -157,6 +157,8 @@ def test_bad_inputs_are_refused_with_a_typed_error() -> None:
         PairedWeight(torch.zeros(1, 16, 16, 2, dtype=torch.bfloat16), 33, 16)
     with pytest.raises(InvalidRequestError, match="pair tiles"):
         PairedWeight.from_weight_t(torch.randn(32, 16))
+    assert bf16_dot.linear(torch.randn(0, 32), p).shape == (0, 16)  # no rows: no call, no error
+    assert bf16_dot.linear_nt(torch.randn(0, 32), _bf16(16, 32, gen=gen)).shape == (0, 16)
 
 
 @pytest.mark.parametrize(

@@ -159,6 +159,33 @@ def test_rows_shared_among_threads_give_the_same_bits(
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_one_call_split_on_openmp_threads_gives_the_same_bits(threads: int) -> None:
+    """Built with OpenMP, one call shares whole rows of about equal context among the threads
+    (at least 256 positions a part): every row's result is the one-thread call's, bit for
+    bit, in float32 and bf16 pools."""
+    lib = native._KERNEL.load()
+    if lib is None or not lib.pagedkv_decode_openmp():
+        pytest.skip("the decode kernel is not built with OpenMP here")
+    gen = torch.Generator().manual_seed(12)
+    lens = torch.randint(200, 700, (9,), generator=gen)
+    lens[4] = 1  # a one-position row among long ones
+    cuts = torch.zeros(17, dtype=torch.int64)
+    parts = lib.pagedkv_decode_cuts(lens.data_ptr(), 9, threads, cuts.data_ptr())
+    assert 2 <= parts <= min(threads, 9, int(lens.sum()) // 256)  # really split
+    assert cuts[0] == 0
+    assert cuts[parts] == 9
+    assert bool((cuts[1 : parts + 1] > cuts[:parts]).all())  # no empty part
+    pool = torch.randn(2, 2, 400, 16, 32, generator=gen)
+    tables = torch.randperm(400, generator=gen)[: 9 * 44].view(9, 44).contiguous()
+    q = torch.randn(9, 6, 32, generator=gen)
+    for k, v in ((pool[0], pool[1]), (pool[0].bfloat16(), pool[1].bfloat16())):
+        one = native.decode_attention(q, k, v, tables, lens, 0.2, threads=1)
+        assert torch.equal(
+            native.decode_attention(q, k, v, tables, lens, 0.2, threads=threads), one
+        )
+
+
 def test_small_batches_stay_on_the_calling_thread() -> None:
     assert native._split(torch.tensor([100, 200, 300]), 8) == [0, 3]
     big = torch.full((8,), 4096)

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedkv.engine.native_build import FLAG_SETS
+from pagedkv.engine.native_build import FLAG_SETS, with_openmp
 from pagedkv.engine.native_build import FlagSets as FlagSets
 from pagedkv.engine.native_build import LazyLibrary as LazyLibrary
 from pagedkv.engine.native_build import compile_library as compile_library
@@ -40,17 +40,26 @@ from pagedkv.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-_FLAG_SETS = FLAG_SETS  # -O3 -march=native -ffast-math (compile only: native_build says why)
+# -O3 -march=native -ffast-math (compile only: native_build says why), with OpenMP first: one
+# call then splits its rows on torch's OpenMP threads (pagedkv_decode_*_par)
+_FLAG_SETS = with_openmp(FLAG_SETS)
 
 
 def _bind(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn in (lib.pagedkv_decode_f32, lib.pagedkv_decode_bf16kv):
         fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float]
+    for fn in (lib.pagedkv_decode_f32_par, lib.pagedkv_decode_bf16kv_par):
+        fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
+    for fn in (lib.pagedkv_decode_f32, lib.pagedkv_decode_bf16kv):
+        fn.restype = ctypes.c_int
+    lib.pagedkv_decode_openmp.restype = ctypes.c_int
+    lib.pagedkv_decode_cuts.argtypes = [ptr, i64, ctypes.c_int, ptr]
+    lib.pagedkv_decode_cuts.restype = ctypes.c_int
 
 
-_KERNEL = LazyLibrary(_SOURCE, _bind, "native decode kernel", "using torch's")
+_KERNEL = LazyLibrary(_SOURCE, _bind, "native decode kernel", "using torch's", _FLAG_SETS)
 _lock = threading.Lock()  # guards the shared thread pool (workers())
 
 
@@ -117,7 +126,10 @@ def decode_attention(
     block; the table then starts at the window's first block and ``lens`` counts from it).
     Returns ``[seqs, heads, head_dim]``. CPU only. The rows are shared out
     among ``threads`` threads (default: torch's intra-op thread count) when there is enough
-    work, each a run of rows with about the same total context."""
+    work, each a run of rows with about the same total context: on OpenMP threads inside one
+    call where the kernel is built with OpenMP (from 256 positions a part), else on Python
+    workers (from ``_MIN_POSITIONS_PER_THREAD``). A row's result does not depend on the
+    split."""
     if q.dtype is not torch.float32 or q.device.type != "cpu" or q.dim() != 3:
         raise InvalidRequestError(
             f"native decode kernel: unsupported query q{tuple(q.shape)} {q.dtype} on {q.device}"
@@ -180,15 +192,17 @@ class PreparedDecode:
         self._lens = lens.contiguous()
         self._starts = None if starts is None else starts.contiguous()
         self._pool_shape, self._pool_dtype = k_pool.shape, k_pool.dtype
-        self._fn = (
-            lib.pagedkv_decode_f32 if k_pool.dtype is torch.float32 else lib.pagedkv_decode_bf16kv
-        )
+        n_threads = torch.get_num_threads() if threads is None else threads
+        # built with OpenMP: one call splits the rows on OpenMP threads (csrc/paged_decode.c)
+        self._par = (n_threads,) if n_threads > 1 and lib.pagedkv_decode_openmp() else ()
+        name = "pagedkv_decode_f32" if k_pool.dtype is torch.float32 else "pagedkv_decode_bf16kv"
+        self._fn = getattr(lib, name + ("_par" if self._par else ""))
         self._seqs, self._heads, self._head_dim = seqs, num_heads, head_dim
         self._dims = (self._tables.shape[1], num_heads, num_kv, num_blocks, block_size, head_dim)
         self._scale = scale
         self._row_q = num_heads * head_dim * 4  # bytes per row of q / out
         self._row_t = self._tables.shape[1] * 8
-        cuts = _split(self._lens, torch.get_num_threads() if threads is None else threads)
+        cuts = [0, seqs] if self._par else _split(self._lens, n_threads)
         self._runs = list(itertools.pairwise(cuts))
 
     def __call__(
@@ -203,12 +217,13 @@ class PreparedDecode:
         tp, lp = self._tables.data_ptr(), self._lens.data_ptr()
         sp = None if self._starts is None else self._starts.data_ptr()
         fn, rq, rt, dims, scale = self._fn, self._row_q, self._row_t, self._dims, self._scale
+        par = self._par
 
         def run(a: int, b: int) -> int:  # rows a..b-1; ctypes releases the GIL for the call
             s = None if sp is None else sp + a * 8
             return int(
                 fn(qp + a * rq, op + a * rq, kp, vp, tp + a * rt, lp + a * 8, s, b - a, *dims,
-                   scale)
+                   scale, *par)
             )  # fmt: skip
 
         if len(self._runs) == 1:
@@ -259,7 +274,7 @@ class PreparedDecode:
         rest = (
             self._tables.data_ptr(), self._lens.data_ptr(),
             None if self._starts is None else self._starts.data_ptr(), self._seqs, *self._dims,
-            self._scale,
+            self._scale, *self._par,
         )  # fmt: skip
         return _BoundDecode(self, q, out, rest)
 

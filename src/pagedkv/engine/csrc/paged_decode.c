@@ -472,3 +472,101 @@ int pagedkv_decode_bf16kv(const float *restrict q, float *restrict out,
     free(scratch);
     return code;
 }
+
+/* ---- One call, rows split among OpenMP threads (pagedkv_decode_*_par) ----
+ *
+ * Built with -fopenmp (native.py's first flag set), the parts run on the process's OpenMP
+ * threads (torch's: the dynamic linker reuses its libgomp), which costs a few microseconds a
+ * call where the Python workers' hand-off cost tens and lost to one thread at 16 sequences.
+ * Parts are whole sequences with about the same context positions each, at least
+ * PD_PAR_MIN_POS a part; a sequence's output does not depend on the split. Without OpenMP,
+ * or inside a parallel region, one part runs here. */
+#ifdef _OPENMP
+#include <omp.h>
+#define PD_IN_PARALLEL omp_in_parallel()
+#else
+#define PD_IN_PARALLEL 1
+#endif
+#define PD_PAR_MAX 16
+#ifndef PD_PAR_MIN_POS
+#define PD_PAR_MIN_POS 256
+#endif
+
+int pagedkv_decode_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Cut points [0, ..., num_seqs] of at most `threads` non-empty parts, each ending at the first
+ * row by which its share of the context positions is reached; returns the number of parts. */
+static int pd_cuts(const int64_t *lens, int64_t num_seqs, int threads, int64_t *cuts) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) total += lens[s] > 0 ? lens[s] : 0;
+    int64_t parts = threads < PD_PAR_MAX ? threads : PD_PAR_MAX;
+    if (parts > num_seqs) parts = num_seqs;
+    if (parts > total / PD_PAR_MIN_POS) parts = total / PD_PAR_MIN_POS;
+    if (parts < 1 || PD_IN_PARALLEL) parts = 1;
+    int64_t p = 1, seen = 0;
+    cuts[0] = 0;
+    for (int64_t s = 0; s < num_seqs && p < parts; ++s) {
+        seen += lens[s] > 0 ? lens[s] : 0;
+        if (seen * parts >= total * p) cuts[p++] = s + 1;
+    }
+    if (p > 1 && cuts[p - 1] == num_seqs) p--; /* the last row closed a part: no empty one */
+    cuts[p] = num_seqs;
+    return (int)p;
+}
+
+/* pd_cuts for tests: cuts needs room for min(threads, 16) + 1 values. */
+int pagedkv_decode_cuts(const int64_t *lens, int64_t num_seqs, int threads, int64_t *cuts) {
+    return pd_cuts(lens, num_seqs, threads, cuts);
+}
+
+typedef int (*pd_entry)(const float *, float *, const void *, const void *, const int64_t *,
+                        const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, float);
+
+static int decode_par(pd_entry fn, const float *q, float *out, const void *k_pool,
+                      const void *v_pool, const int64_t *tables, const int64_t *lens,
+                      const int64_t *starts, int64_t num_seqs, int64_t table_stride,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                      int64_t block_size, int64_t head_dim, float scale, int threads) {
+    int64_t cuts[PD_PAR_MAX + 1];
+    int codes[PD_PAR_MAX] = {0};
+    const int parts = pd_cuts(lens, num_seqs, threads, cuts);
+    const int64_t row = num_heads * head_dim;
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+    for (int p = 0; p < parts; ++p) {
+        const int64_t a = cuts[p], n = cuts[p + 1] - a;
+        codes[p] = fn(q + a * row, out + a * row, k_pool, v_pool, tables + a * table_stride,
+                      lens + a, starts ? starts + a : NULL, n, table_stride, num_heads,
+                      num_kv_heads, num_blocks, block_size, head_dim, scale);
+    }
+    for (int p = 0; p < parts; ++p)
+        if (codes[p]) return codes[p];
+    return 0;
+}
+
+int pagedkv_decode_f32_par(const float *q, float *out, const float *k_pool,
+                           const float *v_pool, const int64_t *tables, const int64_t *lens,
+                           const int64_t *starts, int64_t num_seqs, int64_t table_stride,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                           int64_t block_size, int64_t head_dim, float scale, int threads) {
+    return decode_par((pd_entry)pagedkv_decode_f32, q, out, k_pool, v_pool, tables, lens,
+                      starts, num_seqs, table_stride, num_heads, num_kv_heads, num_blocks,
+                      block_size, head_dim, scale, threads);
+}
+
+int pagedkv_decode_bf16kv_par(const float *q, float *out, const uint16_t *k_pool,
+                              const uint16_t *v_pool, const int64_t *tables,
+                              const int64_t *lens, const int64_t *starts, int64_t num_seqs,
+                              int64_t table_stride, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t num_blocks, int64_t block_size, int64_t head_dim,
+                              float scale, int threads) {
+    return decode_par((pd_entry)pagedkv_decode_bf16kv, q, out, k_pool, v_pool, tables, lens,
+                      starts, num_seqs, table_stride, num_heads, num_kv_heads, num_blocks,
+                      block_size, head_dim, scale, threads);
+}
