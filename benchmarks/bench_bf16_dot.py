@@ -1,0 +1,102 @@
+"""The bf16 AMX kernel alone (``engine/bf16_dot.py``, ``--matmul-precision medium``) against
+the float32-compute bf16 kernel (``engine/bf16_linear.py``, ``highest``) and torch's bf16
+matmul (oneDNN; bf16 x bf16 with a bf16 output), on SmolLM2-135M's linear shapes.
+
+Each implementation runs over 30 copies of each weight (one per layer, so the weights stream
+from memory as in a decode step), rounds interleaved, and the table gives the minimum of
+``--reps`` rounds per 30 calls, the weight bytes per second, and the multiply-adds per
+second. Rows: 1 and 16 (decode: bandwidth), 1,024 (prefill: compute). The vocabulary
+projection (the tied embedding, ``[49152, 576]``) runs at 1 and 16 rows. Run ``python
+benchmarks/bench_bf16_dot.py [--threads N] [--quick]`` (about a minute); it refuses to run
+where AMX does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagedkv.engine import bf16_dot, bf16_linear
+from pagedkv.engine.bf16_dot import PairedWeight
+from pagedkv.engine.bf16_linear import TiledWeight
+
+SHAPES = {"q/k/v": (576, 960), "o": (576, 576), "gate/up": (576, 3072), "down": (1536, 576)}
+LAYERS = 30
+
+
+def _best(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Minimum seconds per call of each function, rounds interleaved, after one warm call."""
+    best = dict.fromkeys(fns, float("inf"))
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+def _linear_row(name: str, in_dim: int, out: int, rows: int, reps: int) -> str:
+    gen = torch.Generator().manual_seed(in_dim + out)
+    ws = [torch.randn(in_dim, out, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    paired = [PairedWeight.from_weight_t(w) for w in ws]
+    tiled = [TiledWeight.from_weight_t(w) for w in ws]
+    w_nt = [w.t().contiguous() for w in ws]  # torch's fastest bf16 layout: x @ W.T
+    x = torch.randn(rows, in_dim, generator=gen)
+    xb = x.to(torch.bfloat16)
+    best = _best(
+        {
+            "amx": lambda: [bf16_dot.linear(x, p) for p in paired],
+            "fp32-compute": lambda: [bf16_linear.linear(x, t) for t in tiled],
+            "torch-bf16": lambda: [torch.nn.functional.linear(xb, w) for w in w_nt],
+        },
+        reps,
+    )
+    gb, macs = in_dim * out * 2 * LAYERS / 1e9, rows * in_dim * out * LAYERS / 1e9
+    cells = [f"{s * 1e3:8.2f} ms {gb / s:5.1f} GB/s {macs / s:6.1f} GMAC/s" for s in best.values()]
+    return f"| {rows:5d} | {name:8s} | " + " | ".join(cells) + " |"
+
+
+def _head_row(rows: int, reps: int) -> str:
+    gen = torch.Generator().manual_seed(rows)
+    e = torch.randn(49152, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen)
+    best = _best(
+        {
+            "amx": lambda: bf16_dot.linear_nt(x, e),
+            "fp32-compute": lambda: bf16_linear.linear_nt(x, e),
+            "torch-bf16": lambda: torch.nn.functional.linear(x.to(torch.bfloat16), e),
+        },
+        reps,
+    )
+    gb = e.numel() * 2 / 1e9
+    cells = [f"{s * 1e3:8.2f} ms {gb / s:5.1f} GB/s" for s in best.values()]
+    return f"| {rows:5d} | head     | " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else "")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="rows 1 and 16 only, 3 rounds")
+    args = ap.parse_args()
+    if not bf16_dot.amx():
+        raise SystemExit(f"AMX does not run here: {bf16_dot.unavailable_reason()}")
+    torch.set_num_threads(args.threads)
+    reps = 3 if args.quick else args.reps
+    print(f"threads {args.threads}; per {LAYERS} calls (one per layer); min of {reps} rounds")
+    print("| rows | shape | AMX (medium) | fp32-compute (highest) | torch bf16 (oneDNN) |")
+    print("|---|---|---|---|---|")
+    for rows in (1, 16) if args.quick else (1, 16, 1024):
+        for name, (in_dim, out) in SHAPES.items():
+            print(_linear_row(name, in_dim, out, rows, max(2, reps // 3 if rows > 16 else reps)))
+    for rows in (1, 16):
+        print(_head_row(rows, reps))
+
+
+if __name__ == "__main__":
+    main()
