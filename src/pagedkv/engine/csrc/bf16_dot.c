@@ -149,14 +149,17 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
-/* Tiles 0-3: C (16 x 16 float32), 4-5: A (16 x 32 bf16), 6-7: B (16 pairs x 16 x 2). */
-static void tiles_on(void) {
+/* Tiles 0-3: C (m x n float32), 4-5: A (m x 32 bf16), 6-7: B (16 pairs x n x 2); m, n <= 16.
+ * A TDPBF16PS costs about its rows of A, so a decode step of fewer than 16 rows configures
+ * only its rows (m for the linears, n for the head's transposed product) instead of
+ * multiplying zero padding: a row's sums are the same either way. */
+static void tiles_on(int m, int n) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
+        c.colsb[i] = (uint16_t)(i < 4 || i >= 6 ? 4 * n : 64);
+        c.rows[i] = (uint8_t)(i < 6 ? m : 16);
     }
     _tile_loadconfig(&c);
 }
@@ -239,7 +242,7 @@ static void linear_amx(const uint16_t *xa, int64_t kp, const uint16_t *p, const 
     int64_t panel = BD_PANEL / (kp * TILE * 2) / 2 * 2;
     if (panel < 2 || rows <= TILE) panel = t1 - t0;
 #define nc_at(tt) (out - (tt) * TILE < TILE ? out - (tt) * TILE : TILE)
-    tiles_on();
+    tiles_on(rows < TILE ? (int)rows : TILE, TILE);
     for (int64_t p0 = t0; p0 < t1; p0 += panel) {
         const int64_t p1 = p0 + panel < t1 ? p0 + panel : t1;
         for (int64_t r0 = 0; r0 < rows; r0 += 2 * TILE) {
@@ -324,7 +327,7 @@ static void nt_block(const uint16_t *a, int64_t lda, const uint16_t *xv, int64_t
 static int nt_amx(const uint16_t *xv, int64_t kp, const uint16_t *e, int64_t lde, float *y,
                   int64_t ldy, int64_t rows, int64_t j0, int64_t j1) {
     const int64_t spread = (j1 - j0) / TILE, tail = (j1 - j0) % TILE;
-    tiles_on();
+    tiles_on(TILE, rows < TILE ? (int)rows : TILE);
     if (rows <= BD_SPREAD_ROWS) {
         for (int64_t b = 0; b < spread; b++)
             nt_block(e + (j0 + b) * lde, spread * lde, xv, kp, y, ldy, rows, j0 + b, spread,
