@@ -4,16 +4,19 @@
  * Contract. The activations are rounded to bf16 once per call (round to nearest even; a NaN
  * stays a NaN; a result below bf16's smallest normal becomes a signed zero) and the weights
  * are bf16. A product of two bf16 values is exact in float32 (8 x 8 significant bits), so
- * the only roundings are the sums'. For every output (r, j):
+ * the only roundings are the sums'. The portable loops (`portable`, any CPU) compute, for
+ * every output (r, j):
  *     s = +0; for k = 0, 1, ..., kp - 1 (kp: in rounded up to 32, zero padding):
  *         s = s + xb[r, k] * W[k, j]         (one float32 add, round to nearest even,
  *                                              a subnormal input or sum flushed to zero)
  *     y[r, j] = s (+ bias[j], a float32 add after the sum)
- * which is the order TDPBF16PS states (per k pair, the even product, then the odd one). The
- * order depends neither on the row count nor on the split of columns among threads, so a
- * row's output is the same bits alone or in any batch (batch invariance), and the portable
- * loops (*_portable) follow it step by step; tests check the AMX paths against them bit for
- * bit where AMX runs.
+ * which is the order Intel documents for TDPBF16PS (per k pair, the even product, then the
+ * odd one). The AMX tiles sum each 32-k step in the hardware's own order, which is not that
+ * one bit for bit (measured: 6 of 64 sums over 576 products equal it, 43 a pairwise tree);
+ * both are within (kp + 2) * 2^-24 * (|xb| @ |W|) of the exact sum (tested against float64).
+ * On either path the order depends neither on the row count nor on the split of columns
+ * among threads, so a row's output is the same bits alone or in any batch (batch
+ * invariance; tested bit for bit).
  *
  * pagedkv_bf16dot_linear: W [in, out] as pair tiles p [ceil(out / 16)][kp / 2][16][2] bf16,
  *   W[k, j] = p[j / 16][k / 2][j % 16][k % 2], zero-padded past in and out (bf16_dot.py's
@@ -21,10 +24,10 @@
  *   each column tile one contiguous stream. A tile of 16 rows of xb times two column tiles
  *   accumulate in four C tiles over all of k (rows in blocks of 32: two A tiles).
  * pagedkv_bf16dot_nt: y = xb @ e^T for e [out, in] bf16 as stored (the tied vocabulary
- *   projection), in a multiple of 32: e's rows are the A operand (16 rows x 32 k read with
- *   e's row stride) and xb^T, packed per call in the B layout, the B operand; each C tile is
- *   16 columns x 16 rows, written transposed. A partial last block of e's rows is copied into
- *   a zeroed buffer first.
+ *   projection), in a multiple of 32: e's rows are the A operand (16 rows x 32 k read with a
+ *   row stride; nt_amx says which rows share a tile) and xb^T, packed per call in the B
+ *   layout, the B operand; each C tile is 16 columns x up to 16 rows, written transposed. A
+ *   partial last block of e's rows is copied into a zeroed buffer first.
  *
  * Threads: a call's columns are cut into parts on whole tiles (16 columns) of at least
  * BD_PAR_MIN_MACS multiply-adds, run on the process's OpenMP threads (torch's; see
@@ -321,9 +324,10 @@ static void nt_block(const uint16_t *a, int64_t lda, const uint16_t *xv, int64_t
  * tile's 16 e rows are S apart (tile b: rows j0 + b + c * S), so each row a tile load reads
  * continues where the previous tile's left off: 16 long sequential streams (in a batch-1
  * decode step of SmolLM2, 4.1 ms for the head against 5.3 ms with 16 consecutive rows a
- * tile, 16 short streams restarting each tile). More rows take consecutive e rows: scattered
- * columns made their output writes dearer than the reads saved (16 rows: 6.9 against 5.7
- * ms). A column's sum does not depend on its tile, so neither do the bits. */
+ * tile, 16 short streams restarting each tile). More rows take consecutive e rows: at 16
+ * rows the spread tiles measured slower (6.9 ms, and 7.4 with the outputs staged and written
+ * as runs, against 5.7; why is not understood). A column's sum does not depend on its tile,
+ * so neither do the bits. */
 static int nt_amx(const uint16_t *xv, int64_t kp, const uint16_t *e, int64_t lde, float *y,
                   int64_t ldy, int64_t rows, int64_t j0, int64_t j1) {
     const int64_t spread = (j1 - j0) / TILE, tail = (j1 - j0) % TILE;
