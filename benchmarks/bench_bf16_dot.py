@@ -5,7 +5,9 @@ matmul (oneDNN; bf16 x bf16 with a bf16 output), on SmolLM2-135M's linear shapes
 Each implementation runs over 30 copies of each weight (one per layer, so the weights stream
 from memory as in a decode step), rounds interleaved, and the table gives the minimum of
 ``--reps`` rounds per 30 calls, the weight bytes per second, and the multiply-adds per
-second. Rows: 1 and 16 (decode: bandwidth), 1,024 (prefill: compute). The vocabulary
+second. Outputs go to buffers allocated once, as the engine's step buffers do (a new 12 MB
+output per call costs page faults that the engine does not pay). Rows: 1 and 16 (decode:
+bandwidth), 1,024 (prefill: compute). The vocabulary
 projection (the tied embedding, ``[49152, 576]``) runs at 1 and 16 rows. Run ``python
 benchmarks/bench_bf16_dot.py [--threads N] [--quick]`` (about a minute); it refuses to run
 where AMX does not.
@@ -48,11 +50,12 @@ def _linear_row(name: str, in_dim: int, out: int, rows: int, reps: int) -> str:
     w_nt = [w.t().contiguous() for w in ws]  # torch's fastest bf16 layout: x @ W.T
     x = torch.randn(rows, in_dim, generator=gen)
     xb = x.to(torch.bfloat16)
+    y, yb = torch.empty(rows, out), torch.empty(rows, out, dtype=torch.bfloat16)  # as a step's
     best = _best(
         {
-            "amx": lambda: [bf16_dot.linear(x, p) for p in paired],
-            "fp32-compute": lambda: [bf16_linear.linear(x, t) for t in tiled],
-            "torch-bf16": lambda: [torch.nn.functional.linear(xb, w) for w in w_nt],
+            "amx": lambda: [bf16_dot.linear(x, p, out=y) for p in paired],
+            "fp32-compute": lambda: [bf16_linear.linear(x, t, out=y) for t in tiled],
+            "torch-bf16": lambda: [torch.mm(xb, w.t(), out=yb) for w in w_nt],
         },
         reps,
     )

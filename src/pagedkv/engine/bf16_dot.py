@@ -28,13 +28,13 @@ vocabulary projection reads the embedding as stored (``[vocab, in]``, ``in`` a m
 32; the caller keeps the float32-compute kernel otherwise).
 
 Measured (this 2-core Xeon with AMX, one thread; ``benchmarks/bench_bf16_dot.py``, and
-benchmarks/RESULTS.md, "bf16 arithmetic on AMX"): the kernel alone at 16 rows 1.7-2.3x the
-float32-compute kernel on SmolLM2's shapes and head (the weights stream at 10-12 GB/s), one
-row within 5-10%, 1,024 rows 0.35-0.6x torch's oneDNN bf16 matmul (which is neither batch
-invariant nor float32 out). In the engine: 16 concurrent requests decode 1.5x faster than
-``highest`` bf16 (52-56% of the bandwidth limit at one thread), prefill 2.2x (1,024 tokens)
-to 3.5x (256); batch 1 is 5-10% slower than ``highest``. Quality on SmolLM2 against float32:
-128 of 128 greedy tokens equal, mean log-likelihood -2.1e-3 nats (``highest`` bf16: -1.7e-4).
+benchmarks/RESULTS.md, "bf16 arithmetic on AMX"): the kernel alone at 16 rows 1.9-2.4x the
+float32-compute kernel on SmolLM2's shapes and head, one row within 5%, 1,024 rows 400-530 G
+multiply-adds/s (0.62-0.83x torch's oneDNN bf16 matmul, which is neither batch invariant nor
+float32 out). In the engine: 16 concurrent requests decode 1.5x faster than ``highest`` bf16
+(52-56% of the bandwidth limit at one thread), prefill 2.2x (1,024 tokens) to 3.5x (256);
+batch 1 is ~6% slower than ``highest``. Quality on SmolLM2 against float32: 128 of 128 greedy
+tokens equal, mean log-likelihood -2.1e-3 nats (``highest`` bf16: -1.7e-4).
 """
 
 from __future__ import annotations
