@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.engine import native
-from pagedkv.engine.bf16_linear import TILE, TiledWeight
+from pagedkv.engine.bf16_linear import TILE, TiledWeight, check_weight_t
 from pagedkv.engine.bound_call import BoundKernel, fits
 from pagedkv.engine.native_build import with_openmp
 from pagedkv.errors import InvalidRequestError
@@ -164,11 +164,7 @@ class PairedWeight:
     @classmethod
     def from_weight_t(cls, weight_t: torch.Tensor) -> PairedWeight:
         """The pair tiles of a bfloat16 ``weight_t [in, out]``."""
-        if weight_t.dtype is not torch.bfloat16 or weight_t.dim() != 2 or not weight_t.is_cpu:
-            raise InvalidRequestError(
-                f"bf16 pair tiles: a weight {tuple(weight_t.shape)} {weight_t.dtype} on "
-                f"{weight_t.device} (needs a 2-D bfloat16 CPU tensor [in, out])"
-            )
+        check_weight_t(weight_t, "bf16 pair tiles")
         in_dim, out = weight_t.shape
         kp, n = -(-in_dim // KB) * KB, -(-out // TILE)
         padded = torch.nn.functional.pad(weight_t, (0, n * TILE - out, 0, kp - in_dim))

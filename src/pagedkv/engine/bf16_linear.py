@@ -173,11 +173,7 @@ class TiledWeight:
     @classmethod
     def from_weight_t(cls, weight_t: torch.Tensor) -> TiledWeight:
         """The tiles of a bfloat16 ``weight_t [in, out]`` (a ``Projection``'s layout)."""
-        if weight_t.dtype is not torch.bfloat16 or weight_t.dim() != 2 or not weight_t.is_cpu:
-            raise InvalidRequestError(
-                f"bf16 tiles: a weight {tuple(weight_t.shape)} {weight_t.dtype} on "
-                f"{weight_t.device} (needs a 2-D bfloat16 CPU tensor [in, out])"
-            )
+        check_weight_t(weight_t, "bf16 tiles")
         in_dim, out = weight_t.shape
         n = -(-out // TILE)
         padded = torch.nn.functional.pad(weight_t, (0, n * TILE - out))
@@ -205,6 +201,16 @@ class TiledWeight:
         dst = torch.empty(in_dim, n * TILE, dtype=dtype)
         dst.view(in_dim, n, TILE).copy_(self.tiles.permute(1, 0, 2))
         return dst[:, : self.out_features]
+
+
+def check_weight_t(weight_t: torch.Tensor, what: str) -> None:
+    """Raise ``InvalidRequestError`` naming ``what`` unless ``weight_t`` is a 2-D bfloat16 CPU
+    tensor ``[in, out]`` (what the bf16 kernels' packers take)."""
+    if weight_t.dtype is not torch.bfloat16 or weight_t.dim() != 2 or not weight_t.is_cpu:
+        raise InvalidRequestError(
+            f"{what}: a weight {tuple(weight_t.shape)} {weight_t.dtype} on "
+            f"{weight_t.device} (needs a 2-D bfloat16 CPU tensor [in, out])"
+        )
 
 
 def _check_input(x: torch.Tensor, in_dim: int, what: str, weight: str) -> None:
