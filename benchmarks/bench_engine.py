@@ -55,12 +55,16 @@ interleaved), so the ratio column shows what the layer ops buy; and, float32, wi
 decode fixture's limit in the same run: batch tokens per step, a step reading every linear
 weight and the vocabulary projection once (at the dtype each row's engine stores them in: bf16
 counts 2 bytes; the KV cache is not counted) at the bandwidth of a 256 MiB copy, and each
-pagedkv row's share of it. ``--dtype bfloat16`` runs pagedkv with bf16 weights and float32
-compute (``engine/dtype.py``) and adds ``pagedkv float32``, a float32 engine on the same file,
-interleaved; ``--reference-dtype float32`` keeps transformers in float32 (its CPU bf16 is
-torch's slow bf16 path). Where the CPU has AMX, ``--dtype bfloat16`` also adds ``pagedkv bf16
-medium``: a bf16 engine with ``matmul_precision="medium"`` (bf16 arithmetic on AMX, inputs
-rounded to bf16: ``engine/bf16_dot.py``), interleaved, with its own limit (the same bytes).
+pagedkv row's share of it. For the ``steps`` rows it also gives the limit with the KV read: a
+step reads those weights and the K and V of every context position its requests attend to (at
+the cache's dtype; the positions are counted as the steps run). At 16 requests that is a
+quarter of a bf16 step's bytes, which no kernel can skip. ``--dtype bfloat16`` runs pagedkv
+with bf16 weights and float32 compute (``engine/dtype.py``) and adds ``pagedkv float32``, a
+float32 engine on the same file, interleaved; ``--reference-dtype float32`` keeps transformers
+in float32 (its CPU bf16 is torch's slow bf16 path). Where the CPU has AMX, ``--dtype
+bfloat16`` also adds ``pagedkv bf16 medium``: a bf16 engine with ``matmul_precision="medium"``
+(bf16 arithmetic on AMX, inputs rounded to bf16: ``engine/bf16_dot.py``), interleaved, with its
+own limit (the same bytes).
 """
 
 from __future__ import annotations
@@ -108,34 +112,45 @@ MODEL = {
 
 @dataclass(slots=True)
 class _DecodeClock:
-    """The decode-only part of each call of a decode fixture: (thread CPU ns, wall ns, tokens)
-    from the moment every request has its first token (its prefill done) to the end of the
-    call. ``mark`` is called once per call at that moment with the tokens generated so far,
-    ``stop`` at the end with all of them. The first ``warmup`` calls are dropped."""
+    """The decode-only part of each call of a decode fixture: (thread CPU ns, wall ns, tokens,
+    KV positions) from the moment every request has its first token (its prefill done) to the
+    end of the call. ``mark`` is called once per call at that moment with the tokens generated
+    so far, ``stop`` at the end with all of them; ``read`` adds the context positions a timed
+    step's attention read (pagedkv rows only). The first ``warmup`` calls are dropped."""
 
     warmup: int
-    samples: list[tuple[int, int, int]] = field(default_factory=list)
+    samples: list[tuple[int, int, int, int]] = field(default_factory=list)
     _t0: tuple[int, int, int] | None = None
+    _positions: int = 0
 
     def mark(self, tokens: int) -> None:
+        self._positions = 0
         self._t0 = (time.thread_time_ns(), time.perf_counter_ns(), tokens)
+
+    def read(self, positions: int) -> None:
+        self._positions += positions
 
     def stop(self, tokens: int) -> None:
         w, c = time.perf_counter_ns(), time.thread_time_ns()
         if self._t0 is None:
             raise RuntimeError("decode clock stopped before every request had its first token")
         c0, w0, n0 = self._t0
-        self.samples.append((c - c0, w - w0, tokens - n0))
+        self.samples.append((c - c0, w - w0, tokens - n0, self._positions))
         self._t0 = None
 
     def timing(self) -> Timing:
         """Seconds per decode token, one entry per timed call."""
         kept = self.samples[self.warmup :]
         return Timing(
-            tuple(c / 1e9 / n for c, _, n in kept),
-            tuple(w / 1e9 / n for _, w, n in kept),
+            tuple(c / 1e9 / n for c, _, n, _ in kept),
+            tuple(w / 1e9 / n for _, w, n, _ in kept),
             kept[0][2],
         )
+
+    def positions_per_token(self) -> float:
+        """KV context positions the timed steps' attention read, per token they generated."""
+        kept = self.samples[self.warmup :]
+        return sum(p for *_, p in kept) / sum(n for _, _, n, _ in kept)
 
 
 def _run(
@@ -145,7 +160,9 @@ def _run(
     clock: _DecodeClock | None = None,
 ) -> int:
     """Run ``prompts`` to the end; returns the tokens generated. ``clock`` is marked after the
-    first step at whose end every request has at least one token."""
+    first step at whose end every request has at least one token; each later step tells it
+    the context positions its attention read (the step that makes a request's token ``t``
+    reads its prompt and ``t - 1`` generated tokens)."""
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
     n = 0
@@ -153,9 +170,13 @@ def _run(
     marked = clock is None
     while engine.has_unfinished_requests():
         for out in engine.step():
-            have[out.request_id] = len(out.outputs[0].token_ids)
+            rid, now = out.request_id, len(out.outputs[0].token_ids)
+            if marked and clock is not None:
+                prompt = len(prompts[int(rid[1:])])
+                clock.read(sum(prompt + t - 1 for t in range(have.get(rid, 0) + 1, now + 1)))
+            have[rid] = now
             if out.finished:
-                n += len(out.outputs[0].token_ids)
+                n += now
         if not marked and len(have) == len(prompts) and min(have.values()) > 0:
             assert clock is not None
             clock.mark(sum(have.values()))
@@ -209,23 +230,28 @@ def _hf_generate(
     return n
 
 
-def decode_cases(
-    model_dir: Path, hf: Any, batch: int, quick: bool, kernel: str, dtype: str = "float32"
-) -> tuple[list[Case], dict[str, int], dict[str, int], dict[str, _DecodeClock]]:
-    """The fixture's cases, the tokens each generated (filled in as they run), per pagedkv
-    row the bytes of weights a decode step reads (every linear and the vocabulary
-    projection, at their stored dtype), and per row its decode-only clock (filled in as they
-    run: the steps after every request has its first token)."""
+def _step_bytes(engine: LLMEngine) -> tuple[int, int]:
+    """(bytes of the weights one decode step reads: every linear and the vocabulary
+    projection at their stored dtype, bytes of K and V one context position holds over all
+    layers at the cache's dtype): what a step must read besides activations."""
     from bench_qlinear import weight_bytes_per_token
 
+    spec = engine.runner.kv_cache.spec
+    return weight_bytes_per_token(engine.model), spec.bytes_per_block // spec.block_size
+
+
+def decode_cases(
+    model_dir: Path, hf: Any, batch: int, quick: bool, kernel: str, dtype: str = "float32"
+) -> tuple[list[Case], dict[str, int], dict[str, tuple[int, int]], dict[str, _DecodeClock]]:
+    """The fixture's cases, the tokens each generated (filled in as they run), per pagedkv
+    row the bytes a decode step reads (``_step_bytes``), and per row its decode-only clock
+    (filled in as they run: the steps after every request has its first token)."""
     cfg = EngineConfig(
         block_size=16, num_blocks=512, enable_prefix_caching=False, decode_kernel=kernel,
         dtype=dtype,
     )  # fmt: skip
     engine = LLMEngine.from_model_dir(str(model_dir), cfg)
-    step_bytes = dict.fromkeys(
-        ("pagedkv", "pagedkv torch-ops"), weight_bytes_per_token(engine.model)
-    )
+    step_bytes = dict.fromkeys(("pagedkv", "pagedkv torch-ops"), _step_bytes(engine))
     fused = engine.model.fused_layer_ops
     gen = torch.Generator().manual_seed(0)
     new = 16 if quick else 64
@@ -266,11 +292,11 @@ def decode_cases(
     fp32 = None
     if dtype != "float32":  # the float32 engine on the same file, interleaved
         fp32 = LLMEngine.from_model_dir(str(model_dir), replace(cfg, dtype="float32"))
-        step_bytes["pagedkv float32"] = weight_bytes_per_token(fp32.model)
+        step_bytes["pagedkv float32"] = _step_bytes(fp32)
     medium = None
     if dtype == "bfloat16" and bf16_dot.amx():  # bf16 arithmetic on AMX, interleaved
         medium = LLMEngine.from_model_dir(str(model_dir), replace(cfg, matmul_precision="medium"))
-        step_bytes["pagedkv bf16 medium"] = weight_bytes_per_token(medium.model)
+        step_bytes["pagedkv bf16 medium"] = _step_bytes(medium)
 
     def ours_medium() -> None:
         assert medium is not None
@@ -454,24 +480,39 @@ def _reference_model(model: Path, dtype: str = "float32") -> Any:
     return hf.eval()
 
 
-def _decode_limit(res: list[Result], batch: int, step_bytes: dict[str, int]) -> str:
-    """The decode limit of the same run: ``batch`` tokens per step, a step reading every
-    linear weight and the vocabulary projection once (``step_bytes``: per pagedkv row, at its
-    weights' dtype; the KV cache is not counted), at the bandwidth of a 256 MiB copy (read +
-    write bytes, as bench_qlinear's ``copy``) measured now; each pagedkv row's share."""
+def _decode_limit(
+    res: list[Result], batch: int, step_bytes: dict[str, tuple[int, int]],
+    clocks: dict[str, _DecodeClock],
+) -> str:  # fmt: skip
+    """The decode limits of the same run, at the bandwidth of a 256 MiB copy (read + write
+    bytes, as bench_qlinear's ``copy``) measured now, and each pagedkv row's share of them:
+    ``batch`` tokens per step, a step reading every linear weight and the vocabulary
+    projection once (``step_bytes[impl][0]``, at the weights' dtype; the KV cache not
+    counted); and, for the ``steps`` rows, a step reading those weights and also the K and V
+    of every context position its requests attend to (``step_bytes[impl][1]`` per position,
+    the positions counted by the row's clock): the bytes no kernel can skip."""
     from bench_qlinear import copy_gbs
 
     gbs = copy_gbs()
     shares = []
     for r in res:
-        if r.impl in step_bytes:
-            limit = batch * gbs * 1e9 / step_bytes[r.impl]
-            shares.append(
-                f"{r.impl}{' steps' if r.bench.endswith(' steps') else ''} "
-                f"{1 / r.timing.median_s:.0f} tok/s = "
-                f"{100 / r.timing.median_s / limit:.0f}% of {limit:.0f} "
-                f"({step_bytes[r.impl] / 1e6:.0f} MB per step)"
+        if r.impl not in step_bytes:
+            continue
+        weights, per_position = step_bytes[r.impl]
+        tok_s = 1 / r.timing.median_s
+        limit = batch * gbs * 1e9 / weights
+        line = (
+            f"{r.impl}{' steps' if r.bench.endswith(' steps') else ''} {tok_s:.0f} tok/s = "
+            f"{100 * tok_s / limit:.0f}% of {limit:.0f} ({weights / 1e6:.0f} MB per step)"
+        )
+        if r.bench.endswith(" steps"):
+            kv = clocks[r.impl].positions_per_token() * per_position  # bytes per token
+            with_kv = gbs * 1e9 / (weights / batch + kv)
+            line += (
+                f", {100 * tok_s / with_kv:.0f}% of {with_kv:.0f} with the KV read "
+                f"({kv * batch / 1e6:.0f} MB per step)"
             )
+        shares.append(line)
     return f"decode{batch}: limits at {gbs:.1f} GB/s copy: {'; '.join(shares)}"
 
 
@@ -534,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"decode{batch}: generated {counts}, expected {expected} each")
             steps = decode_only_results(res, clocks)
             results += res + steps
-            footer.append(_decode_limit(res + steps, batch, step_bytes))
+            footer.append(_decode_limit(res + steps, batch, step_bytes, clocks))
         if "overhead" in only:
             results += run_cases(overhead_cases(model_dir, args.quick, args.decode_kernel))
         if "ttft" in only:
