@@ -120,9 +120,16 @@ def test_nan_logits_of_one_request_fail_it_alone(
         torch.tensor([[0.0, 1.0], [float("nan"), 1.0]]),  # a draft row of a speculative decode
     ],
 )
-def test_non_finite_logits_are_found_per_request(bad: torch.Tensor) -> None:
+@pytest.mark.parametrize("views", [False, True], ids=["tensors", "views of one"])
+def test_non_finite_logits_are_found_per_request(bad: torch.Tensor, views: bool) -> None:
     ok = torch.tensor([[float("-inf"), 0.0]])  # -inf masks a token: legal
-    found = nonfinite_requests({"a": ok, "b": bad, "c": ok.clone()})
+    parts = [ok, bad, ok.clone()]
+    if views:  # as the runner hands them out: adjacent row ranges of one tensor
+        whole, parts, start = torch.cat(parts), [], 0
+        for n in (1, bad.shape[0], 1):
+            parts.append(whole[start : start + n])
+            start += n
+    found = nonfinite_requests(dict(zip("abc", parts, strict=True)))
     assert set(found) == {"b"}
     assert isinstance(found["b"], ModelExecutionError)
     assert "non-finite" in str(found["b"])

@@ -32,6 +32,7 @@ import torch
 
 from pagedkv.engine import layer_ops
 from pagedkv.engine.outputs import TokenLogprob
+from pagedkv.engine.row_views import joined_rows
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.errors import InvariantViolation
 
@@ -76,7 +77,7 @@ def sample_batch(inputs: Sequence[SampleInput]) -> list[SampleOutput]:
     starts = [0]
     for c in counts[:-1]:
         starts.append(starts[-1] + c)
-    raw = inputs[0].logits if len(inputs) == 1 else torch.cat([e.logits for e in inputs])
+    raw = joined_rows([e.logits for e in inputs])  # a view where the rows are adjacent
     x = _processed(raw, inputs, starts)
     errors = _unsampleable(x, starts, counts)
     if any(errors):

@@ -107,9 +107,12 @@ class ModelRunner:
         """Run one step; returns ``request_id -> float32 logits [rows, vocab]`` for every
         sequence that samples (1 row, or 1 + num_draft_tokens rows for a speculative decode).
         A prefill of a sequence in ``prompt_logits_ids`` gets a row for every position it
-        computes (the last one the sampling row, when it samples)."""
-        # Single-token decodes first, shortest context first (a stable sort, so the rest keep
-        # the scheduler's order): attention's length groups are then contiguous row ranges.
+        computes (the last one the sampling row, when it samples). The values are adjacent
+        row ranges of one tensor, in ``batch.scheduled``'s order (the sampler then reads them
+        as one tensor without a copy: :mod:`.row_views`)."""
+        # Phase 1: single-token decodes first, shortest context first (a stable sort, so the
+        # rest keep the scheduler's order): attention's length groups are then contiguous
+        # row ranges.
         seqs: Sequence[ScheduledRequest] = sorted(
             batch.scheduled, key=lambda s: s.start_position if s.num_tokens == 1 else _LAST
         )
@@ -121,34 +124,9 @@ class ModelRunner:
         self.kv_cache.copy_blocks(batch.block_copies)
         if not seqs:
             return {}
-        vocab = self.model.config.vocab_size
-        ids: list[int] = []
-        rows: list[int] = []
-        owners: list[tuple[str, int]] = []
-        offset = 0
-        for s in seqs:
-            if len(s.token_ids) != s.num_tokens:
-                raise InvalidRequestError(
-                    f"request {s.request_id!r}: {len(s.token_ids)} token ids for "
-                    f"{s.num_tokens} positions"
-                )
-            ids.extend(s.token_ids)
-            offset += s.num_tokens
-            if s.is_prefill and s.request_id in self.prompt_logits_ids:
-                rows.extend(range(offset - s.num_tokens, offset))
-                owners.append((s.request_id, s.num_tokens))
-            elif s.samples:
-                k = s.num_draft_tokens
-                rows.extend(range(offset - 1 - k, offset))
-                owners.append((s.request_id, k + 1))
+        # Phase 2: the tokens back to back, checked, and the rows that get logits.
+        ids, rows, owners = self._layout(seqs, batch.scheduled)
         spec = self.kv_cache.spec
-        if ids and not 0 <= min(ids) <= max(ids) < vocab:  # one check; name the culprit
-            for s in seqs:
-                bad = [t for t in s.token_ids if not 0 <= t < vocab]
-                if bad:
-                    raise InvalidRequestError(
-                        f"request {s.request_id!r} has token ids outside [0, {vocab}): {bad[:5]}"
-                    )
         meta = build_metadata(
             seqs,
             spec.block_size,
@@ -159,11 +137,12 @@ class ModelRunner:
             sliding_window=self.model.config.sliding_window,
             full_attention=not self.model.config.all_layers_windowed,
         )
+        # Phase 3: the model, then the vocabulary projection of those rows only.
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, meta, self.kv_cache)
         if not rows:
             return {}
-        # rows 0..k-1 (every decode step): a view, no gather. It starts where the buffer
+        # rows 0..k-1 (most decode steps): a view, no gather. It starts where the buffer
         # does, so the projection reads memory aligned as a gathered copy would be.
         if rows == list(range(len(rows))):
             picked = hidden[: len(rows)]
@@ -176,3 +155,40 @@ class ModelRunner:
             result[rid] = logits[start : start + count]
             start += count
         return result
+
+    def _layout(
+        self, seqs: Sequence[ScheduledRequest], scheduled: Sequence[ScheduledRequest]
+    ) -> tuple[list[int], list[int], list[tuple[str, int]]]:
+        """The token ids of ``seqs`` back to back (checked against the vocabulary), the rows
+        of them that get logits and ``(request id, row count)`` per owner, both in
+        ``scheduled``'s order."""
+        vocab = self.model.config.vocab_size
+        ids: list[int] = []
+        ranges: dict[str, range] = {}
+        for s in seqs:
+            if len(s.token_ids) != s.num_tokens:
+                raise InvalidRequestError(
+                    f"request {s.request_id!r}: {len(s.token_ids)} token ids for "
+                    f"{s.num_tokens} positions"
+                )
+            ids.extend(s.token_ids)
+            end = len(ids)
+            if s.is_prefill and s.request_id in self.prompt_logits_ids:
+                ranges[s.request_id] = range(end - s.num_tokens, end)
+            elif s.samples:
+                ranges[s.request_id] = range(end - 1 - s.num_draft_tokens, end)
+        if ids and not 0 <= min(ids) <= max(ids) < vocab:  # one check; name the culprit
+            for s in seqs:
+                bad = [t for t in s.token_ids if not 0 <= t < vocab]
+                if bad:
+                    raise InvalidRequestError(
+                        f"request {s.request_id!r} has token ids outside [0, {vocab}): {bad[:5]}"
+                    )
+        rows: list[int] = []
+        owners: list[tuple[str, int]] = []
+        for s in scheduled:
+            r = ranges.get(s.request_id)
+            if r is not None:
+                rows.extend(r)
+                owners.append((s.request_id, len(r)))
+        return ids, rows, owners

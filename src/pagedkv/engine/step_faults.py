@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.engine.row_views import joined_rows
 from pagedkv.errors import ModelExecutionError
 from pagedkv.sched.output import ScheduledRequest
 
@@ -125,21 +126,18 @@ def _destination_owners(
 def nonfinite_requests(logits: Mapping[str, torch.Tensor]) -> dict[str, Exception]:
     """The requests whose logits hold a NaN or ``+inf``, or a row that is ``-inf`` everywhere
     (nothing can be drawn), each with a :class:`ModelExecutionError`. ``-inf`` elsewhere is a
-    legal mask value. One reduction per request and one host sync for the whole step."""
+    legal mask value. One reduction and one host sync for the whole step."""
     if not logits:
         return {}
     ids = list(logits)
-    row_max = [logits[rid].amax(dim=-1) for rid in ids]  # NaN propagates through amax
-    if len(row_max) == 1:  # batch 1: no concatenation, and the check in Python
-        finite = [math.isfinite(v) for v in row_max[0].tolist()]
-    else:
-        finite = torch.isfinite(torch.cat(row_max)).tolist()
+    # one reduction over the step's rows (a view when they are adjacent); NaN propagates
+    row_max = joined_rows([logits[rid] for rid in ids]).amax(dim=-1).tolist()
     bad: dict[str, Exception] = {}
     start = 0
-    for rid, rows in zip(ids, row_max, strict=True):
-        n = int(rows.shape[0])
-        if not all(finite[start : start + n]):
-            worst = next(float(v) for v in rows.tolist() if not math.isfinite(v))
+    for rid in ids:
+        n = int(logits[rid].shape[0])
+        worst = next((v for v in row_max[start : start + n] if not math.isfinite(v)), None)
+        if worst is not None:
             bad[rid] = ModelExecutionError(
                 f"the model produced non-finite logits (row max {worst})"
             )
