@@ -6,7 +6,8 @@ those values to bf16 (Q4_1's ``d * q + m`` is not always a bf16 number, so this 
 lossy rounding of the weights), and its KV cache is bf16. A third engine, bf16 weights over a
 float32 KV cache, splits the difference between the two roundings. Where the CPU has AMX a
 fourth, ``matmul_precision="medium"``, also rounds each linear layer's input to bf16
-(``engine/bf16_dot.py``).
+(``engine/bf16_dot.py``) and runs the prompt's attention in bf16; a fifth is the same with
+the prompt's attention in float32, which isolates what the bf16 attention adds.
 
 Printed (deterministic, 1 thread; no timing): greedy agreement on ``bench_qlinear.PROMPTS`` (4
 prompts x 32 tokens: tokens equal before each request's first divergence, and identical
@@ -45,6 +46,11 @@ def _engines(model: Path) -> dict[str, LLMEngine]:
     if bf16_dot.amx():  # bf16 arithmetic in the linears (inputs rounded to bf16)
         medium = replace(cfg, dtype="bfloat16", matmul_precision="medium")
         engines["bf16 medium (AMX)"] = LLMEngine.from_model_dir(str(model), medium)
+        # the same contract with the prompt's attention kept in float32 (before issue 15's
+        # session 15): what the bf16 attention adds
+        linears_only = LLMEngine.from_model_dir(str(model), medium)
+        linears_only.model.sdpa_dtype = None
+        engines["bf16 medium, fp32 prompt attention"] = linears_only
     return engines
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkv.engine import bf16_dot, bf16_linear
+from pagedkv.engine import attention, bf16_dot, bf16_linear
 from pagedkv.engine.bf16_dot import PairedWeight
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
@@ -233,13 +233,16 @@ def test_medium_repacks_the_layers_and_names_its_cache_namespace(
         assert "runs as 'highest'" in caplog.text
         assert engine.config.model_id == "m+compute=float32"
         assert all(type(p) is Bf16Projection for p in layers)
+        assert model.sdpa_dtype is None
         return
     assert model.matmul_precision == "medium"
+    assert model.sdpa_dtype is torch.bfloat16
     assert engine.config.model_id == "m+compute=float32+matmul=medium"
     assert all(type(p) is Bf16DotProjection for p in layers)
     medium, _ = _greedy(engine, prompts)
     model.set_matmul_precision("highest")
     assert all(type(p) is Bf16Projection for p in (model._qkv + model._down))
+    assert model.sdpa_dtype is None
     fresh = LLMEngine.from_model_dir(str(model_dir), base)
     highest, _ = _greedy(fresh, prompts)
     again = LLMEngine(model, None, base)
@@ -251,6 +254,37 @@ def test_medium_repacks_the_layers_and_names_its_cache_namespace(
     ]
     assert max(diffs) < 0.1
     assert medium != highest
+
+
+@needs_amx
+@pytest.mark.parametrize("fused", [True, False], ids=["layer-ops", "torch-ops"])
+def test_medium_prefill_attention_runs_in_bf16(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    """Under ``medium`` the SDPA path (prefill) computes in bf16: its queries, keys and values
+    reach torch's SDPA as bf16; under ``highest`` as float32. Decode rows keep the float32
+    kernel either way (no SDPA call)."""
+    real = attention.F.scaled_dot_product_attention
+    seen: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
+    prompt = torch.randint(2, 60, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    for precision, dtype in (("medium", torch.bfloat16), ("highest", torch.float32)):
+        cfg = EngineConfig(num_blocks=64, dtype="bfloat16", matmul_precision=precision)
+        engine = LLMEngine.from_model_dir(str(model_dir), cfg)
+        engine.model.fused_layer_ops = fused
+        seen.clear()
+        engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+        engine.step()  # the prefill: one SDPA call per layer
+        assert len(seen) == engine.model.config.num_hidden_layers
+        assert set(seen) == {(dtype, dtype, dtype)}
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert len(seen) == engine.model.config.num_hidden_layers  # decodes: the kernel
 
 
 @needs_amx

@@ -61,12 +61,13 @@ def paged_attention(
     cache: PagedKVCache,
     meta: AttentionMetadata,
     scale: float,
+    sdpa_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Write this step's ``k``/``v`` to the cache, then attend. Shapes: ``q`` is
     ``[tokens, heads, head_dim]``, ``k``/``v`` are ``[tokens, kv_heads, head_dim]``; returns
-    ``[tokens, heads, head_dim]``."""
+    ``[tokens, heads, head_dim]``. ``sdpa_dtype``: as :func:`attend`'s."""
     cache.write(layer, meta.slot_mapping, k, v)
-    return attend(layer, q, cache, meta, scale)
+    return attend(layer, q, cache, meta, scale, sdpa_dtype=sdpa_dtype)
 
 
 def attend(
@@ -76,17 +77,26 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    sdpa_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[tokens, heads, head_dim]``) with this step's K/V already in the
     cache (``paged_attention`` writes them first; the fused layer ops write them with RoPE).
-    Writes into ``out`` (contiguous, ``q``'s shape) when given, and returns it."""
+    Writes into ``out`` (contiguous, ``q``'s shape) when given, and returns it.
+
+    ``sdpa_dtype`` (None: ``q``'s dtype) is the dtype the per-sequence SDPA path (prefill
+    chunks, and any row not on a decode path) computes in: ``torch.bfloat16`` under
+    ``matmul_precision="medium"`` rounds ``q`` and the K/V it reads to bf16 and runs torch's
+    bf16 flash attention (float32 softmax statistics and sums, the probabilities rounded to
+    bf16 for their product with V); its bf16 output is what the o-projection's own input
+    rounding would make of a float32 one. The decode kernels keep float32."""
     if out is None:
         out = torch.empty_like(q)
     num_heads = q.shape[1]
     for s in meta.seqs:
         qs = q[s.token_offset : s.token_offset + s.num_tokens]
         out[s.token_offset : s.token_offset + s.num_tokens] = _attend_reference(
-            qs, cache, layer, s, num_heads, scale
+            qs, cache, layer, s, num_heads, scale, sdpa_dtype or q.dtype
         )
     nat = meta.native
     if nat is not None:
@@ -132,15 +142,18 @@ def _attend_reference(
     s: SeqAttention,
     num_heads: int,
     scale: float,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
+    """SDPA of one sequence's queries over its gathered context, computed in ``dtype``; the
+    result in ``dtype`` (the caller's copy into its float32 buffer widens it exactly)."""
     keys, values = cache.gather(layer, s.context_slots)  # [kv_heads, ctx, d]
     mask = s.mask  # a cached prefix or a window: query i sits at position start + i
     # 4-D inputs (a batch of one): torch's CPU flash kernel takes them, 3-D ones fall back to
     # the unfused math path (measured 1.7 vs 3.0 ms for a 256-token prompt, 8/4 heads).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],  # [1, heads, n, d]
-        keys.to(q.dtype)[None],
-        values.to(q.dtype)[None],
+        q.transpose(0, 1)[None].to(dtype),  # [1, heads, n, d]
+        keys.to(dtype)[None],
+        values.to(dtype)[None],
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,

@@ -4,22 +4,30 @@
 multiplications use bfloat16 for internal computations" where a fast path exists). A
 bfloat16 model's linear layers and vocabulary projection round their float32 inputs to bf16
 (round to nearest even) and sum the bf16 x bf16 products in float32 on AMX-BF16 tiles; the
-outputs, the residual stream, norms, attention and sampling stay float32 as with
-``highest`` (``engine/bf16_linear.py``: bf16 storage, float32 compute). This is the
-arithmetic of vLLM's, transformers' and llama.cpp's bf16 paths for a linear layer (their
+prompt's attention (the per-sequence SDPA path: ``attention.attend``'s ``sdpa_dtype``) runs
+torch's bf16 SDPA over the queries rounded to bf16 and the bf16 K/V (float32 softmax
+statistics and sums, probabilities rounded to bf16 for their product with V; its bf16
+output is what the o-projection's input rounding makes of a float32 one). The outputs, the
+residual stream, norms, decode attention and sampling stay float32 as with ``highest``
+(``engine/bf16_linear.py``: bf16 storage, float32 compute). This is the arithmetic of
+vLLM's, transformers' and llama.cpp's bf16 paths for a linear layer and attention (their
 activations are bf16 throughout), so it is not exact against float32: a row's inputs carry
 a relative rounding of up to 2^-9. Where the CPU has no AMX-BF16 (or the OS refuses the tile
 data), ``medium`` runs as ``highest``, as torch's does, and the engine says so on stderr.
 
-**Bounds and bits.** Each output is within ``(kp + 2) * 2^-24 * (|xb| @ |W|)`` of the exact
-sum over the bf16-rounded inputs ``xb`` (``kp``: ``in`` rounded up to 32), plus subnormal
-flushes; tests check it against float64. A row's output is the same bits alone or in any
-batch and on any thread split (the AMX order per output is fixed by ``in``), so prefill and
-decode, chunked or not, cached or not, compute the same KV: prefix caching never changes an
-output under ``medium`` either. The AMX tiles do not follow Intel's documented sequential
-order bit for bit (measured: 1-43 of 64 sums at 576 inputs equal that order or a pairwise
-tree), so the portable loops (``portable=True``: the stated sequential order, any CPU) are a
-reference within the bound, not bit for bit.
+**Bounds and bits.** Each output is within ``(kp + 2) * 2^-24 * (|xb| @ |W|)`` of the exact sum
+over the bf16-rounded inputs ``xb`` (``kp``: ``in`` rounded up to 32), plus subnormal flushes;
+tests check it against float64. A row's output is the same bits alone or in any batch and on
+any thread split (the AMX order per output is fixed by ``in``), so a row's linears give the
+same bits in prefill and decode, chunked or not, cached or not. The prompt's attention is
+torch's SDPA (float32 under ``highest``, bf16 here): a row's bits do not change when a mask
+shifts its queries (a chunk after a cached prefix; checked to 2,100 tokens), but can change
+with the context length SDPA is given from ~600 tokens on (its blocking follows that length, in
+float32 as in bf16), so for long prompts prefix caching keeps outputs within rounding, not bit
+for bit (the tests check bits at 48 + 30 tokens). The AMX tiles do not follow Intel's
+documented sequential order bit for bit (measured: 1-43 of 64 sums at 576 inputs equal that
+order or a pairwise tree), so the portable loops (``portable=True``: the stated sequential
+order, any CPU) are a reference within the bound, not bit for bit.
 
 **Layout.** :class:`PairedWeight` keeps ``W [in, out]`` as AMX's B tiles: ``[ceil(out / 16),
 kp / 2, 16, 2]``, each column tile one contiguous stream with k pairs interleaved, repacked

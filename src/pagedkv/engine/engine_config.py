@@ -45,8 +45,9 @@ class EngineConfig:
     and vocabulary projection at 2..32 rows (decode steps) through a batch-invariant C kernel
     (``pagedkv.engine.fewrow``; CPU float32), ``"torch"`` keeps ``torch.mm``.
     ``matmul_precision="medium"`` (``dtype="bfloat16"`` on a CPU) runs the linear layers and
-    the vocabulary projection in bf16 arithmetic on AMX, their inputs rounded to bf16
-    (``pagedkv.engine.bf16_dot``; as ``highest`` where the CPU has no AMX, with a warning);
+    the vocabulary projection in bf16 arithmetic on AMX, their inputs rounded to bf16, and
+    the prompt's attention in bf16 (``pagedkv.engine.bf16_dot``; as ``highest`` where the CPU
+    has no AMX, with a warning);
     ``"highest"`` keeps float32 arithmetic.
 
     Resolved by ``LLMEngine.from_model_dir`` from the checkpoint: ``dtype="auto"`` (float32 on

@@ -134,8 +134,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="highest",
         choices=MATMUL_PRECISION_CHOICES,
         help="with --dtype bfloat16 on a CPU: highest (float32 arithmetic, default) or medium "
-        "(linear layers in bf16 arithmetic on AMX, inputs rounded to bf16; as highest where "
-        "the CPU has no AMX)",
+        "(linear layers in bf16 arithmetic on AMX, inputs rounded to bf16, and prompt "
+        "attention in bf16; as highest where the CPU has no AMX)",
     )
     parser.add_argument(
         "--chat-template", default=None, help="a template file, or the template itself"

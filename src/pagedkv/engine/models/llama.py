@@ -133,6 +133,7 @@ class LlamaModel:
         self._lm_head_q: Linear | None = None
         self.linear_kernel = "torch"  # set_linear_kernel: "native" = fewrow's few-row kernel
         self.matmul_precision = "highest"  # set_matmul_precision: "medium" = bf16 on AMX
+        self.sdpa_dtype: torch.dtype | None = None  # the SDPA path's dtype (attention.attend)
         self.deferred_quantization: dict[str, Callable[[LlamaModel], None]] = {}  # quantize()
         self._qkv: list[Linear] = []
         self._o: list[Linear] = []
@@ -301,14 +302,15 @@ class LlamaModel:
         self.linear_kernel = kernel
 
     def set_matmul_precision(self, precision: str) -> None:
-        """``"medium"``: the bf16 linear layers and vocabulary projection of a bfloat16 CPU
-        model computing in float32 take :mod:`pagedkv.engine.bf16_dot` (inputs rounded to
-        bf16, bf16 products summed in float32 on AMX); ``"highest"``: the float32-compute
-        kernel (:mod:`pagedkv.engine.bf16_linear`). Where AMX does not run, ``medium`` stays
+        """``"medium"``: the bf16 linear layers and vocabulary projection of a bfloat16 CPU model
+        computing in float32 take :mod:`pagedkv.engine.bf16_dot` (inputs rounded to bf16, bf16
+        products summed in float32 on AMX); ``"highest"``: the float32-compute kernel
+        (:mod:`pagedkv.engine.bf16_linear`). Where AMX does not run, ``medium`` stays
         ``highest`` (torch's semantics) and a warning says why; ``matmul_precision`` is what
-        runs. Refused (nothing changed) for another dtype, off the CPU, or when quantized.
-        Every layer is repacked (exactly) before any is replaced: a peak of twice the
-        linear weights' memory while it runs."""
+        runs. ``medium`` also runs the SDPA path (prefill attention) in bf16 (``sdpa_dtype``:
+        :func:`pagedkv.engine.attention.attend`). Refused (nothing changed) for another dtype,
+        off the CPU, or when quantized. Every layer is repacked (exactly) before any is
+        replaced: a peak of twice the linear weights' memory while it runs."""
         dtype = str(self.dtype).removeprefix("torch.")
         bf16_dot.check_matmul_precision(precision, dtype, self.device.type, self.quantization)
         if precision == "medium" and (
@@ -333,6 +335,7 @@ class LlamaModel:
         for group, layers in zip(groups, new, strict=True):
             group[:] = layers
         self.matmul_precision = precision
+        self.sdpa_dtype = torch.bfloat16 if medium else None
 
     def expected_weight_names(self) -> list[str]:
         cfg = self.config
@@ -437,7 +440,8 @@ class LlamaModel:
             qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
             view = meta.for_window(cfg.layer_window(i))  # sliding-window layers: their view
-            att = paged_attention(i, q, k, v, cache, view, self.scale).reshape(n, nh * hd)
+            att = paged_attention(i, q, k, v, cache, view, self.scale, self.sdpa_dtype)
+            att = att.reshape(n, nh * hd)
             h = h + self._o[i](att)
             x = _rms_norm(h, self._post_norm[i], eps)
             gate, up = self._gate_up[i](x).chunk(2, dim=-1)
@@ -474,7 +478,7 @@ class LlamaModel:
             if call is not None:  # a decode-only step: one ctypes call
                 call(k_pools[i], v_pools[i])
             else:
-                attend(i, buf.q, cache, view, self.scale, buf.att)
+                attend(i, buf.q, cache, view, self.scale, buf.att, sdpa_dtype=self.sdpa_dtype)
             buf.add_post_norm(i, o())
             gu = gate_up()
             g, u = (buf.gate, buf.up) if gu is buf.gate_up else gu.chunk(2, dim=-1)
