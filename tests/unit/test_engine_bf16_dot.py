@@ -257,6 +257,28 @@ def test_medium_repacks_the_layers_and_names_its_cache_namespace(
 
 
 @needs_amx
+def test_medium_head_copy_gives_the_bits_of_the_embedding_as_stored(model_dir: Path) -> None:
+    """Under ``medium`` the vocabulary projection reads its own copy of the weight in B tiles;
+    its logits are the bits of the kernel that reads the embedding as stored, at any number
+    of rows (so batch invariance holds across both), and within the stated bound. Back to
+    ``highest``, the copy is dropped."""
+    cfg = EngineConfig(num_blocks=32, dtype="bfloat16", matmul_precision="medium")
+    model = LLMEngine.from_model_dir(str(model_dir), cfg).model
+    assert model._lm_head_paired is not None
+    gen = torch.Generator().manual_seed(9)
+    hidden = model.config.hidden_size
+    for rows in (1, 3, 5, 16, 33):
+        x = torch.randn(rows, hidden, generator=gen)
+        got = model.logits(x)
+        _check_bound(got, x, model.lm_head.t(), None)
+        if bf16_dot.nt_accepts(model.lm_head):
+            assert torch.equal(got, bf16_dot.linear_nt(x, model.lm_head))
+        assert torch.equal(got[:1], model.logits(x[:1]))  # a row alone: the same bits
+    model.set_matmul_precision("highest")
+    assert model._lm_head_paired is None
+
+
+@needs_amx
 @pytest.mark.parametrize("fused", [True, False], ids=["layer-ops", "torch-ops"])
 def test_medium_prefill_attention_runs_in_bf16(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, fused: bool
