@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.row_views import joined_rows
+from pagedkv.engine.row_views import adjacent_view, joined_rows
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
 
@@ -42,6 +42,9 @@ def test_joined_rows_is_cat_and_a_view_exactly_when_adjacent(
         order.shuffle(parts)
     got = joined_rows(parts)
     assert torch.equal(got, torch.cat(parts))
+    view = adjacent_view(parts)
+    assert (view is not None) == _shares(got, base)  # a view exactly when joined_rows shares
+    assert view is None or torch.equal(view, got)
     in_order = all(
         p.storage_offset() + p.numel() == q.storage_offset() for p, q in itertools.pairwise(parts)
     )
@@ -61,6 +64,9 @@ def test_joined_rows_copies_parts_of_different_tensors_or_layouts() -> None:
     got = joined_rows([x[0:1], x[2:4]])  # a gap: row 1 is not a part
     assert torch.equal(got, x[[0, 2, 3]])
     assert not _shares(got, x)
+    assert adjacent_view([a, b]) is None
+    assert adjacent_view([x[0:1], x[2:4]]) is None
+    assert adjacent_view([]) is None
     with pytest.raises(ValueError, match="non-empty"):  # as torch.cat
         joined_rows([])
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.engine.row_views import joined_rows
+from pagedkv.engine.row_views import adjacent_view
 from pagedkv.errors import ModelExecutionError
 from pagedkv.sched.output import ScheduledRequest
 
@@ -126,12 +126,17 @@ def _destination_owners(
 def nonfinite_requests(logits: Mapping[str, torch.Tensor]) -> dict[str, Exception]:
     """The requests whose logits hold a NaN or ``+inf``, or a row that is ``-inf`` everywhere
     (nothing can be drawn), each with a :class:`ModelExecutionError`. ``-inf`` elsewhere is a
-    legal mask value. One reduction and one host sync for the whole step."""
+    legal mask value. One reduction (one per request when the rows are not adjacent row ranges
+    of one tensor) and one host sync for the whole step."""
     if not logits:
         return {}
     ids = list(logits)
-    # one reduction over the step's rows (a view when they are adjacent); NaN propagates
-    row_max = joined_rows([logits[rid] for rid in ids]).amax(dim=-1).tolist()
+    parts = [logits[rid] for rid in ids]
+    view = adjacent_view(parts)  # the runner's rows as one tensor; NaN propagates
+    if view is not None:
+        row_max = view.amax(dim=-1).tolist()
+    else:  # rows of several tensors (a bisected step): one reduction each, no copy
+        row_max = torch.cat([p.amax(dim=-1) for p in parts]).tolist()
     bad: dict[str, Exception] = {}
     start = 0
     for rid in ids:
