@@ -209,6 +209,28 @@ def test_an_unsampleable_sequence_fails_alone_in_its_batch() -> None:
     assert ok.token_ids == alone[0].token_ids  # the failures did not disturb it
 
 
+def test_checked_finite_logits_skip_only_the_raw_check() -> None:
+    """``finite=True`` (the engine checked every row's max) draws the same tokens; a grammar
+    mask that allows nothing is still reported, because processed logits are checked anyway."""
+    logits = torch.randn(3, VOCAB)
+    nothing = torch.zeros((VOCAB + 31) // 32, dtype=torch.int32)
+
+    def entries(mask: torch.Tensor | None) -> list[SampleInput]:
+        return [
+            SampleInput(logits[r : r + 1], SamplingParams(seed=r), make_generator(r, CPU))
+            for r in range(2)
+        ] + [SampleInput(logits[2:3], SamplingParams(), make_generator(9, CPU), bitmask=mask)]
+
+    plain = sample_batch(entries(None))
+    checked = sample_batch(entries(None), finite=True)
+    assert [o.token_ids for o in checked] == [o.token_ids for o in plain]
+    assert all(o.error is None for o in checked)
+    masked = sample_batch(entries(nothing), finite=True)
+    assert masked[2].error is not None
+    assert "no token is allowed" in masked[2].error
+    assert [o.token_ids for o in masked[:2]] == [o.token_ids for o in plain[:2]]
+
+
 def test_engine_fails_only_the_request_with_broken_logits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -280,7 +280,9 @@ class LLMEngine:
             logits.pop(rid, None)
         if self.runner.prompt_logits_ids:
             take_prompt_logprobs(out.scheduled, logits, self.runner, self._requests)
-        step = sample_step(out.scheduled, logits, self._requests, self.structured_outputs)
+        step = sample_step(  # every row left passed nonfinite_requests
+            out.scheduled, logits, self._requests, self.structured_outputs, finite_logits=True
+        )
         self.num_draft_tokens += step.num_draft_tokens
         self.num_accepted_draft_tokens += step.num_accepted_draft_tokens
         for rid, exc in step.unsampled.items():  # this request's parameters or mask failed alone

@@ -75,9 +75,12 @@ def sample_step(
     logits: dict[str, torch.Tensor],
     groups: RequestGroups,
     structured_outputs: Callable[[], StructuredOutputManager],
+    *,
+    finite_logits: bool = False,
 ) -> SampledStep:
     """Sample every sampling sequence of the step in one batch; verify drafts. Returns
-    the accepted tokens and the sequences no token could be drawn for (with why)."""
+    the accepted tokens and the sequences no token could be drawn for (with why).
+    ``finite_logits``: every row's max was checked finite (``sample_batch``'s ``finite``)."""
     step = SampledStep()
     todo: list[tuple[ScheduledRequest, SampleState]] = []
     for sr in scheduled:
@@ -89,7 +92,7 @@ def sample_step(
         else:
             todo.append((sr, smp))
     inputs = _sample_inputs(todo, logits, groups, structured_outputs)
-    for (sr, smp), res in zip(todo, sample_batch(inputs), strict=True):
+    for (sr, smp), res in zip(todo, sample_batch(inputs, finite=finite_logits), strict=True):
         if res.error is not None:
             logger.error("request %s cannot be sampled: %s", sr.request_id, res.error)
             step.unsampled[sr.request_id] = ModelExecutionError(res.error)
