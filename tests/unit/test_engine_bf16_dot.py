@@ -142,6 +142,52 @@ def test_a_rows_bits_depend_neither_on_its_batch_nor_on_the_threads() -> None:
 
 
 @built
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize(("rows", "in_dim"), [(1, 64), (5, 77), (16, 96), (37, 130)])
+def test_a_gated_call_gives_the_bits_of_torch_mul_then_linear(
+    portable: bool, rows: int, in_dim: int
+) -> None:
+    """``linear(g, W, up=u)`` over the two halves of one gate/up buffer (row-strided views)
+    is ``linear(g * u, W)`` bit for bit: the product is torch.mul's float32 one, rounded to
+    bf16 as any input is; bound or not, alone or in a batch."""
+    gen = torch.Generator().manual_seed(rows * 1000 + in_dim)
+    p = PairedWeight.from_weight_t(_bf16(in_dim, 48, gen=gen))
+    bias = torch.randn(48, generator=gen)
+    gu = torch.randn(rows, 2 * in_dim, generator=gen) * 4
+    g, u = gu[:, :in_dim], gu[:, in_dim:]
+    want = bf16_dot.linear(torch.mul(g, u), p, bias, portable=portable)
+    assert torch.equal(bf16_dot.linear(g, p, bias, up=u, portable=portable), want)
+    assert torch.equal(bf16_dot.linear(g[1:], p, bias, up=u[1:], portable=portable), want[1:])
+    if not portable:
+        out = torch.empty(rows, 48)
+        bound = bf16_dot.bind_into(g, p, bias, out, up=u)
+        assert bound is not None
+        assert bound() is out
+        assert torch.equal(out, want)
+    with pytest.raises(InvalidRequestError, match="row stride"):
+        bf16_dot.linear(g, p, up=u[:, 1:], portable=portable)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_medium_gated_down_gives_the_torch_ops_bits(model_dir: Path, rows: int) -> None:
+    """The fused forward's down projections multiply gate by up themselves (``gated``): its
+    hidden states are the bits of the torch-ops forward, which multiplies with torch.mul."""
+    cfg = EngineConfig(num_blocks=64, dtype="bfloat16", matmul_precision="medium")
+    prompts = [[5 + r, 9, 14, 3 + r % 7, 22][: 2 + r % 4] for r in range(rows)]
+
+    def run(fused: bool) -> list[list[tuple[int, float]]]:
+        engine = LLMEngine.from_model_dir(str(model_dir), cfg)
+        engine.model.fused_layer_ops = fused
+        got, _ = _greedy(engine, prompts)
+        if fused:
+            assert all(next(iter(engine.model._bound.values())).gated)
+        return got
+
+    assert run(True) == run(False)
+
+
+@built
 def test_bad_inputs_are_refused_with_a_typed_error() -> None:
     gen = torch.Generator().manual_seed(1)
     p = PairedWeight.from_weight_t(_bf16(32, 16, gen=gen))

@@ -77,6 +77,9 @@ _ERRORS = {-1: "a bad shape or stride", -2: "out of memory for its buffers",
 def _bind(lib: ctypes.CDLL) -> bool:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pagedkv_bf16dot_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
+    lib.pagedkv_bf16dot_linear_gated.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64,
+                                                 i64, i32, i32]  # fmt: skip
+    lib.pagedkv_bf16dot_linear_gated.restype = i32
     lib.pagedkv_bf16dot_nt.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i32, i32]
     lib.pagedkv_bf16dot_linear.restype = lib.pagedkv_bf16dot_nt.restype = i32
     lib.pagedkv_bf16dot_amx.restype = i32
@@ -223,13 +226,21 @@ def linear(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     *,
+    up: torch.Tensor | None = None,
     threads: int | None = None,
     portable: bool = False,
 ) -> torch.Tensor:
     """``bf16(x) @ W (+ bias)`` in float32 for any number of rows, into ``out`` when given.
-    ``portable`` runs the plain-C loops (any CPU; the stated order)."""
+    With ``up`` (``x``'s shape and row stride: the gate and up halves of one gate/up output)
+    the input is ``x * up``, each product rounded as float32 (torch.mul's bits) and then to
+    bf16, and never stored. ``portable`` runs the plain-C loops (any CPU; the stated order)."""
     in_dim, cols = weight.in_features, weight.out_features
     _check_input(x, in_dim, "linear")
+    if up is not None and not _pairs(x, up):
+        raise InvalidRequestError(
+            f"bf16 AMX linear: up {tuple(up.shape)} {up.dtype} with row stride {up.stride(0)} "
+            f"(needs x's shape {tuple(x.shape)} and row stride {x.stride(0)}, float32)"
+        )
     if bias is not None and (
         bias.shape != (cols,) or bias.dtype is not torch.float32 or not bias.is_contiguous()
     ):
@@ -241,12 +252,24 @@ def linear(
     if x.shape[0] == 0:  # a step with no rows here: nothing to compute
         return y
     b = None if bias is None else bias.data_ptr()
-    rc = _library().pagedkv_bf16dot_linear(
-        x.data_ptr(), x.stride(0), weight.tiles.data_ptr(), b, y.data_ptr(), y.stride(0),
-        x.shape[0], in_dim, cols, _threads(threads), int(portable),
-    )  # fmt: skip
+    lib, rest = _library(), (weight.tiles.data_ptr(), b, y.data_ptr(), y.stride(0), x.shape[0],
+                             in_dim, cols, _threads(threads), int(portable))  # fmt: skip
+    if up is None:
+        rc = lib.pagedkv_bf16dot_linear(x.data_ptr(), x.stride(0), *rest)
+    else:
+        rc = lib.pagedkv_bf16dot_linear_gated(x.data_ptr(), up.data_ptr(), x.stride(0), *rest)
     _check_rc(rc)
     return y
+
+
+def _pairs(x: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether ``up`` can be read with ``x``'s strides (a gated call's second operand)."""
+    return (
+        up.dtype is torch.float32
+        and up.device.type == "cpu"
+        and up.shape == x.shape
+        and up.stride() == x.stride()
+    )
 
 
 def nt_accepts(weight: torch.Tensor) -> bool:
@@ -290,20 +313,36 @@ def linear_nt(
 
 
 def bind_into(
-    x: torch.Tensor, weight: PairedWeight, bias: torch.Tensor | None, out: torch.Tensor
+    x: torch.Tensor,
+    weight: PairedWeight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    up: torch.Tensor | None = None,
 ) -> BoundKernel | None:
-    """``linear(x, weight, bias, out)`` with every argument converted once, at torch's
+    """``linear(x, weight, bias, out, up=up)`` with every argument converted once, at torch's
     intra-op thread count now (the same bits: no split changes them); None when the AMX path
-    does not run here or the buffers do not fit it as they are."""
+    does not run here or the buffers do not fit it as they are (``x`` contiguous, or with
+    ``up`` a pair of row-strided halves)."""
     in_dim, cols = weight.in_features, weight.out_features
-    if not amx() or not fits(x, out, in_dim, cols, 1 << 30) or x.shape[0] == 0:
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if not amx() or rows == 0:
+        return None
+    if up is None and not fits(x, out, in_dim, cols, 1 << 30):
+        return None
+    if up is not None and not (
+        _pairs(x, up) and x.shape[1] == in_dim and x.stride(1) == 1 and x.dtype is torch.float32
+        and out.dtype is torch.float32 and out.is_contiguous() and out.shape == (rows, cols)
+    ):  # fmt: skip
         return None
     if bias is not None and not (
         bias.shape == (cols,) and bias.dtype is torch.float32 and bias.is_contiguous()
     ):
         return None
     b = None if bias is None else bias.data_ptr()
-    args = (x.data_ptr(), in_dim, weight.tiles.data_ptr(), b, out.data_ptr(), cols,
-            x.shape[0], in_dim, cols, torch.get_num_threads(), 0)  # fmt: skip
-    return BoundKernel(_library(), "pagedkv_bf16dot_linear", [args], out,
-                       (x, weight.tiles, bias), "bf16 AMX linear kernel")  # fmt: skip
+    rest = (weight.tiles.data_ptr(), b, out.data_ptr(), cols, rows, in_dim, cols,
+            torch.get_num_threads(), 0)  # fmt: skip
+    symbol = "pagedkv_bf16dot_linear" if up is None else "pagedkv_bf16dot_linear_gated"
+    inputs = (x.data_ptr(),) if up is None else (x.data_ptr(), up.data_ptr())
+    args: tuple[int | None, ...] = (*inputs, x.stride(0), *rest)
+    return BoundKernel(_library(), symbol, [args], out, (x, up, weight.tiles, bias),
+                       "bf16 AMX linear kernel")  # fmt: skip

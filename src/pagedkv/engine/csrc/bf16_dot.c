@@ -97,17 +97,26 @@ static inline float add_ftz(float s, float p) {
  * [ceil(rows / 16)][kp / 32][16][32] bf16, so a tile load reads one contiguous KiB. */
 #define XA(xa, kp, r, k) (xa)[((r) / TILE * ((kp) / KB) + (k) / KB) * TILE * KB + (r) % TILE * KB + (k) % KB]
 
-/* xa from x: rounded to bf16, zero past in and from rows up to rows_pad. */
-static void pack_tiles(const float *x, int64_t ldx, int64_t rows, int64_t rows_pad, int64_t in,
-                       int64_t kp, uint16_t *xa) {
+/* xa from x: rounded to bf16, zero past in and from rows up to rows_pad. With u (same ldx),
+ * from x[i] * u[i] instead: each product a float32 multiplication (one IEEE rounding, as
+ * torch.mul's), then rounded to bf16, so a gated call packs what x * u in float32 would. */
+static void pack_tiles(const float *x, const float *u, int64_t ldx, int64_t rows,
+                       int64_t rows_pad, int64_t in, int64_t kp, uint16_t *xa) {
     for (int64_t r = 0; r < rows_pad; r++)
         for (int64_t k0 = 0; k0 < kp; k0 += KB) {
             uint16_t *dst = &XA(xa, kp, r, k0);
             const float *src = x + r * ldx + k0;
+            const float *mul = u ? u + r * ldx + k0 : NULL;
             if (r < rows && k0 + KB <= in) {
-                for (int k = 0; k < KB; k++) dst[k] = to_bf16(src[k]);
+                if (mul)
+                    for (int k = 0; k < KB; k++) dst[k] = to_bf16(src[k] * mul[k]);
+                else
+                    for (int k = 0; k < KB; k++) dst[k] = to_bf16(src[k]);
             } else {
-                for (int k = 0; k < KB; k++) dst[k] = r < rows && k0 + k < in ? to_bf16(src[k]) : 0;
+                for (int k = 0; k < KB; k++)
+                    dst[k] = r < rows && k0 + k < in
+                                 ? to_bf16(mul ? src[k] * mul[k] : src[k])
+                                 : 0;
             }
         }
 }
@@ -393,15 +402,16 @@ static int bad(int64_t rows, int64_t in, int64_t out, int64_t ldx, int64_t ldy) 
 }
 
 /* y [rows, out] = bf16(x) @ W (+ bias), W as pair tiles (the header). */
-int pagedkv_bf16dot_linear(const float *x, int64_t ldx, const uint16_t *p, const float *bias,
-                           float *y, int64_t ldy, int64_t rows, int64_t in, int64_t out,
-                           int threads, int portable) {
+/* pagedkv_bf16dot_linear's body; u non-NULL: the input is x * u (pack_tiles). */
+static int linear_entry(const float *x, const float *u, int64_t ldx, const uint16_t *p,
+                        const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
+                        int64_t out, int threads, int portable) {
     if (bad(rows, in, out, ldx, ldy)) return -1;
     if (!portable && !amx_permitted()) return -3;
     const int64_t kp = (in + KB - 1) / KB * KB, rows_pad = (rows + TILE - 1) / TILE * TILE;
     uint16_t *xb = malloc((size_t)(rows_pad * kp) * sizeof *xb);
     if (!xb) return -2;
-    pack_tiles(x, ldx, rows, rows_pad, in, kp, xb);
+    pack_tiles(x, u, ldx, rows, rows_pad, in, kp, xb);
     const int64_t tiles = (out + TILE - 1) / TILE;
     int64_t cuts[BD_PAR_MAX + 1];
     const int parts = cut_tiles(rows * kp * out, tiles, threads, cuts);
@@ -420,6 +430,21 @@ int pagedkv_bf16dot_linear(const float *x, int64_t ldx, const uint16_t *p, const
     return 0;
 }
 
+int pagedkv_bf16dot_linear(const float *x, int64_t ldx, const uint16_t *p, const float *bias,
+                           float *y, int64_t ldy, int64_t rows, int64_t in, int64_t out,
+                           int threads, int portable) {
+    return linear_entry(x, NULL, ldx, p, bias, y, ldy, rows, in, out, threads, portable);
+}
+
+/* y = bf16(g * u) @ W (+ bias): g and u with one row stride ldx (the gate and up halves of a
+ * gate/up output), each product rounded as float32 then to bf16, as linear() of torch.mul's
+ * product would be; the product is never stored. */
+int pagedkv_bf16dot_linear_gated(const float *g, const float *u, int64_t ldx, const uint16_t *p,
+                                 const float *bias, float *y, int64_t ldy, int64_t rows,
+                                 int64_t in, int64_t out, int threads, int portable) {
+    return linear_entry(g, u, ldx, p, bias, y, ldy, rows, in, out, threads, portable);
+}
+
 /* y [rows, out] = bf16(x) @ e^T for e [out, in] bf16 (row stride lde), in % 32 == 0. */
 int pagedkv_bf16dot_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t lde, float *y,
                        int64_t ldy, int64_t rows, int64_t in, int64_t out, int threads,
@@ -429,7 +454,7 @@ int pagedkv_bf16dot_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t l
     const int64_t rows_pad = (rows + TILE - 1) / TILE * TILE;
     uint16_t *xb = malloc((size_t)(rows_pad * in) * sizeof *xb * 2);
     if (!xb) return -2;
-    pack_tiles(x, ldx, rows, rows_pad, in, in, xb);
+    pack_tiles(x, NULL, ldx, rows, rows_pad, in, in, xb);
     uint16_t *xv = xb + rows_pad * in;
 #if BD_AMX
     if (!portable) pack_pairs(xb, rows, in, xv);

@@ -11,7 +11,9 @@ size and thread count (the buffers are kept across steps, so in practice once), 
 - a float32 ``Projection``: ``torch.mm(x, W, out=out)`` (``addmm`` with a bias) through
   ``functools.partial``, the call ``Projection.into`` makes, so the same bits;
 - a ``Bf16Projection``: :func:`bf16_linear.bind_into`'s prebuilt kernel call;
-- a ``Bf16DotProjection`` (bf16 arithmetic on AMX): :func:`bf16_dot.bind_into`'s;
+- a ``Bf16DotProjection`` (bf16 arithmetic on AMX): :func:`bf16_dot.bind_into`'s; the down
+  projection reads the gate and up halves and multiplies them while it packs its input
+  (``gated``), so the step skips SiLU's separate multiply and its buffer;
 - an int8 ``QuantizedProjection``: :meth:`QuantizedProjection.bind_into`'s;
 - a ``GGUFProjection`` (the file's blocks, float32 or 8-bit activations):
   :meth:`GGUFProjection.bind_into`'s;
@@ -69,9 +71,20 @@ def bind_into(p: Linear, x: torch.Tensor, out: torch.Tensor) -> Call:
     return partial(linear_into, p, x, out)
 
 
+def _bind_gated(p: Linear, buf: StepBuffers) -> Call | None:
+    """The down projection ``p`` reading ``buf.gate * buf.up`` itself (the AMX kernel's
+    gated packing: torch.mul's float32 products, rounded to bf16 as its input would be, so
+    the same bits), or None where it cannot (another layer type, or AMX not running)."""
+    if type(p) is not Bf16DotProjection:
+        return None
+    return bf16_dot.bind_into(buf.gate, p.weight, p.bias, buf.down, up=buf.up)
+
+
 class BoundLinears:
     """Every layer's linear calls over one step's buffers (``calls[i]``, :data:`LayerCalls`),
-    and what they were bound for.
+    and what they were bound for. ``gated[i]``: layer ``i``'s down call multiplies
+    ``buf.gate`` by ``buf.up`` itself (the caller applies SiLU to ``buf.gate`` in place and
+    skips ``buf.act``).
 
     Invariants: ``calls[i]`` computes layer ``i``'s projections of ``buf``'s inputs into
     ``buf``'s outputs with the layer objects in ``linears`` (held, so their weights outlive
@@ -83,12 +96,14 @@ class BoundLinears:
         self.threads = torch.get_num_threads()
         self.linears = [list(g) for g in groups]
         qkv, o, gate_up, down = self.linears
+        downs = [_bind_gated(p, buf) for p in down]
+        self.gated = [d is not None for d in downs]
         self.calls: list[LayerCalls] = [
             (
                 bind_into(qkv[i], buf.x, buf.qkv),
                 bind_into(o[i], buf.att_rows, buf.o),
                 bind_into(gate_up[i], buf.x, buf.gate_up),
-                bind_into(down[i], buf.act, buf.down),
+                downs[i] or bind_into(down[i], buf.act, buf.down),
             )
             for i in range(len(qkv))
         ]

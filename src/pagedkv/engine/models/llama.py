@@ -47,7 +47,7 @@ from pagedkv.engine.attention import (
 )
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
-from pagedkv.engine.models.bound_linears import BoundLinears, LayerCalls
+from pagedkv.engine.models.bound_linears import BoundLinears
 from pagedkv.engine.models.projection import (
     Bf16DotProjection,
     Bf16Projection,
@@ -478,8 +478,9 @@ class LlamaModel:
         }
         k_pools, v_pools = cache.k, cache.v
         silu_ = torch._C._nn.silu_  # F.silu(inplace=True)'s call, without its Python wrapper
-        for i, (view, (qkv, o, gate_up, down)) in enumerate(
-            zip(views, self._bound_linears(buf), strict=True)
+        bound_linears = self._bound_linears(buf)
+        for i, (view, (qkv, o, gate_up, down), gated) in enumerate(
+            zip(views, bound_linears.calls, bound_linears.gated, strict=True)
         ):
             buf.rope_write(i, qkv())
             call = bound[id(view)]
@@ -489,19 +490,24 @@ class LlamaModel:
                 attend(i, buf.q, cache, view, self.scale, buf.att, sdpa_dtype=self.sdpa_dtype)
             buf.add_post_norm(i, o())
             gu = gate_up()
-            g, u = (buf.gate, buf.up) if gu is buf.gate_up else gu.chunk(2, dim=-1)
-            torch.mul(silu_(g), u, out=buf.act)
+            if gated:  # down multiplies gate by up itself (bound_linears: the same bits)
+                if gu is not buf.gate_up:
+                    buf.gate_up.copy_(gu)
+                silu_(buf.gate)
+            else:
+                g, u = (buf.gate, buf.up) if gu is buf.gate_up else gu.chunk(2, dim=-1)
+                torch.mul(silu_(g), u, out=buf.act)
             buf.add_next_norm(i, down())
         return buf.out
 
-    def _bound_linears(self, buf: layer_op_buffers.StepBuffers) -> list[LayerCalls]:
+    def _bound_linears(self, buf: layer_op_buffers.StepBuffers) -> BoundLinears:
         """Every layer's linear calls bound to ``buf`` (:mod:`.bound_linears`), kept with
         the buffers and bound again when a layer object or the thread count changed."""
         groups = (self._qkv, self._o, self._gate_up, self._down)
         bound = self._bound.get(buf)
         if bound is None or not bound.fits(groups):
             bound = self._bound[buf] = BoundLinears(groups, buf)
-        return bound.calls
+        return bound
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
