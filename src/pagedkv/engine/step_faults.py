@@ -139,8 +139,8 @@ def nonfinite_requests(logits: Mapping[str, torch.Tensor]) -> dict[str, Exceptio
         row_max = torch.cat([p.amax(dim=-1) for p in parts]).tolist()
     bad: dict[str, Exception] = {}
     start = 0
-    for rid in ids:
-        n = int(logits[rid].shape[0])
+    for rid, rows in zip(ids, parts, strict=True):
+        n = int(rows.shape[0])
         worst = next((v for v in row_max[start : start + n] if not math.isfinite(v)), None)
         if worst is not None:
             bad[rid] = ModelExecutionError(

@@ -98,12 +98,16 @@ class BoundLinears:
         qkv, o, gate_up, down = self.linears
         downs = [_bind_gated(p, buf) for p in down]
         self.gated = [d is not None for d in downs]
+        down_calls = [
+            bind_into(p, buf.act, buf.down) if d is None else d
+            for p, d in zip(down, downs, strict=True)
+        ]
         self.calls: list[LayerCalls] = [
             (
                 bind_into(qkv[i], buf.x, buf.qkv),
                 bind_into(o[i], buf.att_rows, buf.o),
                 bind_into(gate_up[i], buf.x, buf.gate_up),
-                downs[i] or bind_into(down[i], buf.act, buf.down),
+                down_calls[i],
             )
             for i in range(len(qkv))
         ]

@@ -517,12 +517,8 @@ class LlamaModel:
         if self.linear_kernel == "native" and fewrow.accepts(hidden) and unit_stride(self.lm_head):
             return fewrow.linear_nt(hidden, self.lm_head)
         if self.lm_head.dtype is torch.bfloat16 and hidden.dtype is torch.float32:
-            paired = self._lm_head_paired
-            if paired is not None and hidden.stride(1) == 1:  # medium: the same bits as _nt
-                return bf16_dot.linear(hidden, paired)
-            medium = self.matmul_precision == "medium" and bf16_dot.nt_accepts(self.lm_head)
-            if medium and hidden.stride(1) == 1:  # bf16 arithmetic on AMX
-                return bf16_dot.linear_nt(hidden, self.lm_head)
+            if self._lm_head_paired is not None:  # medium: bf16 arithmetic on AMX
+                return bf16_dot.linear(hidden.contiguous(), self._lm_head_paired)
             if self.lm_head.stride(1) == 1 and hidden.stride(1) == 1:  # bf16 weights
                 return bf16_linear.linear_nt(hidden, self.lm_head)
             return F.linear(hidden, self.lm_head.float())
