@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from pagedkv.engine import native
+from pagedkv.engine import native, step_program
 from pagedkv.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 
 class BoundKernel:
@@ -57,12 +61,23 @@ class BoundKernel:
             codes = [fn(*args[0]), *(f.result() for f in futures)]  # wait for every part
             failed = any(codes)
         if failed:
-            raise InvalidRequestError(f"{self._kernel} rejected its inputs (a bad range)")
+            raise InvalidRequestError(self.failure())
         return self.out
+
+    def failure(self) -> str:
+        """The message a failed call raises."""
+        return f"{self._kernel} rejected its inputs (a bad range)"
+
+    def recorded(self) -> step_program.Recorded | None:
+        """This call for a :class:`step_program.StepProgram` (the same kernel and arguments),
+        or None when it has more than one part (a thread split on Python workers)."""
+        if len(self._args) != 1:
+            return None
+        return step_program.record(self._fn, self._args[0])
 
 
 @functools.cache
-def _raw(lib: ctypes.CDLL, symbol: str) -> tuple[Callable[..., int], Sequence[type] | None]:
+def _raw(lib: ctypes.CDLL, symbol: str) -> tuple[CFuncPtr, Sequence[type] | None]:
     """``symbol`` as a second function object without ``argtypes`` (so a call converts
     nothing), and the typed function's ``argtypes``; one per library and symbol."""
     fn = lib[symbol]

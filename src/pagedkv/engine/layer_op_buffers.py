@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedkv.engine import layer_ops
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 QKNorm = tuple[torch.Tensor, torch.Tensor]  # per-head q and k RMSNorm weights (Qwen3)
 _MAX_KEPT_ROWS = 64  # ModelLayerOps keeps the buffers of steps up to this many tokens ...
@@ -23,7 +27,7 @@ _V, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches rope_write writes (bf16: rounded)
 
 
-def _raw(lib: ctypes.CDLL, name: str) -> Callable[..., int]:
+def _raw(lib: ctypes.CDLL, name: str) -> CFuncPtr:
     """The symbol as a second function object without ``argtypes``: called with ctypes
     objects built once (``StepBuffers``), it converts nothing per call. Every argument passed
     to it must be a ctypes object of the C parameter's type, or None for a NULL pointer."""
@@ -72,6 +76,11 @@ class ModelLayerOps:
         self.raw_rope = _raw(self.lib, "pagedkv_rope_write_f32")
         self.raw_rope_bf16kv = _raw(self.lib, "pagedkv_rope_write_bf16kv")  # a bf16 KV cache
         self._kept: dict[int, StepBuffers] = {}  # rows -> the last step's buffers
+
+    @staticmethod
+    def keeps(num_tokens: int) -> bool:
+        """Whether ``step`` keeps the buffers of a step of ``num_tokens`` tokens."""
+        return num_tokens <= _MAX_KEPT_ROWS
 
     def step(
         self, num_tokens: int, cache: PagedKVCache, num_heads: int, intermediate_size: int
@@ -157,6 +166,33 @@ class StepBuffers:
         self._final = self._next[-1]  # into out (load gives each step its own)
         bf16_cache = cache.spec.dtype is torch.bfloat16
         self._raw_rope = ops.raw_rope_bf16kv if bf16_cache else ops.raw_rope
+
+    # The prebuilt calls, for a step program (models.layer_program): each is
+    # ``fn(*args)`` of the method named.
+    @property
+    def num_slots(self) -> int:
+        return self._dims[-1]
+
+    @property
+    def norm0_args(self) -> tuple[object, ...]:
+        return self._norm0  # input_norm: ops.raw_norm
+
+    @property
+    def post_args(self) -> Sequence[tuple[object, ...]]:
+        return self._post  # add_post_norm(layer, self.o): ops.raw_add_norm
+
+    def next_args(self, layer: int) -> tuple[object, ...]:
+        """add_next_norm(layer, self.down)'s: ops.raw_add_norm (the last layer's writes the
+        ``out`` of the step that was loaded last)."""
+        return self._final if layer == len(self._next) - 1 else self._next[layer]
+
+    @property
+    def rope_fn(self) -> CFuncPtr:
+        return self._raw_rope  # rope_write(layer, self.qkv): rope_fn(*rope_args[layer])
+
+    @property
+    def rope_args(self) -> Sequence[tuple[object, ...]]:
+        return self._rope
 
     def fits(self, cache: PagedKVCache, num_heads: int, intermediate_size: int) -> bool:
         """Whether these buffers serve a step over ``cache`` as it is now."""

@@ -196,7 +196,8 @@ class PreparedDecode:
         # built with OpenMP: one call splits the rows on OpenMP threads (csrc/paged_decode.c)
         self._par = (n_threads,) if n_threads > 1 and lib.pagedkv_decode_openmp() else ()
         name = "pagedkv_decode_f32" if k_pool.dtype is torch.float32 else "pagedkv_decode_bf16kv"
-        self._fn = getattr(lib, name + ("_par" if self._par else ""))
+        self.symbol = name + ("_par" if self._par else "")
+        self._fn = getattr(lib, self.symbol)
         self._seqs, self._heads, self._head_dim = seqs, num_heads, head_dim
         self._dims = (self._tables.shape[1], num_heads, num_kv, num_blocks, block_size, head_dim)
         self._scale = scale
@@ -283,7 +284,7 @@ class _BoundDecode:
     """``PreparedDecode.bind``'s per-layer call. Holds the prepared call and both buffers,
     whose memory the kernel reads and writes."""
 
-    __slots__ = ("_fn", "_io", "_keep", "_pool_dtype", "_pool_shape", "_rest")
+    __slots__ = ("_fn", "_io", "_keep", "_pool_dtype", "_pool_shape", "_rest", "symbol")
 
     def __init__(
         self, prepared: PreparedDecode, q: torch.Tensor, out: torch.Tensor, rest: tuple[object, ...]
@@ -292,8 +293,30 @@ class _BoundDecode:
         self._fn, self._pool_shape = prepared._fn, prepared._pool_shape
         self._pool_dtype = prepared._pool_dtype
         self._io, self._rest = (q.data_ptr(), out.data_ptr()), rest
+        self.symbol = prepared.symbol
+
+    @property
+    def address(self) -> int:
+        """The kernel's address (for a step program)."""
+        return int(ctypes.cast(self._fn, ctypes.c_void_p).value or 0)
+
+    def words(self, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, ...], float]:
+        """The call's integer and pointer arguments over pools ``k``/``v`` (checked as a call
+        checks them), and its float (the scale): what a step program records. Words 4..8 (the
+        tables, lengths, starts, sequences and table stride) are the step's own."""
+        self._check_pools(k, v)
+        rest = self._rest  # tables, lens, starts, seqs, 6 dims, scale, (threads)
+        words = [*self._io, k.data_ptr(), v.data_ptr(), *rest[:10], *rest[11:]]
+        scale = rest[10]
+        assert isinstance(scale, float)
+        return tuple(0 if w is None else int(w) for w in words), scale  # type: ignore[call-overload]
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._check_pools(k, v)
+        if self._fn(*self._io, k.data_ptr(), v.data_ptr(), *self._rest):
+            raise InvalidRequestError(DECODE_FAILURE)
+
+    def _check_pools(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if (
             k.shape != self._pool_shape
             or v.shape != self._pool_shape
@@ -305,11 +328,11 @@ class _BoundDecode:
                 f"native decode kernel: pool {tuple(k.shape)} is not the prepared contiguous "
                 f"{tuple(self._pool_shape)}"
             )
-        if self._fn(*self._io, k.data_ptr(), v.data_ptr(), *self._rest):
-            raise InvalidRequestError(
-                "native decode kernel rejected its inputs: a block id, a length or a start "
-                "out of range"
-            )
+
+
+DECODE_FAILURE = (
+    "native decode kernel rejected its inputs: a block id, a length or a start out of range"
+)
 
 
 # Below this many context positions in a call the kernel runs on the calling thread only:

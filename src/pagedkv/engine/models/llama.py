@@ -11,7 +11,9 @@ Two forwards compute the same bits on a float32 CPU model: the torch ops below (
 reference, transformers' formulas), and, by default where ``layer_ops`` builds and passes its
 check, a layer as four matmuls, two native norm calls (each after a residual add), one native
 RoPE + K/V write, attention, SiLU and a multiply into buffers allocated once per step
-(``_forward_fused``: 10 calls per layer instead of ~50).
+(``_forward_fused``: 10 calls per layer instead of ~50). In a decode-only step whose calls
+are all native kernels (every layer type but float32's ``torch.mm``), those calls run as one
+native segment between two SiLUs (:mod:`.layer_program`): the same calls, so the same bits.
 
 **bf16 weights, float32 compute** (a bfloat16 model on a CPU, where ``bf16_linear`` builds):
 the linear layers and the vocabulary projection keep their bf16 weights and run
@@ -38,7 +40,15 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pagedkv.engine import bf16_dot, bf16_linear, fewrow, layer_op_buffers, layer_ops
+from pagedkv.engine import (
+    bf16_dot,
+    bf16_linear,
+    fewrow,
+    layer_op_buffers,
+    layer_ops,
+    native,
+    step_program,
+)
 from pagedkv.engine.attention import (
     AttentionMetadata,
     attend,
@@ -48,6 +58,7 @@ from pagedkv.engine.attention import (
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
 from pagedkv.engine.models.bound_linears import BoundLinears
+from pagedkv.engine.models.layer_program import LayerProgram
 from pagedkv.engine.models.projection import (
     Bf16DotProjection,
     Bf16Projection,
@@ -154,6 +165,12 @@ class LlamaModel:
         # linear calls bound to each kept StepBuffers (_bound_linears); dropped with them
         self._bound: weakref.WeakKeyDictionary[layer_op_buffers.StepBuffers, BoundLinears]
         self._bound = weakref.WeakKeyDictionary()
+        # the layer loop as native segments per kept StepBuffers (_layer_program; None: the
+        # calls have no native form), for the BoundLinears it was built with
+        self._programs: weakref.WeakKeyDictionary[
+            layer_op_buffers.StepBuffers, tuple[BoundLinears, LayerProgram | None]
+        ] = weakref.WeakKeyDictionary()
+        self.step_program = True  # False: the layer loop always runs in Python
         for i in range(config.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             self._qkv.append(self._project([a + "q_proj", a + "k_proj", a + "v_proj"]))
@@ -469,16 +486,22 @@ class LlamaModel:
         buf = ops.step(input_ids.shape[0], cache, cfg.num_attention_heads, cfg.intermediate_size)
         buf.load(input_ids, self.embed, self._rope_cos, self._rope_sin, meta.positions,
                  meta.slot_mapping)  # fmt: skip
-        buf.input_norm()
         views = [meta.for_window(w) for w in self._layer_windows]
         distinct = {id(v): v for v in views}  # one view, or two for a mixed-window model
         bound = {
             key: bind_native_decode(buf.q, cache, v, self.scale, buf.att)
             for key, v in distinct.items()
         }
+        bound_linears = self._bound_linears(buf)
+        decodes = [bound[id(v)] for v in views]
+        program = self._layer_program(buf, bound_linears, decodes, cache)
+        if program is not None:  # a decode-only step in native segments: the same calls
+            program.set_step(decodes, cache.k[0], cache.v[0], buf.out)  # type: ignore[arg-type]
+            self._run_program(program, buf, bound_linears.gated)
+            return buf.out
+        buf.input_norm()
         k_pools, v_pools = cache.k, cache.v
         silu_ = torch._C._nn.silu_  # F.silu(inplace=True)'s call, without its Python wrapper
-        bound_linears = self._bound_linears(buf)
         for i, (view, (qkv, o, gate_up, down), gated) in enumerate(
             zip(views, bound_linears.calls, bound_linears.gated, strict=True)
         ):
@@ -499,6 +522,54 @@ class LlamaModel:
                 torch.mul(silu_(g), u, out=buf.act)
             buf.add_next_norm(i, down())
         return buf.out
+
+    @staticmethod
+    def _run_program(
+        program: LayerProgram, buf: layer_op_buffers.StepBuffers, gated: list[bool]
+    ) -> None:
+        """The layer loop of ``_forward_fused`` with ``program``'s segments: torch's SiLU (and
+        its multiply, unless the down projection multiplies) between two segments."""
+        silu_ = torch._C._nn.silu_
+        for i, down_multiplies in enumerate(gated):
+            program.run(i)
+            silu_(buf.gate)
+            if not down_multiplies:
+                torch.mul(buf.gate, buf.up, out=buf.act)
+        program.run(len(gated))
+
+    def _layer_program(
+        self,
+        buf: layer_op_buffers.StepBuffers,
+        linears: BoundLinears,
+        decodes: list[Callable[[torch.Tensor, torch.Tensor], None] | None],
+        cache: PagedKVCache,
+    ) -> LayerProgram | None:
+        """The step's layer loop as native segments (:mod:`.layer_program`), kept with the
+        buffers; None where a call has no native form (then the Python loop runs), the
+        program is off (``step_program``), or its library is unavailable."""
+        if (
+            not self.step_program
+            or not layer_op_buffers.ModelLayerOps.keeps(buf.h.shape[0])  # built once, run often
+            or any(d is None for d in decodes)
+        ):
+            return None
+        native_decodes = [d for d in decodes if isinstance(d, native._BoundDecode)]
+        if len(native_decodes) != len(decodes) or not step_program.available():
+            return None
+        kept = self._programs.get(buf)
+        if (
+            kept is not None
+            and kept[0] is linears
+            and (kept[1] is None or kept[1].fits(native_decodes))
+        ):
+            return kept[1]
+        program = None
+        try:
+            program = LayerProgram(buf, linears, native_decodes, (cache.k, cache.v))
+        except InvalidRequestError as exc:
+            logger.debug("layer loop stays in Python: %s", exc)
+        self._programs[buf] = (linears, program)
+        return program
 
     def _bound_linears(self, buf: layer_op_buffers.StepBuffers) -> BoundLinears:
         """Every layer's linear calls bound to ``buf`` (:mod:`.bound_linears`), kept with

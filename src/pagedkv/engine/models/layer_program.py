@@ -1,0 +1,130 @@
+"""A decode step's layer loop as native segments (:class:`LayerProgram`), for ``LlamaModel``.
+
+``LlamaModel._forward_fused`` calls per layer: q/k/v, RoPE + K/V write, attention, o, the
+residual add + post-attention norm, gate/up, SiLU (and its multiply), down, the residual add +
+next norm: ~10 calls from Python, ~300 a step. Where every call but SiLU's is a native kernel
+with one part (:meth:`BoundKernel.recorded`) and attention is the one-call decode kernel, the
+calls between two SiLUs run as one :class:`step_program.StepProgram` segment:
+
+    segment 0       input norm, layer 0's q/k/v .. gate/up
+    segment i       layer i-1's down + next norm, layer i's q/k/v .. gate/up   (0 < i < L)
+    segment L       layer L-1's down + the final norm (into the step's ``out``)
+
+and SiLU (torch's op, so its bits) runs between segments, as before. The same kernels run in
+the same order on the same buffers, so the step's bits do not change. Per step only the
+attention's tables/lengths/starts/sequence count and the final norm's output pointer change;
+``set_step`` patches them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pagedkv.engine import native
+from pagedkv.engine.bound_call import BoundKernel
+from pagedkv.engine.layer_op_buffers import StepBuffers
+from pagedkv.engine.models.bound_linears import BoundLinears
+from pagedkv.engine.step_program import Recorded, StepProgram, record
+from pagedkv.errors import InvalidRequestError
+
+_STEP_WORDS = slice(4, 9)  # a decode call's tables, lens, starts, seqs, table stride
+_OUT_WORD = 4  # add_rms_norm's output pointer
+
+
+def _linear(call: object, out: torch.Tensor) -> tuple[Recorded, str] | None:
+    """A bound linear call writing ``out`` as recorded, with its failure message."""
+    if type(call) is not BoundKernel or call.out is not out:
+        return None
+    rec = call.recorded()
+    return None if rec is None else (rec, call.failure())
+
+
+class LayerProgram:
+    """A step's layer loop as segments (module docstring), built for one ``StepBuffers``,
+    its ``BoundLinears`` and one decode-call shape; ``fits`` says whether a step's decode
+    calls have that shape.
+
+    Invariants: ``program``'s call ``i`` is the call the Python loop would make i-th, with its
+    arguments (the per-step words as the last ``set_step`` left them); the buffers, pools and
+    layers it points into are held (``_keep``)."""
+
+    def __init__(
+        self,
+        buf: StepBuffers,
+        linears: BoundLinears,
+        decodes: Sequence[native._BoundDecode],
+        pools: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
+    ) -> None:
+        num_layers = len(linears.calls)
+        segments: list[list[Recorded]] = [[] for _ in range(num_layers + 1)]
+        self.messages: list[str] = []
+        self._decode_rows: list[int] = []
+
+        def add(segment: int, rec: Recorded | None, message: str) -> None:
+            if rec is None:
+                raise InvalidRequestError("a call of the step has no native form")
+            segments[segment].append(rec)
+            self.messages.append(message)
+
+        rope_fail = f"rope_write: a slot is outside [0, {buf.num_slots}) (the cache's slots)"
+        add(0, record(buf.ops.raw_norm, buf.norm0_args), "rms_norm rejected its inputs")
+        for i, (qkv, o, gate_up, down) in enumerate(linears.calls):
+            ins = (_linear(qkv, buf.qkv), _linear(o, buf.o), _linear(gate_up, buf.gate_up))
+            if any(x is None for x in ins):
+                raise InvalidRequestError("a linear call of the step has no native form")
+            (qkv_r, qkv_m), (o_r, o_m), (gu_r, gu_m) = (x for x in ins if x is not None)
+            add(i, qkv_r, qkv_m)
+            add(i, record(buf.rope_fn, buf.rope_args[i]), rope_fail)
+            words, scale = decodes[i].words(pools[0][i], pools[1][i])
+            self._decode_rows.append(sum(map(len, segments)))
+            decode = Recorded(decodes[i].symbol, decodes[i].address, words, (scale,))
+            add(i, decode, native.DECODE_FAILURE)
+            add(i, o_r, o_m)
+            add(i, record(buf.ops.raw_add_norm, buf.post_args[i]), "add_rms_norm failed")
+            add(i, gu_r, gu_m)
+            down_r = _linear(down, buf.down)
+            if down_r is None:
+                raise InvalidRequestError("a down projection of the step has no native form")
+            add(i + 1, *down_r)
+            add(i + 1, record(buf.ops.raw_add_norm, buf.next_args(i)), "add_rms_norm failed")
+        self._final_row = sum(map(len, segments)) - 1
+        self.program = StepProgram(segments)
+        self.shape = _shape(decodes[0])
+        # The linears' kernels and weights are held; ``buf`` and the pools are not (a program
+        # is kept in a dict keyed weakly by ``buf``, which holds the pools' cache weakly): it
+        # runs only with that ``buf`` and while ``buf.fits`` its cache.
+        self._keep = linears
+        self._step: Sequence[native._BoundDecode] = ()
+
+    def fits(self, decodes: Sequence[native._BoundDecode]) -> bool:
+        """Whether this step's decode calls have the shape the program was built for."""
+        return all(_shape(d) == self.shape for d in decodes)
+
+    def set_step(
+        self, decodes: Sequence[native._BoundDecode], k: torch.Tensor, v: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Patch in this step's attention words (``decodes[i]`` layer ``i``'s call; ``k``/
+        ``v`` any layer's pools, for the check) and the final norm's output ``out``."""
+        words = self.program.words
+        first: dict[int, np.ndarray] = {}
+        for row, d in zip(self._decode_rows, decodes, strict=True):
+            step = first.get(id(d))
+            if step is None:
+                step = first[id(d)] = np.asarray(d.words(k, v)[0][_STEP_WORDS], dtype=np.int64)
+            words[row, _STEP_WORDS] = step
+        words[self._final_row, _OUT_WORD] = out.data_ptr()
+        self._step = decodes  # their tables and lengths, which the words point into
+
+    def run(self, segment: int) -> None:
+        failed = self.program.run(segment)
+        if failed >= 0:
+            raise InvalidRequestError(self.messages[failed])
+
+
+def _shape(d: native._BoundDecode) -> tuple[object, ...]:
+    """What a program fixes of a decode call: its kernel and every argument but the step's."""
+    return (d.symbol, d._io, *d._rest[5:])
