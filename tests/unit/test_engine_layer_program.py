@@ -159,3 +159,17 @@ def test_a_call_with_the_wrong_arity_or_an_unknown_symbol_is_refused() -> None:
         StepProgram([[good._replace(floats=())]])
     lib = layer_ops.library()
     assert record(lib["pagedkv_argmax_f32"], []) is None  # no prototype for it here
+
+
+@pytest.mark.parametrize("kind", ["mistral_swa", "qwen2_swa", "qwen3_swa"])
+def test_sliding_window_layers_are_the_same_with_and_without_the_program(
+    tmp_path: Path, kind: str
+) -> None:
+    """Window layers attend through their own view (two distinct decode calls in a step where
+    only some layers have a window; Qwen3's q/k norms inside RoPE): every layer's call is
+    patched per step, and the bits equal the Python loop's."""
+    pytest.importorskip("transformers")
+    from differential.hf_models import build_hf_model
+
+    build_hf_model(kind, tmp_path)
+    _same_with_and_without(tmp_path, EngineConfig(num_blocks=64, quantization="int8"))
