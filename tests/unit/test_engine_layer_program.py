@@ -173,3 +173,18 @@ def test_sliding_window_layers_are_the_same_with_and_without_the_program(
 
     build_hf_model(kind, tmp_path)
     _same_with_and_without(tmp_path, EngineConfig(num_blocks=64, quantization="int8"))
+
+
+def test_a_failing_kernel_in_a_step_raises_its_own_message(model_dir: Path) -> None:
+    """A segment's failure names the call that failed (here RoPE's K/V write, handed a slot
+    outside the cache), as the Python loop's call would."""
+    engine = LLMEngine.from_model_dir(
+        str(model_dir), EngineConfig(num_blocks=64, quantization="int8")
+    )
+    _run(engine)
+    buf, (_, program) = next((b, kp) for b, kp in engine.model._programs.items() if kp[1])
+    assert program is not None
+    with torch.inference_mode():
+        buf.slots.fill_(10**9)
+    with pytest.raises(InvalidRequestError, match=r"rope_write: a slot is outside \[0, "):
+        program.run(0)

@@ -34,22 +34,29 @@ _STEP_WORDS = slice(4, 9)  # a decode call's tables, lens, starts, seqs, table s
 _OUT_WORD = 4  # add_rms_norm's output pointer
 
 
-def _linear(call: object, out: torch.Tensor) -> tuple[Recorded, str] | None:
-    """A bound linear call writing ``out`` as recorded, with its failure message."""
+def _native(rec: Recorded | None) -> Recorded:
+    if rec is None:
+        raise InvalidRequestError("a call of the step has no native form")
+    return rec
+
+
+def _linear(call: object, out: torch.Tensor) -> tuple[Recorded, str]:
+    """A bound linear call writing ``out`` as recorded, with its failure message; raises
+    InvalidRequestError when it has no native form."""
     if type(call) is not BoundKernel or call.out is not out:
-        return None
-    rec = call.recorded()
-    return None if rec is None else (rec, call.failure())
+        raise InvalidRequestError("a linear call of the step has no native form")
+    return _native(call.recorded()), call.failure()
 
 
 class LayerProgram:
     """A step's layer loop as segments (module docstring), built for one ``StepBuffers``,
     its ``BoundLinears`` and one decode-call shape; ``fits`` says whether a step's decode
-    calls have that shape.
+    calls have that shape. Raises InvalidRequestError when a call has no native form.
 
     Invariants: ``program``'s call ``i`` is the call the Python loop would make i-th, with its
-    arguments (the per-step words as the last ``set_step`` left them); the buffers, pools and
-    layers it points into are held (``_keep``)."""
+    arguments (the per-step words as the last ``set_step`` left them), and ``messages[i]``
+    what that call raises when it fails; the linears' kernels and weights are held (``buf``
+    is not: a program is kept in a dict keyed weakly by ``buf`` and runs only with it)."""
 
     def __init__(
         self,
@@ -58,50 +65,42 @@ class LayerProgram:
         decodes: Sequence[native._BoundDecode],
         pools: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
     ) -> None:
-        num_layers = len(linears.calls)
-        segments: list[list[Recorded]] = [[] for _ in range(num_layers + 1)]
-        self.messages: list[str] = []
-        self._decode_rows: list[int] = []
-
-        def add(segment: int, rec: Recorded | None, message: str) -> None:
-            if rec is None:
-                raise InvalidRequestError("a call of the step has no native form")
-            segments[segment].append(rec)
-            self.messages.append(message)
-
         rope_fail = f"rope_write: a slot is outside [0, {buf.num_slots}) (the cache's slots)"
-        add(0, record(buf.ops.raw_norm, buf.norm0_args), "rms_norm rejected its inputs")
+        norm_fail = "add_rms_norm rejected its inputs"
+        segments: list[list[tuple[Recorded, str]]] = []
+        segment = [
+            (_native(record(buf.ops.raw_norm, buf.norm0_args)), "rms_norm rejected its inputs")
+        ]
+        self._decode_rows: list[int] = []  # each layer's attention call, in program order
         for i, (qkv, o, gate_up, down) in enumerate(linears.calls):
-            ins = (_linear(qkv, buf.qkv), _linear(o, buf.o), _linear(gate_up, buf.gate_up))
-            if any(x is None for x in ins):
-                raise InvalidRequestError("a linear call of the step has no native form")
-            (qkv_r, qkv_m), (o_r, o_m), (gu_r, gu_m) = (x for x in ins if x is not None)
-            add(i, qkv_r, qkv_m)
-            add(i, record(buf.rope_fn, buf.rope_args[i]), rope_fail)
             words, scale = decodes[i].words(pools[0][i], pools[1][i])
-            self._decode_rows.append(sum(map(len, segments)))
             decode = Recorded(decodes[i].symbol, decodes[i].address, words, (scale,))
-            add(i, decode, native.DECODE_FAILURE)
-            add(i, o_r, o_m)
-            add(i, record(buf.ops.raw_add_norm, buf.post_args[i]), "add_rms_norm failed")
-            add(i, gu_r, gu_m)
-            down_r = _linear(down, buf.down)
-            if down_r is None:
-                raise InvalidRequestError("a down projection of the step has no native form")
-            add(i + 1, *down_r)
-            add(i + 1, record(buf.ops.raw_add_norm, buf.next_args(i)), "add_rms_norm failed")
-        self._final_row = sum(map(len, segments)) - 1
-        self.program = StepProgram(segments)
+            done = sum(map(len, segments))
+            self._decode_rows.append(done + len(segment) + 2)  # after q/k/v and RoPE
+            segment += [
+                _linear(qkv, buf.qkv),
+                (_native(record(buf.rope_fn, buf.rope_args[i])), rope_fail),
+                (decode, native.DECODE_FAILURE),
+                _linear(o, buf.o),
+                (_native(record(buf.ops.raw_add_norm, buf.post_args[i])), norm_fail),
+                _linear(gate_up, buf.gate_up),
+            ]
+            segments.append(segment)  # then SiLU, in Python
+            segment = [
+                _linear(down, buf.down),
+                (_native(record(buf.ops.raw_add_norm, buf.next_args(i))), norm_fail),
+            ]
+        segments.append(segment)
+        self.messages = [message for seg in segments for _, message in seg]
+        self._final_row = len(self.messages) - 1  # the last norm, into the step's ``out``
+        self.program = StepProgram([[rec for rec, _ in seg] for seg in segments])
         self.shape = _shape(decodes[0])
-        # The linears' kernels and weights are held; ``buf`` and the pools are not (a program
-        # is kept in a dict keyed weakly by ``buf``, which holds the pools' cache weakly): it
-        # runs only with that ``buf`` and while ``buf.fits`` its cache.
         self._keep = linears
         self._step: Sequence[native._BoundDecode] = ()
 
     def fits(self, decodes: Sequence[native._BoundDecode]) -> bool:
         """Whether this step's decode calls have the shape the program was built for."""
-        return all(_shape(d) == self.shape for d in decodes)
+        return all(_shape(d) == self.shape for d in {id(d): d for d in decodes}.values())
 
     def set_step(
         self, decodes: Sequence[native._BoundDecode], k: torch.Tensor, v: torch.Tensor,
