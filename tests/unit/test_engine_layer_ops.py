@@ -165,3 +165,42 @@ def test_the_load_check_refuses_the_kernels_when_no_lane_order_matches(
     monkeypatch.setattr(layer_ops, "_VECTOR_WIDTH", {capability: wrong})
     with pytest.raises(OSError, match=f"every lane order tried \\({wrong} lanes"):
         layer_ops._bind_and_check(lib)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prefill_sized_step_split_among_threads_gives_torchs_bits(threads: int) -> None:
+    """From 64 rows the kernels split their rows among the OpenMP threads (csrc/layer_ops.c's
+    PAR_ROWS): every row still equals torch's formula bit for bit, norms and RoPE + K/V write."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        rows, width = 300, 576
+        h, delta = torch.randn(2, rows, width, generator=gen) * 2
+        w = torch.randn(width, generator=gen)
+        out, normed = torch.empty(rows, width), torch.empty(rows, width)
+        expected_h = h + delta
+        layer_ops.add_rms_norm(h, delta, w, 1e-5, out)
+        assert torch.equal(h, expected_h)
+        assert torch.equal(out, _rms_norm(expected_h, w, 1e-5))
+        layer_ops.rms_norm(h, w, 1e-5, normed)
+        assert torch.equal(normed, out)
+        nh, nkv, hd, bs = 6, 2, 32, 16
+        qkv = torch.randn(rows, nh + 2 * nkv, hd, generator=gen)
+        cos, sin = torch.randn(2, rows, hd, generator=gen)
+        slots = torch.randperm(32 * bs, generator=gen)[:rows]  # distinct, in any order
+        spec = KVCacheSpec(1, bs, nkv, hd)
+        ours, ref = PagedKVCache(spec, 32), PagedKVCache(spec, 32)
+        qn, kn = torch.randn(2, hd, generator=gen)  # per-head norms: the kernel's scratch rows
+        src = torch.cat(
+            (_rms_norm(qkv[:, :nh], qn, 1e-6), _rms_norm(qkv[:, nh : nh + nkv], kn, 1e-6)),
+            dim=1,
+        )
+        expected = _reference_rope(src, cos, sin, nh, nkv)
+        ref.write(0, slots, expected[:, nh:], qkv[:, nh + nkv :])
+        q = torch.empty(rows, nh, hd)
+        layer_ops.rope_write(qkv, cos, sin, slots, q, ours.k[0], ours.v[0], (qn, kn, 1e-6))
+        assert torch.equal(q, expected[:, :nh])
+        assert torch.equal(ours.kv[0], ref.kv[0])
+    finally:
+        torch.set_num_threads(before)

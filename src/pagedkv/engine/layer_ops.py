@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.engine import native
+from pagedkv.engine.native_build import with_openmp
 from pagedkv.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -34,9 +35,12 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("csrc") / "layer_ops.c"
 # No -ffast-math (it reassociates sums and turns 1/sqrtf into an approximation) and no FMA
 # contraction (a*b + c must round twice, as torch's separate mul and add kernels do).
-_FLAG_SETS: native.FlagSets = (
-    (["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC"], ["-shared"]),
-    (["-O2", "-ffp-contract=off", "-fno-math-errno", "-fPIC"], ["-shared"]),
+# With OpenMP first: a step of many rows splits them among torch's threads (csrc/layer_ops.c).
+_FLAG_SETS: native.FlagSets = with_openmp(
+    (
+        (["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC"], ["-shared"]),
+        (["-O2", "-ffp-contract=off", "-fno-math-errno", "-fPIC"], ["-shared"]),
+    )
 )
 # torch's float vector width per CPU capability (ATen's Vectorized<float>::size()); the lane
 # order its float sum follows is probed at load (``_bind_and_check``)

@@ -22,6 +22,15 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Steps of at least PAR_ROWS rows (prefill chunks) split their rows among the process's
+ * OpenMP threads (torch's; the library is built with -fopenmp where the compiler has it).
+ * Every row is computed alone, the same operations in the same order, so the split changes
+ * no bit. Fewer rows (decode) stay on the calling thread: a parallel region costs a few
+ * microseconds, about what 16 rows of a norm take. */
+#ifndef PAR_ROWS
+#define PAR_ROWS 64
+#endif
+
 #define MAX_VW 64
 #define NROWS 4  /* torch's ilp_factor */
 #define NLEVELS 4 /* torch's num_levels */
@@ -34,7 +43,7 @@ static int64_t ceil_log2(int64_t x) {
 }
 
 /* acc[k][lane] += squares of vector (base + k) for k < NROWS; a "vector" is vw floats. */
-static inline void add_vectors(float acc[NROWS][MAX_VW], const float *x, int64_t first_vec,
+static inline __attribute__((always_inline)) void add_vectors(float acc[NROWS][MAX_VW], const float *x, int64_t first_vec,
                                int64_t vw) {
     for (int64_t k = 0; k < NROWS; ++k) {
         const float *v = x + (first_vec + k) * vw;
@@ -45,15 +54,20 @@ static inline void add_vectors(float acc[NROWS][MAX_VW], const float *x, int64_t
     }
 }
 
-/* The sum of x[i] * x[i] over n floats, in torch's order (see the header). n >= vw. */
-static float sum_squares(const float *x, int64_t n, int64_t vw) {
+/* The sum of x[i] * x[i] over n floats, in torch's order (see the header). n >= vw.
+ * Inlined into sum_squares for each vector width torch has, so the lane loops are compiled
+ * for a known width; only the lanes in use are zeroed. */
+static inline __attribute__((always_inline)) float sum_squares_vw(const float *x, int64_t n,
+                                                                 int64_t vw) {
     const int64_t num_vec = n / vw;       /* torch's vec_size */
     const int64_t size = num_vec / NROWS; /* multi_row_sum's rows of NROWS vectors */
     const int64_t power = ceil_log2(size) / NLEVELS > 4 ? ceil_log2(size) / NLEVELS : 4;
     const int64_t step = (int64_t)1 << power;
     const int64_t mask = step - 1;
     float acc[NLEVELS][NROWS][MAX_VW];
-    memset(acc, 0, sizeof(acc));
+    for (int64_t j = 0; j < NLEVELS; ++j)
+        for (int64_t k = 0; k < NROWS; ++k)
+            for (int64_t l = 0; l < vw; ++l) acc[j][k][l] = 0.0f;
     int64_t i = 0;
     while (i + step <= size) {
         for (int64_t j = 0; j < step; ++j, ++i) add_vectors(acc[0], x, i * NROWS, vw);
@@ -88,6 +102,12 @@ static float sum_squares(const float *x, int64_t n, int64_t vw) {
     return total;
 }
 
+static float sum_squares(const float *x, int64_t n, int64_t vw) {
+    if (vw == 8) return sum_squares_vw(x, n, 8);
+    if (vw == 16) return sum_squares_vw(x, n, 16);
+    return sum_squares_vw(x, n, vw);
+}
+
 /* out = w * (x * (1 / sqrt(sum(x^2) / d + eps))), torch's _rms_norm in float32. */
 static void norm_row(const float *restrict x, const float *restrict w, float *restrict out,
                      int64_t d, float eps, int64_t vw) {
@@ -107,6 +127,7 @@ static int bad_shape(int64_t rows, int64_t d, int64_t vw) {
 int pagedkv_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
                          int64_t rows, int64_t d, float eps, int64_t vw) {
     if (bad_shape(rows, d, vw) || x_stride < d) return -1;
+#pragma omp parallel for schedule(static) if (rows >= PAR_ROWS)
     for (int64_t r = 0; r < rows; ++r) norm_row(x + r * x_stride, w, out + r * d, d, eps, vw);
     return 0;
 }
@@ -116,6 +137,7 @@ int pagedkv_add_rms_norm_f32(float *h, const float *delta, int64_t delta_stride,
                              const float *w, float *out, int64_t rows, int64_t d, float eps,
                              int64_t vw) {
     if (bad_shape(rows, d, vw) || delta_stride < d) return -1;
+#pragma omp parallel for schedule(static) if (rows >= PAR_ROWS)
     for (int64_t r = 0; r < rows; ++r) {
         float *hr = h + r * d;
         const float *dr = delta + r * delta_stride;
@@ -172,9 +194,11 @@ static int rope_write(const float *qkv, const float *cos_, const float *sin_,
     if ((q_norm || k_norm) && bad_shape(rows, hd, vw)) return -1;
     for (int64_t r = 0; r < rows; ++r)
         if (slots[r] < 0 || slots[r] >= num_slots) return -1;
-    float normed[4096], roped[4096];
     const int64_t row_elems = (nh + 2 * nkv) * hd;
-    for (int64_t r = 0; r < rows; ++r) {
+#pragma omp parallel for schedule(static) if (rows >= PAR_ROWS)
+    for (int64_t r = 0; r < rows; ++r) { /* a step's slots are distinct: each token its own
+                                           * position in a block its request owns */
+        float normed[4096], roped[4096];
         const float *row = qkv + r * row_elems;
         const float *c = cos_ + r * hd, *s = sin_ + r * hd;
         for (int64_t h = 0; h < nh; ++h) {
