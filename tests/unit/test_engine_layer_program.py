@@ -77,6 +77,8 @@ def _same_with_and_without(path: Path, cfg: EngineConfig) -> None:
     ours = LLMEngine.from_model_dir(str(path), cfg)
     got = _run(ours)
     assert _programs_used(ours) > 0  # the program ran
+    if layer_ops._silu_ready():  # and SiLU inside it, where it gives torch's bits
+        assert any(p and p.native_silu for _, p in ours.model._programs.values())
     python = LLMEngine.from_model_dir(str(path), cfg)
     python.model.step_program = False
     assert _run(python) == got  # token ids and log-probabilities, bit for bit
@@ -98,6 +100,25 @@ def test_a_decode_run_is_the_same_with_and_without_the_program(
         num_blocks=64, dtype=dtype, quantization=quantization, matmul_precision=precision
     )
     _same_with_and_without(model_dir, cfg)
+
+
+def test_an_intermediate_size_off_the_vector_width_is_the_same(
+    tmp_path: Path, threads: int
+) -> None:
+    """SiLU over 100 columns: three 32-column steps, then four one by one (torch's tail)."""
+    path = write_tiny_model(
+        tmp_path / "m", hidden_size=64, intermediate_size=100, num_hidden_layers=2,
+        eos_token_id=None,
+    )  # fmt: skip
+    _same_with_and_without(path, EngineConfig(num_blocks=64, quantization="int8"))
+
+
+def test_native_silu_is_checked_per_thread_count() -> None:
+    if not layer_ops._silu_ready():
+        pytest.skip("no native SiLU here")
+    now = torch.get_num_threads()
+    assert layer_ops.silu_matches_torch(16, 1536, now)
+    assert not layer_ops.silu_matches_torch(16, 1536, now + 1)  # bound for another count
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])

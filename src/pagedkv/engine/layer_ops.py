@@ -21,7 +21,9 @@ kernels (logging why) when none does: the model then keeps the torch ops
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -154,6 +156,49 @@ def argmax_rows(x: torch.Tensor) -> list[int] | None:
     if lib.pagedkv_argmax_f32(x.data_ptr(), rows, x.shape[1], x.stride(0), out):
         return None
     return list(out)
+
+
+@functools.cache
+def _silu_ready() -> bool:
+    """Whether ``pagedkv_silu_f32`` can run: this build has its 16-lane path and was handed
+    torch's own vector exp (Sleef_expf16_u10 from libtorch_cpu, which torch's AVX-512 SiLU
+    calls). Once per process."""
+    lib = _LIB.load()
+    if lib is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        exp16 = ctypes.cast(ctypes.CDLL(path).Sleef_expf16_u10, ctypes.c_void_p).value
+    except (OSError, AttributeError) as exc:
+        logger.info("native SiLU not used: %s", exc)
+        return False
+    lib.pagedkv_silu_init.argtypes = [ctypes.c_void_p]
+    lib.pagedkv_silu_init.restype = ctypes.c_int
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.pagedkv_silu_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
+    lib.pagedkv_silu_f32.restype = ctypes.c_int
+    return bool(lib.pagedkv_silu_init(exp16) == 0)
+
+
+@functools.cache
+def silu_matches_torch(rows: int, width: int, threads: int) -> bool:
+    """Whether ``pagedkv_silu_f32`` gives torch's bits for SiLU (and its multiply) on the
+    gate half of a ``[rows, 2 * width]`` buffer at ``threads`` intra-op threads (the current
+    count; torch's own split of a large call depends on it): checked on random values of
+    that shape, once per shape and thread count."""
+    if not _silu_ready() or threads != torch.get_num_threads():
+        return False
+    gen = torch.Generator().manual_seed(rows * 7919 + width)
+    buf = torch.randn(rows, 2 * width, generator=gen) * 8
+    ref = buf.clone()
+    torch._C._nn.silu_(ref[:, :width])
+    expected = torch.mul(ref[:, :width], ref[:, width:])
+    act = torch.empty(rows, width)
+    code = library().pagedkv_silu_f32(
+        buf.data_ptr(), 2 * width, buf[:, width:].data_ptr(), 2 * width, act.data_ptr(), width,
+        rows, width,
+    )  # fmt: skip
+    return code == 0 and torch.equal(buf, ref) and torch.equal(act, expected)
 
 
 def library() -> ctypes.CDLL:

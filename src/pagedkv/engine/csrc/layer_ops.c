@@ -147,6 +147,60 @@ int pagedkv_add_rms_norm_f32(float *h, const float *delta, int64_t delta_stride,
     return 0;
 }
 
+/* ---- SiLU, as torch's CPU kernel computes it ----
+ *
+ * torch's silu (aten/src/ATen/native/cpu/Activation.cpp) is x / (1 + exp(-x)), through
+ * cpu_kernel_vec: along a row, 2 vectors at a time with Vectorized<float> (on AVX-512 builds
+ * exp is Sleef's Sleef_expf16_u10), then the last n % 32 one by one with std::exp (expf).
+ * pagedkv_silu_init hands this library the vector exp from libtorch_cpu itself, so the vector
+ * lanes are the same function; the rest are IEEE operations in the same order (no FMA
+ * contraction here) and libm's expf. layer_ops.py checks the result against torch bit for bit
+ * before it is used. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 (*expf16_fn)(__m512);
+static expf16_fn silu_exp16;
+#endif
+
+/* 0 when `expf16` (Sleef_expf16_u10's address) is kept; -1 when this build has no 16-lane path. */
+int pagedkv_silu_init(const void *expf16) {
+#if defined(__AVX512F__)
+    silu_exp16 = (expf16_fn)(uintptr_t)expf16;
+    return expf16 ? 0 : -1;
+#else
+    (void)expf16;
+    return -1;
+#endif
+}
+
+/* g[r] = silu(g[r]) in place for rows of d floats (row stride ldg), then, when u is not
+ * NULL, out[r] = g[r] * u[r] (torch.mul of the result; strides ldu, ldo). -1 before a
+ * successful pagedkv_silu_init or for a bad shape. */
+int pagedkv_silu_f32(float *g, int64_t ldg, const float *u, int64_t ldu, float *out, int64_t ldo,
+                     int64_t rows, int64_t d) {
+#if defined(__AVX512F__)
+    if (!silu_exp16 || rows < 0 || d < 0 || ldg < d || (u && (ldu < d || ldo < d))) return -1;
+    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+        float *x = g + r * ldg;
+        int64_t i = 0;
+        for (; i + 32 <= d; i += 32)
+            for (int h = 0; h < 32; h += 16) {
+                const __m512 v = _mm512_loadu_ps(x + i + h);
+                const __m512 e = silu_exp16(_mm512_xor_ps(v, sign));
+                _mm512_storeu_ps(x + i + h, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+            }
+        for (; i < d; ++i) x[i] = x[i] / (1.0f + expf(-x[i]));
+        if (u)
+            for (int64_t j = 0; j < d; ++j) out[r * ldo + j] = x[j] * u[r * ldu + j];
+    }
+    return 0;
+#else
+    (void)g; (void)ldg; (void)u; (void)ldu; (void)out; (void)ldo; (void)rows; (void)d;
+    return -1;
+#endif
+}
+
 /* x * cos + rotate_half(x) * sin for one head of hd floats (hd even). */
 static inline void rope_head(const float *restrict x, const float *restrict c,
                              const float *restrict s, float *restrict out, int64_t hd) {

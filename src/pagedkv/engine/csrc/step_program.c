@@ -41,7 +41,8 @@ enum {
     PK_DECODE_F32,     /* paged_decode.c pagedkv_decode_f32 */
     PK_DECODE_BF16,    /* paged_decode.c pagedkv_decode_bf16kv */
     PK_DECODE_F32_PAR, /* paged_decode.c pagedkv_decode_f32_par */
-    PK_DECODE_BF16_PAR /* paged_decode.c pagedkv_decode_bf16kv_par */
+    PK_DECODE_BF16_PAR, /* paged_decode.c pagedkv_decode_bf16kv_par */
+    PK_SILU            /* layer_ops.c   pagedkv_silu_f32 */
 };
 
 typedef int64_t I;
@@ -68,6 +69,7 @@ typedef int (*dec_f32_t)(CF, float *, CF, CF, CI, CI, CI, I, I, I, I, I, I, I, f
 typedef int (*dec_bf16_t)(CF, float *, CH, CH, CI, CI, CI, I, I, I, I, I, I, I, float);
 typedef int (*dec_f32_par_t)(CF, float *, CF, CF, CI, CI, CI, I, I, I, I, I, I, I, float, int);
 typedef int (*dec_bf16_par_t)(CF, float *, CH, CH, CI, CI, CI, I, I, I, I, I, I, I, float, int);
+typedef int (*silu_t)(float *, I, CF, I, float *, I, I, I);
 
 #define P(t, i) ((t)(intptr_t)w[i])
 
@@ -132,6 +134,9 @@ static int run_one(const pk_call *c) {
         return ((dec_bf16_par_t)c->fn)(P(CF, 0), P(float *, 1), P(CH, 2), P(CH, 3), P(CI, 4),
                                        P(CI, 5), P(CI, 6), w[7], w[8], w[9], w[10], w[11],
                                        w[12], w[13], f[0], (int)w[14]);
+    case PK_SILU:
+        return ((silu_t)c->fn)(P(float *, 0), w[1], P(CF, 2), w[3], P(float *, 4), w[5], w[6],
+                               w[7]);
     default:
         return -1;
     }
@@ -141,9 +146,9 @@ static int run_one(const pk_call *c) {
  * Python side checks each recorded call against the prototype it will be made through. */
 int pagedkv_program_arity(int64_t kind, int64_t *num_words, int64_t *num_floats) {
     static const int64_t words[] = {0, 12, 11, 12, 11, 10, 13, 11, 12, 11, 7, 8, 15, 15, 14,
-                                    14, 15, 15};
-    static const int64_t floats[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
-    if (kind < PK_Q8_PAR || kind > PK_DECODE_BF16_PAR) return -1;
+                                    14, 15, 15, 8};
+    static const int64_t floats[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0};
+    if (kind < PK_Q8_PAR || kind > PK_SILU) return -1;
     *num_words = words[kind];
     *num_floats = floats[kind];
     return 0;

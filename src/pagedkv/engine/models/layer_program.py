@@ -10,7 +10,9 @@ calls between two SiLUs run as one :class:`step_program.StepProgram` segment:
     segment i       layer i-1's down + next norm, layer i's q/k/v .. gate/up   (0 < i < L)
     segment L       layer L-1's down + the final norm (into the step's ``out``)
 
-and SiLU (torch's op, so its bits) runs between segments, as before. The same kernels run in
+and SiLU (torch's op, so its bits) runs between segments, as before. Where ``layer_ops``'
+SiLU gives torch's bits for the step's shape and thread count (checked once per shape), it
+runs inside instead, and the whole loop is one segment. The same kernels run in
 the same order on the same buffers, so the step's bits do not change. Per step only the
 attention's tables/lengths/starts/sequence count and the final norm's output pointer change;
 ``set_step`` patches them.
@@ -18,12 +20,13 @@ attention's tables/lengths/starts/sequence count and the final norm's output poi
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from pagedkv.engine import native
+from pagedkv.engine import layer_ops, native
 from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.engine.layer_op_buffers import StepBuffers
 from pagedkv.engine.models.bound_linears import BoundLinears
@@ -67,6 +70,7 @@ class LayerProgram:
     ) -> None:
         rope_fail = f"rope_write: a slot is outside [0, {buf.num_slots}) (the cache's slots)"
         norm_fail = "add_rms_norm rejected its inputs"
+        self.native_silu = _silu_matches(buf, linears)  # then one segment: the whole loop
         segments: list[list[tuple[Recorded, str]]] = []
         segment = [
             (_native(record(buf.ops.raw_norm, buf.norm0_args)), "rms_norm rejected its inputs")
@@ -85,8 +89,12 @@ class LayerProgram:
                 (_native(record(buf.ops.raw_add_norm, buf.post_args[i])), norm_fail),
                 _linear(gate_up, buf.gate_up),
             ]
-            segments.append(segment)  # then SiLU, in Python
-            segment = [
+            if self.native_silu:
+                segment.append((_silu(buf, linears.gated[i]), "SiLU rejected its inputs"))
+            else:
+                segments.append(segment)  # then torch's SiLU, from Python
+                segment = []
+            segment += [
                 _linear(down, buf.down),
                 (_native(record(buf.ops.raw_add_norm, buf.next_args(i))), norm_fail),
             ]
@@ -122,6 +130,22 @@ class LayerProgram:
         failed = self.program.run(segment)
         if failed >= 0:
             raise InvalidRequestError(self.messages[failed])
+
+
+def _silu_matches(buf: StepBuffers, linears: BoundLinears) -> bool:
+    rows, width = buf.gate.shape
+    return layer_ops.silu_matches_torch(rows, width, linears.threads)
+
+
+def _silu(buf: StepBuffers, gated: bool) -> Recorded:
+    """SiLU of ``buf.gate`` in place, then (unless the down projection multiplies by the up
+    half itself) ``buf.act = buf.gate * buf.up``: what ``_forward_fused`` does with torch."""
+    rows, width = buf.gate.shape
+    fn = layer_ops.library()["pagedkv_silu_f32"]
+    up, act = (0, 0) if gated else (buf.up.data_ptr(), buf.act.data_ptr())
+    words = (buf.gate.data_ptr(), buf.gate.stride(0), up, buf.up.stride(0), act, width, rows, width)
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    return Recorded("pagedkv_silu_f32", int(address or 0), words, ())
 
 
 def _shape(d: native._BoundDecode) -> tuple[object, ...]:

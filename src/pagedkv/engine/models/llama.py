@@ -529,6 +529,9 @@ class LlamaModel:
     ) -> None:
         """The layer loop of ``_forward_fused`` with ``program``'s segments: torch's SiLU (and
         its multiply, unless the down projection multiplies) between two segments."""
+        if program.native_silu:  # one segment: every layer, SiLU included
+            program.run(0)
+            return
         silu_ = torch._C._nn.silu_
         for i, down_multiplies in enumerate(gated):
             program.run(i)
