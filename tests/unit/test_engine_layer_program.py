@@ -119,6 +119,11 @@ def test_native_silu_is_checked_per_thread_count() -> None:
     now = torch.get_num_threads()
     assert layer_ops.silu_matches_torch(16, 1536, now)
     assert not layer_ops.silu_matches_torch(16, 1536, now + 1)  # bound for another count
+    torch.set_num_threads(now + 1)
+    try:  # that answer was not kept: at that count the check runs and passes
+        assert layer_ops.silu_matches_torch(16, 1536, now + 1)
+    finally:
+        torch.set_num_threads(now)
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])

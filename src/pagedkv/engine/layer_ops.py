@@ -180,13 +180,18 @@ def _silu_ready() -> bool:
     return bool(lib.pagedkv_silu_init(exp16) == 0)
 
 
-@functools.cache
 def silu_matches_torch(rows: int, width: int, threads: int) -> bool:
     """Whether ``pagedkv_silu_f32`` gives torch's bits for SiLU (and its multiply) on the
-    gate half of a ``[rows, 2 * width]`` buffer at ``threads`` intra-op threads (the current
-    count; torch's own split of a large call depends on it): checked on random values of
-    that shape, once per shape and thread count."""
-    if not _silu_ready() or threads != torch.get_num_threads():
+    gate half of a ``[rows, 2 * width]`` buffer at ``threads`` intra-op threads, which must
+    be the current count (torch's own split of a large call depends on it; False otherwise):
+    checked on random values of that shape, once per shape and thread count."""
+    return threads == torch.get_num_threads() and _silu_check(rows, width, threads)
+
+
+@functools.cache
+def _silu_check(rows: int, width: int, threads: int) -> bool:
+    """``silu_matches_torch``'s check, run at ``threads`` (the current count)."""
+    if not _silu_ready():
         return False
     gen = torch.Generator().manual_seed(rows * 7919 + width)
     buf = torch.randn(rows, 2 * width, generator=gen) * 8
