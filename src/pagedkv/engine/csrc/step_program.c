@@ -8,9 +8,10 @@
  * one call.
  *
  * Each call is a pk_call: the kernel's address (taken from its own library), which prototype
- * it has (PK_*: the kernels' exact C signatures, declared below), its integer and pointer
- * arguments in order (w) and its float arguments in order (f). A call is made through a
- * pointer of exactly its kernel's type, so nothing here depends on the calling convention.
+ * it has (PK_*: the kernels' exact C signatures, declared below, SiLU's among them), its
+ * integer and pointer arguments in order (w) and its float arguments in order (f). A call is
+ * made through a pointer of exactly its kernel's type, so nothing here depends on the calling
+ * convention.
  * The kernels run in order; the first that returns non-zero stops the run, and its index is
  * reported (the calls before it have run, as they would have from Python). No call is made
  * for an unknown kind (-1 at its index).

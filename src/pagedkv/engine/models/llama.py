@@ -12,8 +12,9 @@ reference, transformers' formulas), and, by default where ``layer_ops`` builds a
 check, a layer as four matmuls, two native norm calls (each after a residual add), one native
 RoPE + K/V write, attention, SiLU and a multiply into buffers allocated once per step
 (``_forward_fused``: 10 calls per layer instead of ~50). In a decode-only step whose calls
-are all native kernels (every layer type but float32's ``torch.mm``), those calls run as one
-native segment between two SiLUs (:mod:`.layer_program`): the same calls, so the same bits.
+are all native kernels (every layer type but float32's ``torch.mm``), those calls run as native
+segments between two SiLUs, or as one segment with a native SiLU where that gives torch's bits
+(:mod:`.layer_program`): the same calls, so the same bits.
 
 **bf16 weights, float32 compute** (a bfloat16 model on a CPU, where ``bf16_linear`` builds):
 the linear layers and the vocabulary projection keep their bf16 weights and run
