@@ -7,7 +7,6 @@ the bound calls as with ``linear_into``; a replaced layer or a new thread count 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -37,14 +36,6 @@ pytestmark = pytest.mark.skipif(
         f"bf16 {bf16_linear.unavailable_reason()}"
     ),
 )
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def _layers(in_dim: int, out_dim: int) -> dict[str, Linear]:

@@ -11,7 +11,6 @@ call recorded with the wrong number of arguments for its prototype is refused.""
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,14 +29,6 @@ pytestmark = pytest.mark.skipif(
     not (step_program.available() and layer_ops.available() and qlinear.available()),
     reason="native kernels unavailable",
 )
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
