@@ -497,7 +497,6 @@ class LlamaModel:
         decodes = [bound[id(v)] for v in views]
         program = self._layer_program(buf, bound_linears, decodes, cache)
         if program is not None:  # a decode-only step in native segments: the same calls
-            program.set_step(decodes, cache.k[0], cache.v[0], buf.out)  # type: ignore[arg-type]
             self._run_program(program, buf, bound_linears.gated)
             return buf.out
         buf.input_norm()
@@ -549,8 +548,9 @@ class LlamaModel:
         cache: PagedKVCache,
     ) -> LayerProgram | None:
         """The step's layer loop as native segments (:mod:`.layer_program`), kept with the
-        buffers; None where a call has no native form (then the Python loop runs), the
-        program is off (``step_program``), or its library is unavailable."""
+        buffers and given this step's attention calls and output; None where a call has no
+        native form (then the Python loop runs), the program is off (``step_program``), or
+        its library is unavailable."""
         if (
             not self.step_program
             or not layer_op_buffers.ModelLayerOps.keeps(buf.h.shape[0])  # built once, run often
@@ -561,18 +561,21 @@ class LlamaModel:
         if len(native_decodes) != len(decodes) or not step_program.available():
             return None
         kept = self._programs.get(buf)
-        if (
-            kept is not None
-            and kept[0] is linears
-            and (kept[1] is None or kept[1].fits(native_decodes))
-        ):
-            return kept[1]
         program = None
-        try:
-            program = LayerProgram(buf, linears, native_decodes, (cache.k, cache.v))
-        except InvalidRequestError as exc:
-            logger.debug("layer loop stays in Python: %s", exc)
-        self._programs[buf] = (linears, program)
+        if kept is not None and kept[0] is linears:
+            if kept[1] is None:  # these calls have no native form
+                return None
+            if kept[1].fits(native_decodes):
+                program = kept[1]
+        if program is None:
+            try:
+                program = LayerProgram(buf, linears, native_decodes, (cache.k, cache.v))
+            except InvalidRequestError as exc:
+                logger.debug("layer loop stays in Python: %s", exc)
+            self._programs[buf] = (linears, program)
+            if program is None:
+                return None
+        program.set_step(native_decodes, cache.k[0], cache.v[0], buf.out)
         return program
 
     def _bound_linears(self, buf: layer_op_buffers.StepBuffers) -> BoundLinears:
