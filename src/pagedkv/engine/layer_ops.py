@@ -16,6 +16,13 @@ the other known widths (torch 2.13 on an AVX512 CPU dispatches at 16 lanes but i
 follows the 8-lane order), keeps the first order that matches at every width, and refuses the
 kernels (logging why) when none does: the model then keeps the torch ops
 (``LlamaModel.fused_layer_ops`` is the switch).
+
+SiLU (and its multiply by the up half) is here too, for the native step (``models.
+layer_program``): on AVX-512 it calls torch's own vector exp, ``Sleef_expf16_u10`` from
+libtorch_cpu, and libm's expf on the tail, as torch's kernel does. It is used only where
+:func:`silu_matches_torch` has found torch's bits for the step's shape and thread count.
+Steps of 64 rows or more split the norms' and RoPE's rows among torch's OpenMP threads; a row
+is computed alone, so the split changes no bit.
 """
 
 from __future__ import annotations
