@@ -21,17 +21,22 @@ attention's tables/lengths/starts/sequence count and the final norm's output poi
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import logging
+import weakref
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from pagedkv.engine import layer_ops, native
+from pagedkv.engine import layer_ops, native, step_program
 from pagedkv.engine.bound_call import BoundKernel
-from pagedkv.engine.layer_op_buffers import StepBuffers
+from pagedkv.engine.kv_cache import PagedKVCache
+from pagedkv.engine.layer_op_buffers import ModelLayerOps, StepBuffers
 from pagedkv.engine.models.bound_linears import BoundLinears
 from pagedkv.engine.step_program import Recorded, StepProgram, record
 from pagedkv.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 _STEP_WORDS = slice(4, 9)  # a decode call's tables, lens, starts, seqs, table stride
 _OUT_WORD = 4  # add_rms_norm's output pointer
@@ -103,7 +108,7 @@ class LayerProgram:
         self._final_row = len(self.messages) - 1  # the last norm, into the step's ``out``
         self.program = StepProgram([[rec for rec, _ in seg] for seg in segments])
         self.shape = _shape(decodes[0])
-        self._keep = linears
+        self._keep = linears  # its kernels and weights; and which down calls multiply
         self._step: Sequence[native._BoundDecode] = ()
 
     def fits(self, decodes: Sequence[native._BoundDecode]) -> bool:
@@ -125,6 +130,21 @@ class LayerProgram:
             words[row, _STEP_WORDS] = step
         words[self._final_row, _OUT_WORD] = out.data_ptr()
         self._step = decodes  # their tables and lengths, which the words point into
+
+    def run_step(self, buf: StepBuffers) -> None:
+        """The layer loop of ``LlamaModel._forward_fused`` for the step ``set_step`` patched
+        in: one segment (SiLU inside), or segments with torch's SiLU (and its multiply,
+        unless the down projection multiplies) between them."""
+        if self.native_silu:
+            self.run(0)
+            return
+        silu_ = torch._C._nn.silu_
+        for i, down_multiplies in enumerate(self._keep.gated):
+            self.run(i)
+            silu_(buf.gate)
+            if not down_multiplies:
+                torch.mul(buf.gate, buf.up, out=buf.act)
+        self.run(len(self._keep.gated))
 
     def run(self, segment: int) -> None:
         failed = self.program.run(segment)
@@ -151,3 +171,60 @@ def _silu(buf: StepBuffers, gated: bool) -> Recorded:
 def _shape(d: native._BoundDecode) -> tuple[object, ...]:
     """What a program fixes of a decode call: its kernel and every argument but the step's."""
     return (d.symbol, d._io, *d._rest[5:])
+
+
+Kept = tuple[BoundLinears, LayerProgram | None]
+
+
+class LayerPrograms:
+    """A model's layer programs, one per kept ``StepBuffers`` (held weakly: dropped with the
+    buffers), each for the ``BoundLinears`` it was built with; None where those calls have no
+    native form, so a step does not try to build it again."""
+
+    def __init__(self) -> None:
+        self._kept: weakref.WeakKeyDictionary[StepBuffers, Kept] = weakref.WeakKeyDictionary()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def items(self) -> list[tuple[StepBuffers, Kept]]:
+        return list(self._kept.items())
+
+    def values(self) -> list[Kept]:
+        return list(self._kept.values())
+
+    def for_step(
+        self,
+        buf: StepBuffers,
+        linears: BoundLinears,
+        decodes: Sequence[Callable[[torch.Tensor, torch.Tensor], None] | None],
+        cache: PagedKVCache,
+    ) -> LayerProgram | None:
+        """The step's program, given this step's attention calls and output; None where a
+        call has no native form (then the Python loop runs: a prefill chunk, float32's
+        torch.mm, a Python thread split), the buffers are not kept, or the library is
+        unavailable."""
+        native_decodes = [d for d in decodes if isinstance(d, native._BoundDecode)]
+        if (
+            len(native_decodes) != len(decodes)
+            or not ModelLayerOps.keeps(buf.h.shape[0])  # built once, run often
+            or not step_program.available()
+        ):
+            return None
+        kept = self._kept.get(buf)
+        program = None
+        if kept is not None and kept[0] is linears:
+            if kept[1] is None:  # these calls have no native form
+                return None
+            if kept[1].fits(native_decodes):
+                program = kept[1]
+        if program is None:
+            try:
+                program = LayerProgram(buf, linears, native_decodes, (cache.k, cache.v))
+            except InvalidRequestError as exc:
+                logger.debug("layer loop stays in Python: %s", exc)
+            self._kept[buf] = (linears, program)
+            if program is None:
+                return None
+        program.set_step(native_decodes, cache.k[0], cache.v[0], buf.out)
+        return program

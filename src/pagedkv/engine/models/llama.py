@@ -41,15 +41,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pagedkv.engine import (
-    bf16_dot,
-    bf16_linear,
-    fewrow,
-    layer_op_buffers,
-    layer_ops,
-    native,
-    step_program,
-)
+from pagedkv.engine import bf16_dot, bf16_linear, fewrow, layer_op_buffers, layer_ops
 from pagedkv.engine.attention import (
     AttentionMetadata,
     attend,
@@ -59,7 +51,7 @@ from pagedkv.engine.attention import (
 from pagedkv.engine.kv_cache import PagedKVCache
 from pagedkv.engine.model_config import ModelConfig, RopeConfig
 from pagedkv.engine.models.bound_linears import BoundLinears
-from pagedkv.engine.models.layer_program import LayerProgram
+from pagedkv.engine.models.layer_program import LayerPrograms
 from pagedkv.engine.models.projection import (
     Bf16DotProjection,
     Bf16Projection,
@@ -166,11 +158,7 @@ class LlamaModel:
         # linear calls bound to each kept StepBuffers (_bound_linears); dropped with them
         self._bound: weakref.WeakKeyDictionary[layer_op_buffers.StepBuffers, BoundLinears]
         self._bound = weakref.WeakKeyDictionary()
-        # the layer loop as native segments per kept StepBuffers (_layer_program; None: the
-        # calls have no native form), for the BoundLinears it was built with
-        self._programs: weakref.WeakKeyDictionary[
-            layer_op_buffers.StepBuffers, tuple[BoundLinears, LayerProgram | None]
-        ] = weakref.WeakKeyDictionary()
+        self._programs = LayerPrograms()  # the layer loop as native code, per kept buffers
         self.step_program = True  # False: the layer loop always runs in Python
         for i in range(config.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -495,9 +483,11 @@ class LlamaModel:
         }
         bound_linears = self._bound_linears(buf)
         decodes = [bound[id(v)] for v in views]
-        program = self._layer_program(buf, bound_linears, decodes, cache)
-        if program is not None:  # a decode-only step in native segments: the same calls
-            self._run_program(program, buf, bound_linears.gated)
+        program = None
+        if self.step_program:
+            program = self._programs.for_step(buf, bound_linears, decodes, cache)
+        if program is not None:  # the layer loop as native segments: the same calls
+            program.run_step(buf)
             return buf.out
         buf.input_norm()
         k_pools, v_pools = cache.k, cache.v
@@ -522,61 +512,6 @@ class LlamaModel:
                 torch.mul(silu_(g), u, out=buf.act)
             buf.add_next_norm(i, down())
         return buf.out
-
-    @staticmethod
-    def _run_program(
-        program: LayerProgram, buf: layer_op_buffers.StepBuffers, gated: list[bool]
-    ) -> None:
-        """The layer loop of ``_forward_fused`` with ``program``'s segments: torch's SiLU (and
-        its multiply, unless the down projection multiplies) between two segments."""
-        if program.native_silu:  # one segment: every layer, SiLU included
-            program.run(0)
-            return
-        silu_ = torch._C._nn.silu_
-        for i, down_multiplies in enumerate(gated):
-            program.run(i)
-            silu_(buf.gate)
-            if not down_multiplies:
-                torch.mul(buf.gate, buf.up, out=buf.act)
-        program.run(len(gated))
-
-    def _layer_program(
-        self,
-        buf: layer_op_buffers.StepBuffers,
-        linears: BoundLinears,
-        decodes: list[Callable[[torch.Tensor, torch.Tensor], None] | None],
-        cache: PagedKVCache,
-    ) -> LayerProgram | None:
-        """The step's layer loop as native segments (:mod:`.layer_program`), kept with the
-        buffers and given this step's attention calls and output; None where a call has no
-        native form (then the Python loop runs), the program is off (``step_program``), or
-        its library is unavailable."""
-        if (
-            not self.step_program
-            or not layer_op_buffers.ModelLayerOps.keeps(buf.h.shape[0])  # built once, run often
-            or any(d is None for d in decodes)
-        ):
-            return None
-        native_decodes = [d for d in decodes if isinstance(d, native._BoundDecode)]
-        if len(native_decodes) != len(decodes) or not step_program.available():
-            return None
-        kept = self._programs.get(buf)
-        program = None
-        if kept is not None and kept[0] is linears:
-            if kept[1] is None:  # these calls have no native form
-                return None
-            if kept[1].fits(native_decodes):
-                program = kept[1]
-        if program is None:
-            try:
-                program = LayerProgram(buf, linears, native_decodes, (cache.k, cache.v))
-            except InvalidRequestError as exc:
-                logger.debug("layer loop stays in Python: %s", exc)
-            self._programs[buf] = (linears, program)
-            if program is None:
-                return None
-        program.set_step(native_decodes, cache.k[0], cache.v[0], buf.out)
-        return program
 
     def _bound_linears(self, buf: layer_op_buffers.StepBuffers) -> BoundLinears:
         """Every layer's linear calls bound to ``buf`` (:mod:`.bound_linears`), kept with
