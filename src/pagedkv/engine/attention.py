@@ -17,6 +17,12 @@ Two paths compute the same thing:
   grouping trades one more call for less padding (``plan_decode_groups``);
 * or, for the decodes instead, the native kernel (``pagedkv.engine.native``): one call walks
   every sequence's block table and reads each block once, no gather and no padding.
+
+Under ``matmul_precision="medium"`` with a bf16 pool on a CPU with AMX, the per-sequence
+path runs the AMX prompt kernel instead of SDPA (``pagedkv.engine.prompt_attention``): the
+same bf16 arithmetic straight from the pool, in an order fixed per query row, so a row's
+bits do not depend on the chunk, a cached prefix or the prompt's length (SDPA's do from ~600
+positions). Sliding-window views and shapes it does not take keep SDPA.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from pagedkv.engine import prompt_attention as prompt_kernel
 from pagedkv.engine.attention_metadata import (
     AttentionMetadata,
     DecodeGroup,
@@ -89,15 +96,23 @@ def attend(
     ``matmul_precision="medium"`` rounds ``q`` and the K/V it reads to bf16 and runs torch's
     bf16 flash attention (float32 softmax statistics and sums, the probabilities rounded to
     bf16 for their product with V); its bf16 output is what the o-projection's own input
-    rounding would make of a float32 one. The decode kernels keep float32."""
+    rounding would make of a float32 one. Where the AMX prompt kernel applies (a bf16 pool
+    on the CPU, a shape it takes, a full-attention view) it serves those rows instead, with
+    the same arithmetic in a row-invariant order. The decode kernels keep float32."""
     if out is None:
         out = torch.empty_like(q)
     num_heads = q.shape[1]
+    amx = sdpa_dtype is torch.bfloat16 and _prompt_kernel_applies(q, cache)
     for s in meta.seqs:
-        qs = q[s.token_offset : s.token_offset + s.num_tokens]
-        out[s.token_offset : s.token_offset + s.num_tokens] = _attend_reference(
-            qs, cache, layer, s, num_heads, scale, sdpa_dtype or q.dtype
-        )
+        rows = slice(s.token_offset, s.token_offset + s.num_tokens)
+        if amx and s.block_ids is not None:
+            k, v = cache.k[layer], cache.v[layer]
+            prompt_kernel.prompt_attention(
+                q[rows], out[rows], k, v, s.block_ids, s.start_position, scale
+            )
+            continue
+        dtype = sdpa_dtype or q.dtype
+        out[rows] = _attend_reference(q[rows], cache, layer, s, num_heads, scale, dtype)
     nat = meta.native
     if nat is not None:
         call = nat.call(cache, layer, num_heads, scale)
@@ -120,6 +135,19 @@ def attend(
             od = _attend_decode_group(qd, cache, layer, group, scale)
             out.index_copy_(0, group.token_idx, od)
     return out
+
+
+def _prompt_kernel_applies(q: torch.Tensor, cache: PagedKVCache) -> bool:
+    """Whether the AMX prompt kernel (``pagedkv.engine.prompt_attention``) serves this
+    cache's prompt rows: a bf16 pool on the CPU, a shape it takes, AMX here."""
+    spec = cache.spec
+    return (
+        cache.device.type == "cpu"
+        and q.dtype is torch.float32
+        and spec.dtype is torch.bfloat16
+        and prompt_kernel.supports(q.shape[1], spec.num_kv_heads, spec.block_size, spec.head_dim)
+        and prompt_kernel.available()
+    )
 
 
 def bind_native_decode(

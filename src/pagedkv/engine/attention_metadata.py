@@ -61,6 +61,8 @@ class SeqAttention:
     # context_start .. start + num_tokens - 1, every position some query of it attends to
     mask: torch.Tensor | None = None  # [num_tokens, len(context_slots)] True where attended;
     # None: plainly causal (a fresh prompt that the window does not cut)
+    block_ids: torch.Tensor | None = None  # int64 [ceil((start + num_tokens) / block_size)]:
+    # the table from position 0, for the AMX prompt kernel (full-attention views only)
 
 
 @dataclass(slots=True)
@@ -273,7 +275,11 @@ def _build_view(
             if window is not None:
                 keep &= kpos > qpos - window
             mask = torch.from_numpy(keep).to(device)
-        meta.seqs.append(SeqAttention(offset, n, start, ctx.to(device), mask))
+        table = None
+        if window is None:
+            ids = np.array(s.block_table[: -(-(start + n) // block_size)], dtype=np.int64)
+            table = torch.from_numpy(ids).to(device)
+        meta.seqs.append(SeqAttention(offset, n, start, ctx.to(device), mask, table))
     if not dec:
         return meta
     dec_idx: list[int] = []

@@ -4,10 +4,11 @@
 multiplications use bfloat16 for internal computations" where a fast path exists). A
 bfloat16 model's linear layers and vocabulary projection round their float32 inputs to bf16
 (round to nearest even) and sum the bf16 x bf16 products in float32 on AMX-BF16 tiles; the
-prompt's attention (the per-sequence SDPA path: ``attention.attend``'s ``sdpa_dtype``) runs
-torch's bf16 SDPA over the queries rounded to bf16 and the bf16 K/V (float32 softmax
-statistics and sums, probabilities rounded to bf16 for their product with V; its bf16
-output is what the o-projection's input rounding makes of a float32 one). The outputs, the
+prompt's attention (the per-sequence path: ``attention.attend``'s ``sdpa_dtype``) runs in
+bf16 over the queries rounded to bf16 and the bf16 K/V (float32 softmax statistics and sums,
+probabilities rounded to bf16 for their product with V; a bf16 output is what the
+o-projection's input rounding makes of a float32 one): the AMX prompt kernel
+(``prompt_attention``) where it applies, else torch's bf16 SDPA. The outputs, the
 residual stream, norms, decode attention and sampling stay float32 as with ``highest``
 (``engine/bf16_linear.py``: bf16 storage, float32 compute). This is the arithmetic of
 vLLM's, transformers' and llama.cpp's bf16 paths for a linear layer and attention (their
@@ -19,12 +20,16 @@ data), ``medium`` runs as ``highest``, as torch's does, and the engine says so o
 over the bf16-rounded inputs ``xb`` (``kp``: ``in`` rounded up to 32), plus subnormal flushes;
 tests check it against float64. A row's output is the same bits alone or in any batch and on
 any thread split (the AMX order per output is fixed by ``in``), so a row's linears give the
-same bits in prefill and decode, chunked or not, cached or not. The prompt's attention is
-torch's SDPA (float32 under ``highest``, bf16 here): a row's bits do not change when a mask
-shifts its queries (a chunk after a cached prefix; checked to 2,100 tokens), but can change
-with the context length SDPA is given from ~600 tokens on (its blocking follows that length, in
-float32 as in bf16), so for long prompts prefix caching keeps outputs within rounding, not bit
-for bit (the tests check bits at 48 + 30 tokens). The AMX tiles do not follow Intel's
+same bits in prefill and decode, chunked or not, cached or not. The prompt's attention here
+is the AMX prompt kernel (``prompt_attention``: a row's bits depend on its query and the K/V up
+to its position only), so prefix caching and chunked prefill give the same bits as one
+uncached prefill at any length (tested at 900 + 130 tokens). Where that kernel does not apply
+(a head_dim that is not a multiple of 32, a block size that is not a multiple of 16, a
+sliding window) it is torch's SDPA, as it is under ``highest`` (float32): a row's bits do
+not change when a mask shifts its queries (a chunk after a cached prefix; checked to 2,100
+tokens), but can change with the context length SDPA is given from ~600 tokens on (its
+blocking follows that length), so there, for long prompts, prefix caching keeps outputs within
+rounding, not bit for bit. The AMX tiles do not follow Intel's
 documented sequential order bit for bit (measured: 1-43 of 64 sums at 576 inputs equal that
 order or a pairwise tree), so the portable loops (``portable=True``: the stated sequential
 order, any CPU) are a reference within the bound, not bit for bit.

@@ -42,9 +42,7 @@
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #define BD_AMX 1
 #else
 #define BD_AMX 0
@@ -149,17 +147,6 @@ static void nt_portable(const uint16_t *xa, int64_t kp, const uint16_t *e, int64
 
 /* ---- AMX ---- */
 #if BD_AMX
-#define ARCH_GET_XCOMP_PERM 0x1022
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
 
 /* Tiles 0-3: C (m x n float32), 4-5: A (m x 32 bf16), 6-7: B (16 pairs x n x 2); m, n <= 16.
  * A TDPBF16PS costs about its rows of A, so a decode step of fewer than 16 rows configures
@@ -368,18 +355,6 @@ static int nt_amx(const uint16_t *xv, int64_t kp, const uint16_t *e, int64_t lde
     return 0;
 }
 
-static int amx_state = -1; /* -1 unknown, 0 refused, 1 permitted */
-
-static int amx_permitted(void) {
-    if (amx_state < 0) {
-        unsigned long mask = 0;
-        int ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 &&
-                 syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) == 0 &&
-                 ((mask >> XFEATURE_XTILEDATA) & 1);
-        amx_state = ok;
-    }
-    return amx_state;
-}
 #else
 static int amx_permitted(void) { return 0; }
 #endif

@@ -1,0 +1,207 @@
+"""The AMX prompt-attention kernel (``pagedkv.engine.prompt_attention``): within the bf16
+roundings of a float64 reference, a row's bits independent of everything but its own query
+and the K/V up to its position (chunking, a cached prefix, the thread count, stale pool data),
+refusals, and, in a ``medium`` engine, prefix caching and chunked prefill that give the same
+bits as one uncached prefill past the length where torch's SDPA changes them."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from pagedkv.engine import prompt_attention
+from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.sampler import SamplingParams
+from pagedkv.engine.tiny import write_tiny_model
+from pagedkv.errors import InvalidRequestError
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(not prompt_attention.available(), reason="no AMX-BF16 kernel here"),
+]
+
+
+class Case:
+    """Random bf16 pools with the sequence's blocks scattered among stale ones (NaN-filled:
+    a kernel that read past the context would poison its rows), and float32 queries."""
+
+    def __init__(
+        self, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        need = -(-ctx // block_size)
+        shape = (kv_heads, need + 3, block_size, head_dim)
+        self.k = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        self.v = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        self.table = torch.randperm(need + 3, generator=gen)[:need].to(torch.int64)
+        stale = torch.ones(need + 3, dtype=torch.bool)
+        stale[self.table] = False
+        self.k[:, stale] = float("nan")
+        self.v[:, stale] = float("nan")
+        if ctx % block_size:  # the slots past the context in its last block: stale too
+            self.k[:, self.table[-1], ctx % block_size :] = float("nan")
+            self.v[:, self.table[-1], ctx % block_size :] = float("nan")
+        self.q = torch.randn(ctx, heads, head_dim, generator=gen) * 2
+        self.ctx, self.heads, self.scale = ctx, heads, head_dim**-0.5
+
+    def run(self, start: int, n: int, threads: int = 1) -> torch.Tensor:
+        out = torch.full((n, self.heads, self.q.shape[2]), float("nan"))
+        return prompt_attention.prompt_attention(
+            self.q[start : start + n], out, self.k, self.v, self.table, start, self.scale,
+            threads,
+        )  # fmt: skip
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 attention of every row over the bf16 inputs (queries rounded), and the
+        magnitude ``P @ |V|`` its error is measured against."""
+        kv_heads, _, _, d = self.k.shape
+        group = self.heads // kv_heads
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            rows = pool[:, self.table].reshape(kv_heads, -1, d)[:, : self.ctx]
+            return rows.double().repeat_interleave(group, 0)  # [heads, ctx, d]
+
+        k, v = gather(self.k), gather(self.v)
+        q = self.q.to(torch.bfloat16).double().transpose(0, 1)
+        s = q @ k.transpose(1, 2) * self.scale
+        future = torch.triu(torch.ones(self.ctx, self.ctx, dtype=torch.bool), 1)
+        p = s.masked_fill(future, float("-inf")).softmax(-1)
+        return (p @ v).transpose(0, 1), (p @ v.abs()).transpose(0, 1)
+
+
+SHAPES = [  # (ctx, heads, kv_heads, head_dim, block_size)
+    pytest.param(200, 9, 3, 64, 16, id="smollm2-group3"),
+    pytest.param(77, 4, 4, 32, 32, id="mha-d32-block32"),
+    pytest.param(130, 8, 2, 128, 16, id="group4-d128"),  # O^T through memory (d > 64)
+    pytest.param(5, 2, 1, 64, 16, id="one-partial-tile"),
+]
+
+
+@pytest.mark.parametrize(("ctx", "heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+def test_rows_are_within_the_bf16_roundings_of_float64(
+    ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Each output within ``2^-8 * (P @ |V|)`` of the float64 result on the same bf16 inputs:
+    the probabilities' bf16 rounding (2^-9 relative) plus the float32 sums."""
+    case = Case(ctx, heads, kv_heads, head_dim, block_size, seed=ctx + head_dim)
+    ref, mag = case.reference()
+    got = case.run(0, ctx).double()
+    assert bool(got.isfinite().all())
+    err = (got - ref).abs()
+    assert bool((err <= 2.0**-8 * mag + 1e-6).all()), float((err / mag).max())
+
+
+@pytest.mark.parametrize(("ctx", "heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+def test_a_rows_bits_depend_only_on_its_query_and_its_past(
+    ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, threads: int
+) -> None:
+    """Any chunk (any start: a cached prefix; any length: chunked prefill or another prompt
+    length), at any thread count, gives every row the bits of the whole prompt in one call."""
+    case = Case(ctx, heads, kv_heads, head_dim, block_size, seed=7 * ctx)
+    whole = case.run(0, ctx, threads=1)
+    cuts = sorted({0, 1, ctx // 3, ctx // 2 + 1, ctx - 1, ctx} & set(range(ctx + 1)))
+    for a, b in itertools.pairwise(cuts):
+        assert torch.equal(case.run(a, b - a, threads), whole[a:b]), (a, b)
+    assert torch.equal(case.run(0, ctx, threads), whole)
+    head = ctx // 2 + 1  # a shorter prompt with the same head: its rows are the same
+    assert torch.equal(case.run(0, head, threads), whole[:head])
+
+
+def test_it_agrees_with_torch_bf16_sdpa_within_rounding() -> None:
+    """The same arithmetic as the SDPA call it replaces, up to the order of the sums."""
+    case = Case(300, 9, 3, 64, 16, seed=3)
+    kv_heads, _, _, d = case.k.shape
+    k = case.k[:, case.table].reshape(kv_heads, -1, d)[None, :, :300]
+    v = case.v[:, case.table].reshape(kv_heads, -1, d)[None, :, :300]
+    sdpa = F.scaled_dot_product_attention(
+        case.q.transpose(0, 1)[None].to(torch.bfloat16), k, v, is_causal=True,
+        scale=case.scale, enable_gqa=True,
+    )[0].transpose(0, 1)  # fmt: skip
+    _, mag = case.reference()
+    err = (case.run(0, 300).double() - sdpa.double()).abs()
+    assert bool((err <= 2.0**-7 * mag + 1e-6).all())
+
+
+def test_bad_inputs_are_refused_by_name() -> None:
+    case = Case(40, 4, 2, 32, 16, seed=1)
+    out = torch.empty(40, 4, 32)
+    call = prompt_attention.prompt_attention
+    bad = case.table.clone()
+    bad[1] = case.k.shape[1]
+    with pytest.raises(InvalidRequestError, match="block id"):
+        call(case.q, out, case.k, case.v, bad, 0, 0.1)
+    with pytest.raises(InvalidRequestError, match="unsupported pools"):
+        call(case.q, out, case.k.float(), case.v.float(), case.table, 0, 0.1)
+    with pytest.raises(InvalidRequestError, match="unsupported pools"):  # table too short
+        call(case.q, out, case.k, case.v, case.table[:2], 0, 0.1)
+    with pytest.raises(InvalidRequestError, match="q must be float32"):
+        call(case.q.double(), out, case.k, case.v, case.table, 0, 0.1)
+    with pytest.raises(InvalidRequestError, match="rows into"):
+        call(case.q, out[:10], case.k, case.v, case.table, 0, 0.1)
+    assert not prompt_attention.supports(4, 2, 8, 32)  # block size not a multiple of 16
+    assert not prompt_attention.supports(4, 2, 16, 48)  # head_dim not a multiple of 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(
+        tmp_path_factory.mktemp("prompt_amx") / "m", hidden_size=128, intermediate_size=192,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]], passes: int) -> tuple[list[object], int]:
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
+    got: dict[str, object] = {}
+    cached = 0
+    for p in range(passes):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{p}r{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    lps = out.outputs[0].logprobs
+                    assert lps is not None
+                    got[out.request_id] = [(t.token_id, t.logprob, t.top) for t in lps]
+                    cached += out.num_cached_tokens
+    return [got[f"p{passes - 1}r{i}"] for i in range(len(prompts))], cached
+
+
+def test_medium_caching_and_chunking_keep_the_bits_of_long_prompts(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts sharing a 900-token prefix (past the ~600 tokens from which torch's SDPA rows
+    change with the context length): the same tokens and log-probabilities, bit for bit,
+    uncached, served from the prefix cache, and prefilled in 256-token chunks; and the prompt
+    rows never reach SDPA under ``medium``."""
+    calls: list[int] = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(*args: torch.Tensor, **kw: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(2, 60, (900,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(2, 60, (n,), generator=gen).tolist() for n in (22, 9, 130)]
+
+    def run(passes: int, **kw: object) -> tuple[list[object], int]:
+        cfg = EngineConfig(num_blocks=512, dtype="bfloat16", matmul_precision="medium",
+                           max_model_len=4096, **kw)  # type: ignore[arg-type]  # fmt: skip
+        return _greedy(LLMEngine.from_model_dir(str(model_dir), cfg), prompts, passes)
+
+    uncached, none = run(1, enable_prefix_caching=False)
+    cached, hits = run(2, enable_prefix_caching=True)
+    chunked, _ = run(1, enable_prefix_caching=False, max_num_batched_tokens=256)
+    assert none == 0
+    assert hits >= 3 * 896
+    assert cached == uncached
+    assert chunked == uncached
+    assert not calls
