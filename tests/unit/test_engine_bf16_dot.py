@@ -143,7 +143,7 @@ def test_a_rows_bits_depend_neither_on_its_batch_nor_on_the_threads() -> None:
 
 @built
 @pytest.mark.parametrize("portable", PATHS)
-@pytest.mark.parametrize(("rows", "in_dim"), [(1, 64), (5, 77), (16, 96), (37, 130)])
+@pytest.mark.parametrize(("rows", "in_dim"), [(1, 64), (5, 77), (16, 96), (37, 130), (70, 96)])
 def test_a_gated_call_gives_the_bits_of_torch_mul_then_linear(
     portable: bool, rows: int, in_dim: int
 ) -> None:

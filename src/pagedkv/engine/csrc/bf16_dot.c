@@ -98,9 +98,9 @@ static inline float add_ftz(float s, float p) {
 /* xa from x: rounded to bf16, zero past in and from rows up to rows_pad. With u (same ldx),
  * from x[i] * u[i] instead: each product a float32 multiplication (one IEEE rounding, as
  * torch.mul's), then rounded to bf16, so a gated call packs what x * u in float32 would. */
-static void pack_tiles(const float *x, const float *u, int64_t ldx, int64_t rows,
-                       int64_t rows_pad, int64_t in, int64_t kp, uint16_t *xa) {
-    for (int64_t r = 0; r < rows_pad; r++)
+static void pack_rows(const float *x, const float *u, int64_t ldx, int64_t rows, int64_t r0,
+                      int64_t r1, int64_t in, int64_t kp, uint16_t *xa) {
+    for (int64_t r = r0; r < r1; r++)
         for (int64_t k0 = 0; k0 < kp; k0 += KB) {
             uint16_t *dst = &XA(xa, kp, r, k0);
             const float *src = x + r * ldx + k0;
@@ -117,6 +117,21 @@ static void pack_tiles(const float *x, const float *u, int64_t ldx, int64_t rows
                                  : 0;
             }
         }
+}
+
+/* pack_rows over rows [0, rows_pad), in blocks of 16 rows shared among up to `threads`
+ * OpenMP threads from PACK_PAR_ROWS rows (prefill; each element's rounding is its own, so
+ * the split changes no bit). */
+#define PACK_PAR_ROWS 64
+static void pack_tiles(const float *x, const float *u, int64_t ldx, int64_t rows,
+                       int64_t rows_pad, int64_t in, int64_t kp, uint16_t *xa, int threads) {
+    const int64_t blocks = rows_pad / TILE;
+    int parts = rows_pad >= PACK_PAR_ROWS && !BD_IN_PARALLEL ? threads : 1;
+    if (parts > blocks) parts = (int)blocks;
+    if (parts < 1) parts = 1;
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+    for (int64_t b = 0; b < blocks; b++)
+        pack_rows(x, u, ldx, rows, b * TILE, (b + 1) * TILE, in, kp, xa);
 }
 
 static void linear_portable(const uint16_t *xa, int64_t kp, const uint16_t *p,
@@ -386,7 +401,7 @@ static int linear_entry(const float *x, const float *u, int64_t ldx, const uint1
     const int64_t kp = (in + KB - 1) / KB * KB, rows_pad = (rows + TILE - 1) / TILE * TILE;
     uint16_t *xb = malloc((size_t)(rows_pad * kp) * sizeof *xb);
     if (!xb) return -2;
-    pack_tiles(x, u, ldx, rows, rows_pad, in, kp, xb);
+    pack_tiles(x, u, ldx, rows, rows_pad, in, kp, xb, threads);
     const int64_t tiles = (out + TILE - 1) / TILE;
     int64_t cuts[BD_PAR_MAX + 1];
     const int parts = cut_tiles(rows * kp * out, tiles, threads, cuts);
@@ -429,7 +444,7 @@ int pagedkv_bf16dot_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t l
     const int64_t rows_pad = (rows + TILE - 1) / TILE * TILE;
     uint16_t *xb = malloc((size_t)(rows_pad * in) * sizeof *xb * 2);
     if (!xb) return -2;
-    pack_tiles(x, NULL, ldx, rows, rows_pad, in, in, xb);
+    pack_tiles(x, NULL, ldx, rows, rows_pad, in, in, xb, threads);
     uint16_t *xv = xb + rows_pad * in;
 #if BD_AMX
     if (!portable) pack_pairs(xb, rows, in, xv);
