@@ -9,16 +9,20 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 from pagedkv.engine import prompt_attention
+from pagedkv.engine.attention import attend, build_metadata
 from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
 from pagedkv.errors import InvalidRequestError
+from pagedkv.sched.output import ScheduledRequest
 
 pytestmark = [
     pytest.mark.engine,
@@ -145,6 +149,53 @@ def test_bad_inputs_are_refused_by_name() -> None:
         call(case.q, out[:10], case.k, case.v, case.table, 0, 0.1)
     assert not prompt_attention.supports(4, 2, 8, 32)  # block size not a multiple of 16
     assert not prompt_attention.supports(4, 2, 16, 48)  # head_dim not a multiple of 32
+
+
+def _request(rid: str, table: list[int], start: int, n: int, bs: int) -> ScheduledRequest:
+    t = np.array(table, dtype=np.int32)
+    pos = np.arange(start, start + n)
+    slots = (t[pos // bs] * bs + pos % bs).astype(np.int32)
+    return ScheduledRequest(rid, start, [0] * n, n, t, slots, n > 1, True)
+
+
+def test_attend_uses_it_where_it_applies_and_sdpa_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step of two prompt chunks (one after a cached prefix) and a lone decode (on the
+    per-sequence path: no batched decode for one row): with row-major ``q`` every row is the
+    kernel's, bit for bit, and SDPA is not called; ``q`` whose heads are not contiguous takes
+    SDPA instead (no error), within rounding of the kernel."""
+    bs, heads, d = 16, 4, 32
+    cache = PagedKVCache(KVCacheSpec(1, bs, 2, d, torch.bfloat16), 12)
+    gen = torch.Generator().manual_seed(2)
+    cache.kv[0].copy_(torch.randn(cache.kv[0].shape, generator=gen))
+    seqs = [_request("a", [3, 7, 1], 0, 40, bs), _request("b", [2, 9, 4], 20, 21, bs),
+            _request("c", [5, 6], 30, 1, bs)]  # fmt: skip
+    meta = build_metadata(seqs, bs, torch.device("cpu"))
+    q = torch.randn(62, heads, d, generator=gen)
+    calls: list[int] = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(*args: torch.Tensor, **kw: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    got = attend(0, q, cache, meta, d**-0.5, sdpa_dtype=torch.bfloat16)
+    for s, table in zip(meta.seqs, ([3, 7, 1], [2, 9, 4], [5, 6]), strict=True):
+        rows = slice(s.token_offset, s.token_offset + s.num_tokens)
+        want = torch.empty(s.num_tokens, heads, d)
+        prompt_attention.prompt_attention(
+            q[rows], want, cache.k[0], cache.v[0], torch.tensor(table), s.start_position,
+            d**-0.5,
+        )  # fmt: skip
+        assert torch.equal(got[rows], want)
+    assert not calls
+    strided = torch.randn(62, d, heads, generator=gen).transpose(1, 2)
+    strided.copy_(q)
+    fallback = attend(0, strided, cache, meta, d**-0.5, sdpa_dtype=torch.bfloat16)
+    assert len(calls) == 3  # one SDPA call per sequence
+    assert torch.allclose(fallback, got, atol=2e-2, rtol=0)
 
 
 @pytest.fixture(scope="module")

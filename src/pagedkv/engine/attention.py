@@ -102,7 +102,7 @@ def attend(
     if out is None:
         out = torch.empty_like(q)
     num_heads = q.shape[1]
-    amx = sdpa_dtype is torch.bfloat16 and _prompt_kernel_applies(q, cache)
+    amx = sdpa_dtype is torch.bfloat16 and _prompt_kernel_applies(q, out, cache)
     for s in meta.seqs:
         rows = slice(s.token_offset, s.token_offset + s.num_tokens)
         if amx and s.block_ids is not None:
@@ -137,13 +137,18 @@ def attend(
     return out
 
 
-def _prompt_kernel_applies(q: torch.Tensor, cache: PagedKVCache) -> bool:
+def _prompt_kernel_applies(q: torch.Tensor, out: torch.Tensor, cache: PagedKVCache) -> bool:
     """Whether the AMX prompt kernel (``pagedkv.engine.prompt_attention``) serves this
-    cache's prompt rows: a bf16 pool on the CPU, a shape it takes, AMX here."""
+    cache's prompt rows: a bf16 pool on the CPU, a shape it takes, float32 ``q``/``out`` with
+    each row's heads contiguous, AMX here."""
     spec = cache.spec
+    d = spec.head_dim
     return (
         cache.device.type == "cpu"
         and q.dtype is torch.float32
+        and out.dtype is torch.float32
+        and q.stride()[1:] == (d, 1)
+        and out.stride()[1:] == (d, 1)
         and spec.dtype is torch.bfloat16
         and prompt_kernel.supports(q.shape[1], spec.num_kv_heads, spec.block_size, spec.head_dim)
         and prompt_kernel.available()
