@@ -1,0 +1,90 @@
+"""The AMX prompt-attention kernel (``pagedkv.engine.prompt_attention``) against what it
+replaced under ``--matmul-precision medium``: the engine's per-sequence SDPA path, i.e. the
+gather of the sequence's K/V from the paged pool (``PagedKVCache.gather``) and torch's bf16
+SDPA (queries rounded to bf16; the same inputs), one layer of SmolLM2-135M's shape (9 query
+heads over 3 KV heads, head_dim 64, block size 16).
+
+Cases: an uncached prompt of 256, 1,024 and 2,048 tokens (one chunk from position 0), and the
+unfavourable ones for the kernel, a short chunk after a long cached prefix (64 tokens after
+1,984, and 16 after 2,032): the kernel packs V for the whole context per call, so its cost there
+is the context's, not the chunk's. Rounds interleave the two sides; the table gives medians in
+ms and the ratio (SDPA path / kernel: above 1 means the kernel is faster).
+
+Run: ``python benchmarks/bench_prompt_attention.py [--threads N] [--rounds R]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from pagedkv.engine import prompt_attention
+from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+CASES = [(0, 256), (0, 1024), (0, 2048), (1984, 64), (2032, 16)]  # (cached prefix, chunk)
+
+
+def _case(
+    start: int, n: int, gen: torch.Generator
+) -> tuple[PagedKVCache, torch.Tensor, torch.Tensor]:
+    ctx = start + n
+    blocks = -(-ctx // BLOCK)
+    cache = PagedKVCache(KVCacheSpec(1, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16), blocks + 8)
+    cache.kv[0].copy_(torch.randn(cache.kv[0].shape, generator=gen))
+    table = torch.randperm(blocks + 8, generator=gen)[:blocks].to(torch.int64)
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
+    return cache, table, q
+
+
+def _sdpa_path(cache: PagedKVCache, table: torch.Tensor, q: torch.Tensor, start: int) -> None:
+    """What ``attention._attend_reference`` does for one sequence under ``medium``."""
+    n = q.shape[0]
+    pos = torch.arange(start + n)
+    slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
+    keys, values = cache.gather(0, slots)
+    mask = None
+    if start:
+        mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].to(torch.bfloat16), keys.to(torch.bfloat16)[None],
+        values.to(torch.bfloat16)[None], attn_mask=mask, is_causal=mask is None,
+        scale=HEAD_DIM**-0.5, enable_gqa=True,
+    )  # fmt: skip
+    torch.empty(q.shape).copy_(out[0].transpose(0, 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    if not prompt_attention.available():
+        raise SystemExit("the AMX prompt kernel is unavailable here (no AMX-BF16?)")
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    print(f"threads {args.threads}, median of {args.rounds} interleaved rounds, one layer")
+    print(f"{'prefix + chunk':>16} | {'SDPA path ms':>12} | {'kernel ms':>9} | ratio")
+    for start, n in CASES:
+        cache, table, q = _case(start, n, gen)
+        out = torch.empty(q.shape)
+        times: dict[str, list[float]] = {"sdpa": [], "kernel": []}
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            _sdpa_path(cache, table, q, start)
+            times["sdpa"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            prompt_attention.prompt_attention(
+                q, out, cache.k[0], cache.v[0], table, start, HEAD_DIM**-0.5, args.threads
+            )
+            times["kernel"].append(time.perf_counter() - t)
+        sd, kn = (statistics.median(times[k]) * 1e3 for k in ("sdpa", "kernel"))
+        print(f"{f'{start} + {n}':>16} | {sd:12.3f} | {kn:9.3f} | {sd / kn:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
