@@ -36,6 +36,28 @@ def engine_greedy(engine: LLMEngine, prompts: list[list[int]], new: int) -> list
     return [got[f"r{i}"] for i in range(len(prompts))]
 
 
+def greedy_logprobs(
+    engine: LLMEngine, prompts: list[list[int]], passes: int = 1, max_tokens: int = 6
+) -> tuple[list[list[tuple[int, float]]], int]:
+    """Run ``prompts`` together ``passes`` times (a later pass can hit the prefix cache);
+    returns the last pass's greedy ``(token_id, logprob)`` pairs per prompt, and the cached
+    prompt tokens over all passes."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
+    got: dict[str, list[tuple[int, float]]] = {}
+    cached = 0
+    for p in range(passes):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{p}r{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    lps = out.outputs[0].logprobs
+                    assert lps is not None
+                    got[out.request_id] = [(t.token_id, t.logprob) for t in lps]
+                    cached += out.num_cached_tokens
+    return [got[f"p{passes - 1}r{i}"] for i in range(len(prompts))], cached
+
+
 def hf_greedy(hf: Any, prompt: list[int], new: int) -> list[int]:
     """``prompt``'s ``new`` greedy tokens from transformers' ``generate`` (the reference)."""
     with torch.no_grad():

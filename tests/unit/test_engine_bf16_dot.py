@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from differential.engine_runs import greedy_logprobs
 from pagedkv.engine import attention, bf16_dot, bf16_linear
 from pagedkv.engine.bf16_dot import PairedWeight
 from pagedkv.engine.engine_config import EngineConfig
@@ -179,7 +180,7 @@ def test_medium_gated_down_gives_the_torch_ops_bits(model_dir: Path, rows: int) 
     def run(fused: bool) -> list[list[tuple[int, float]]]:
         engine = LLMEngine.from_model_dir(str(model_dir), cfg)
         engine.model.fused_layer_ops = fused
-        got, _ = _greedy(engine, prompts)
+        got, _ = greedy_logprobs(engine, prompts)
         if fused:
             assert all(next(iter(engine.model._bound.values())).gated)
         return got
@@ -240,25 +241,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
 
 
-def _greedy(
-    engine: LLMEngine, prompts: list[list[int]], passes: int = 1
-) -> tuple[list[list[tuple[int, float]]], int]:
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
-    got: dict[str, list[tuple[int, float]]] = {}
-    cached = 0
-    for p in range(passes):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"p{p}r{i}", prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    lps = out.outputs[0].logprobs
-                    assert lps is not None
-                    got[out.request_id] = [(t.token_id, t.logprob) for t in lps]
-                    cached += out.num_cached_tokens
-    return [got[f"p{passes - 1}r{i}"] for i in range(len(prompts))], cached
-
-
 @built
 def test_medium_repacks_the_layers_and_names_its_cache_namespace(
     model_dir: Path, caplog: pytest.LogCaptureFixture
@@ -285,14 +267,14 @@ def test_medium_repacks_the_layers_and_names_its_cache_namespace(
     assert model.sdpa_dtype is torch.bfloat16
     assert engine.config.model_id == "m+compute=float32+matmul=medium"
     assert all(type(p) is Bf16DotProjection for p in layers)
-    medium, _ = _greedy(engine, prompts)
+    medium, _ = greedy_logprobs(engine, prompts)
     model.set_matmul_precision("highest")
     assert all(type(p) is Bf16Projection for p in (model._qkv + model._down))
     assert model.sdpa_dtype is None
     fresh = LLMEngine.from_model_dir(str(model_dir), base)
-    highest, _ = _greedy(fresh, prompts)
+    highest, _ = greedy_logprobs(fresh, prompts)
     again = LLMEngine(model, None, base)
-    assert _greedy(again, prompts)[0] == highest  # the repack back is exact
+    assert greedy_logprobs(again, prompts)[0] == highest  # the repack back is exact
     diffs = [
         abs(a[1] - b[1])
         for m, h in zip(medium, highest, strict=True)
@@ -367,7 +349,8 @@ def test_prefix_caching_gives_the_same_bits_under_medium(model_dir: Path) -> Non
     def run(caching: bool, passes: int) -> list[list[tuple[int, float]]]:
         cfg = EngineConfig(num_blocks=64, dtype="bfloat16", enable_prefix_caching=caching,
                            matmul_precision="medium")  # fmt: skip
-        got, cached = _greedy(LLMEngine.from_model_dir(str(model_dir), cfg), prompts, passes)
+        engine = LLMEngine.from_model_dir(str(model_dir), cfg)
+        got, cached = greedy_logprobs(engine, prompts, passes)
         assert (cached >= 3 * 48) is caching
         return got
 

@@ -14,15 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from differential.engine_runs import greedy_logprobs, scheduled
 from pagedkv.engine import prompt_attention
 from pagedkv.engine.attention import attend, build_metadata
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
 from pagedkv.errors import InvalidRequestError
-from pagedkv.sched.output import ScheduledRequest
 
 pytestmark = [
     pytest.mark.engine,
@@ -151,15 +150,8 @@ def test_bad_inputs_are_refused_by_name() -> None:
     assert not prompt_attention.supports(4, 2, 16, 48)  # head_dim not a multiple of 32
 
 
-def _request(rid: str, table: list[int], start: int, n: int, bs: int) -> ScheduledRequest:
-    t = np.array(table, dtype=np.int32)
-    pos = np.arange(start, start + n)
-    slots = (t[pos // bs] * bs + pos % bs).astype(np.int32)
-    return ScheduledRequest(rid, start, [0] * n, n, t, slots, n > 1, True)
-
-
 def test_attend_uses_it_where_it_applies_and_sdpa_elsewhere(
-    monkeypatch: pytest.MonkeyPatch,
+    sdpa_calls: list[int],
 ) -> None:
     """A step of two prompt chunks (one after a cached prefix) and a lone decode (on the
     per-sequence path: no batched decode for one row): with row-major ``q`` every row is the
@@ -169,10 +161,35 @@ def test_attend_uses_it_where_it_applies_and_sdpa_elsewhere(
     cache = PagedKVCache(KVCacheSpec(1, bs, 2, d, torch.bfloat16), 12)
     gen = torch.Generator().manual_seed(2)
     cache.kv[0].copy_(torch.randn(cache.kv[0].shape, generator=gen))
-    seqs = [_request("a", [3, 7, 1], 0, 40, bs), _request("b", [2, 9, 4], 20, 21, bs),
-            _request("c", [5, 6], 30, 1, bs)]  # fmt: skip
+    tables = [np.array(t, dtype=np.int32) for t in ([3, 7, 1], [2, 9, 4], [5, 6])]
+    starts, lengths = (0, 20, 30), (40, 21, 1)
+    seqs = [
+        scheduled(rid, t, bs, start, [0] * n)
+        for rid, t, start, n in zip("abc", tables, starts, lengths, strict=True)
+    ]
     meta = build_metadata(seqs, bs, torch.device("cpu"))
     q = torch.randn(62, heads, d, generator=gen)
+    got = attend(0, q, cache, meta, d**-0.5, sdpa_dtype=torch.bfloat16)
+    for s, table in zip(meta.seqs, tables, strict=True):
+        rows = slice(s.token_offset, s.token_offset + s.num_tokens)
+        want = torch.empty(s.num_tokens, heads, d)
+        prompt_attention.prompt_attention(
+            q[rows], want, cache.k[0], cache.v[0], torch.from_numpy(table.astype(np.int64)),
+            s.start_position,
+            d**-0.5,
+        )  # fmt: skip
+        assert torch.equal(got[rows], want)
+    assert not sdpa_calls
+    strided = torch.randn(62, d, heads, generator=gen).transpose(1, 2)
+    strided.copy_(q)
+    fallback = attend(0, strided, cache, meta, d**-0.5, sdpa_dtype=torch.bfloat16)
+    assert len(sdpa_calls) == 3  # one SDPA call per sequence
+    assert torch.allclose(fallback, got, atol=2e-2, rtol=0)
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per call of torch's SDPA during the test (it still runs)."""
     calls: list[int] = []
     real = F.scaled_dot_product_attention
 
@@ -181,21 +198,7 @@ def test_attend_uses_it_where_it_applies_and_sdpa_elsewhere(
         return real(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
-    got = attend(0, q, cache, meta, d**-0.5, sdpa_dtype=torch.bfloat16)
-    for s, table in zip(meta.seqs, ([3, 7, 1], [2, 9, 4], [5, 6]), strict=True):
-        rows = slice(s.token_offset, s.token_offset + s.num_tokens)
-        want = torch.empty(s.num_tokens, heads, d)
-        prompt_attention.prompt_attention(
-            q[rows], want, cache.k[0], cache.v[0], torch.tensor(table), s.start_position,
-            d**-0.5,
-        )  # fmt: skip
-        assert torch.equal(got[rows], want)
-    assert not calls
-    strided = torch.randn(62, d, heads, generator=gen).transpose(1, 2)
-    strided.copy_(q)
-    fallback = attend(0, strided, cache, meta, d**-0.5, sdpa_dtype=torch.bfloat16)
-    assert len(calls) == 3  # one SDPA call per sequence
-    assert torch.allclose(fallback, got, atol=2e-2, rtol=0)
+    return calls
 
 
 @pytest.fixture(scope="module")
@@ -207,38 +210,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
 
 
-def _greedy(engine: LLMEngine, prompts: list[list[int]], passes: int) -> tuple[list[object], int]:
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
-    got: dict[str, object] = {}
-    cached = 0
-    for p in range(passes):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"p{p}r{i}", prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    lps = out.outputs[0].logprobs
-                    assert lps is not None
-                    got[out.request_id] = [(t.token_id, t.logprob, t.top) for t in lps]
-                    cached += out.num_cached_tokens
-    return [got[f"p{passes - 1}r{i}"] for i in range(len(prompts))], cached
-
-
 def test_medium_caching_and_chunking_keep_the_bits_of_long_prompts(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, sdpa_calls: list[int]
 ) -> None:
     """Prompts sharing a 900-token prefix (past the ~600 tokens from which torch's SDPA rows
     change with the context length): the same tokens and log-probabilities, bit for bit,
     uncached, served from the prefix cache, and prefilled in 256-token chunks; and the prompt
     rows never reach SDPA under ``medium``."""
-    calls: list[int] = []
-    real = F.scaled_dot_product_attention
-
-    def sdpa(*args: torch.Tensor, **kw: object) -> torch.Tensor:
-        calls.append(1)
-        return real(*args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
     gen = torch.Generator().manual_seed(5)
     prefix = torch.randint(2, 60, (900,), generator=gen).tolist()
     prompts = [prefix + torch.randint(2, 60, (n,), generator=gen).tolist() for n in (22, 9, 130)]
@@ -246,7 +224,8 @@ def test_medium_caching_and_chunking_keep_the_bits_of_long_prompts(
     def run(passes: int, **kw: object) -> tuple[list[object], int]:
         cfg = EngineConfig(num_blocks=512, dtype="bfloat16", matmul_precision="medium",
                            max_model_len=4096, **kw)  # type: ignore[arg-type]  # fmt: skip
-        return _greedy(LLMEngine.from_model_dir(str(model_dir), cfg), prompts, passes)
+        engine = LLMEngine.from_model_dir(str(model_dir), cfg)
+        return greedy_logprobs(engine, prompts, passes, max_tokens=4)
 
     uncached, none = run(1, enable_prefix_caching=False)
     cached, hits = run(2, enable_prefix_caching=True)
@@ -255,4 +234,4 @@ def test_medium_caching_and_chunking_keep_the_bits_of_long_prompts(
     assert hits >= 3 * 896
     assert cached == uncached
     assert chunked == uncached
-    assert not calls
+    assert not sdpa_calls
