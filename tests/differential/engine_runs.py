@@ -48,14 +48,25 @@ def greedy_logprobs(
     for p in range(passes):
         for i, prompt in enumerate(prompts):
             engine.add_request(f"p{p}r{i}", prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    lps = out.outputs[0].logprobs
-                    assert lps is not None
-                    got[out.request_id] = [(t.token_id, t.logprob) for t in lps]
-                    cached += out.num_cached_tokens
+        done, hits = drain(engine)
+        got.update(done)
+        cached += hits
     return [got[f"p{passes - 1}r{i}"] for i in range(len(prompts))], cached
+
+
+def drain(engine: LLMEngine) -> tuple[dict[str, list[tuple[int, float]]], int]:
+    """Step until every request finished: each one's (token, log-probability) pairs by request
+    id (requests need ``logprobs``), and the prompt tokens served from the cache, summed."""
+    got: dict[str, list[tuple[int, float]]] = {}
+    cached = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                lps = out.outputs[0].logprobs
+                assert lps is not None
+                got[out.request_id] = [(t.token_id, t.logprob) for t in lps]
+                cached += out.num_cached_tokens
+    return got, cached
 
 
 def hf_greedy(hf: Any, prompt: list[int], new: int) -> list[int]:

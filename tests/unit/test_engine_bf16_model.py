@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from differential.engine_runs import drain
 from pagedkv.engine import bf16_linear
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
@@ -31,23 +32,8 @@ def _run(engine: LLMEngine, new: int) -> list[list[tuple[int, float]]]:
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=3)
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, params)
-    got, _ = _drain(engine)
+    got, _ = drain(engine)
     return [got[f"r{i}"] for i in range(len(PROMPTS))]
-
-
-def _drain(engine: LLMEngine) -> tuple[dict[str, list[tuple[int, float]]], int]:
-    """Step until every request finished: each one's (token, log-probability) pairs by request
-    id, and the prompt tokens served from the cache, summed."""
-    got: dict[str, list[tuple[int, float]]] = {}
-    cached = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                lps = out.outputs[0].logprobs
-                assert lps is not None
-                got[out.request_id] = [(t.token_id, t.logprob) for t in lps]
-                cached += out.num_cached_tokens
-    return got, cached
 
 
 def _widened_model(model_dir: Path) -> LlamaModel:
@@ -160,7 +146,7 @@ def test_prefix_caching_gives_the_same_log_probabilities_bit_for_bit(model_dir: 
         for p in range(passes):
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"p{p}r{i}", prompt, params)
-            got, cached = _drain(engine)
+            got, cached = drain(engine)
         assert (cached >= 3 * 48) is caching  # the last pass was served the shared prefix
         return [got[f"p{passes - 1}r{i}"] for i in range(len(prompts))]
 
