@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from differential.engine_runs import greedy_logprobs
-from pagedkv.engine import attention, bf16_dot, bf16_linear
+from pagedkv.engine import attention, bf16_dot, bf16_linear, prompt_attention
 from pagedkv.engine.bf16_dot import PairedWeight
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
@@ -311,9 +311,11 @@ def test_medium_head_copy_gives_the_bits_of_the_embedding_as_stored(model_dir: P
 def test_medium_prefill_attention_runs_in_bf16(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, fused: bool
 ) -> None:
-    """Under ``medium`` the SDPA path (prefill) computes in bf16: its queries, keys and values
-    reach torch's SDPA as bf16; under ``highest`` as float32. Decode rows keep the float32
-    kernel either way (no SDPA call)."""
+    """Under ``medium`` the SDPA path (prefill; head_dim 16 is not the AMX prompt kernel's)
+    computes in bf16: its queries, keys and values reach torch's SDPA as bf16; under
+    ``highest`` as float32 (the float32 prompt kernel switched off here). Decode rows keep the
+    float32 kernel either way (no SDPA call)."""
+    monkeypatch.setattr(prompt_attention, "available_f32", lambda: False)
     real = attention.F.scaled_dot_product_attention
     seen: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
 

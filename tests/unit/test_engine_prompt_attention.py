@@ -34,13 +34,18 @@ class Case:
     a kernel that read past the context would poison its rows), and float32 queries."""
 
     def __init__(
-        self, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int
-    ) -> None:
+        self, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int,
+        pool: torch.dtype = torch.bfloat16, f32: bool = False,
+    ) -> None:  # fmt: skip
         gen = torch.Generator().manual_seed(seed)
         need = -(-ctx // block_size)
         shape = (kv_heads, need + 3, block_size, head_dim)
-        self.k = torch.randn(shape, generator=gen).to(torch.bfloat16)
-        self.v = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        self.k = torch.randn(shape, generator=gen).to(pool)
+        self.v = torch.randn(shape, generator=gen).to(pool)
+        self.kernel = (
+            prompt_attention.prompt_attention_f32 if f32 else prompt_attention.prompt_attention
+        )
+        self.f32 = f32
         self.table = torch.randperm(need + 3, generator=gen)[:need].to(torch.int64)
         stale = torch.ones(need + 3, dtype=torch.bool)
         stale[self.table] = False
@@ -54,7 +59,7 @@ class Case:
 
     def run(self, start: int, n: int, threads: int = 1) -> torch.Tensor:
         out = torch.full((n, self.heads, self.q.shape[2]), float("nan"))
-        return prompt_attention.prompt_attention(
+        return self.kernel(
             self.q[start : start + n], out, self.k, self.v, self.table, start, self.scale,
             threads,
         )  # fmt: skip
@@ -70,7 +75,7 @@ class Case:
             return rows.double().repeat_interleave(group, 0)  # [heads, ctx, d]
 
         k, v = gather(self.k), gather(self.v)
-        q = self.q.to(torch.bfloat16).double().transpose(0, 1)
+        q = (self.q if self.f32 else self.q.to(torch.bfloat16)).double().transpose(0, 1)
         s = q @ k.transpose(1, 2) * self.scale
         future = torch.triu(torch.ones(self.ctx, self.ctx, dtype=torch.bool), 1)
         p = s.masked_fill(future, float("-inf")).softmax(-1)
@@ -113,6 +118,33 @@ def test_a_rows_bits_depend_only_on_its_query_and_its_past(
     assert torch.equal(case.run(0, ctx, threads), whole)
     head = ctx // 2 + 1  # a shorter prompt with the same head: its rows are the same
     assert torch.equal(case.run(0, head, threads), whole[:head])
+
+
+F32_SHAPES = [  # (ctx, heads, kv_heads, head_dim, block_size, pool dtype)
+    pytest.param(200, 9, 3, 64, 16, torch.bfloat16, id="smollm2-bf16-pool"),
+    pytest.param(77, 4, 4, 48, 5, torch.float32, id="mha-d48-block5-f32-pool"),
+    pytest.param(130, 8, 2, 128, 32, torch.float32, id="group4-d128"),
+    pytest.param(3, 2, 1, 16, 16, torch.bfloat16, id="three-rows-d16"),
+]
+
+
+@pytest.mark.skipif(not prompt_attention.available_f32(), reason="no AVX-512 float32 kernel")
+@pytest.mark.parametrize(("ctx", "heads", "kv_heads", "head_dim", "block_size", "pool"), F32_SHAPES)
+def test_the_float32_kernel_is_float32_exact_and_row_invariant(
+    ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, pool: torch.dtype,
+    threads: int,
+) -> None:  # fmt: skip
+    """The ``highest`` kernel: within ``2^-14 * (P @ |V|)`` of float64 on the same float32
+    queries (no bf16 rounding anywhere: the bf16 kernel's 2^-9 would fail it), and every row's
+    bits independent of the chunk, its start and the threads, as for the bf16 kernel."""
+    case = Case(ctx, heads, kv_heads, head_dim, block_size, seed=ctx, pool=pool, f32=True)
+    ref, mag = case.reference()
+    whole = case.run(0, ctx, threads=1)
+    err = (whole.double() - ref).abs()
+    assert bool((err <= 2.0**-14 * mag + 1e-7).all()), float((err / mag).max())
+    for a, b in itertools.pairwise(sorted({0, 1, ctx // 2, ctx - 1, ctx})):
+        assert torch.equal(case.run(a, b - a, threads), whole[a:b]), (a, b)
+    assert torch.equal(case.run(0, ctx, threads), whole)
 
 
 def test_it_agrees_with_torch_bf16_sdpa_within_rounding() -> None:
@@ -210,19 +242,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
 
 
-def test_medium_caching_and_chunking_keep_the_bits_of_long_prompts(
-    model_dir: Path, sdpa_calls: list[int]
+@pytest.mark.parametrize("precision", ["medium", "highest"])
+def test_bf16_caching_and_chunking_keep_the_bits_of_long_prompts(
+    model_dir: Path, sdpa_calls: list[int], precision: str
 ) -> None:
-    """Prompts sharing a 900-token prefix (past the ~600 tokens from which torch's SDPA rows
-    change with the context length): the same tokens and log-probabilities, bit for bit,
-    uncached, served from the prefix cache, and prefilled in 256-token chunks; and the prompt
-    rows never reach SDPA under ``medium``."""
+    """A bf16 engine, ``medium`` (the AMX kernel, AMX linears) or ``highest`` (the float32
+    kernel, float32-compute linears; both sets of linears are batch invariant): prompts sharing
+    a 900-token prefix (past the ~600 tokens from which torch's SDPA rows change with the
+    context length) get the same tokens and log-probabilities, bit for bit, uncached, served
+    from the prefix cache, and prefilled in 256-token chunks; no prompt row reaches SDPA."""
+    if precision == "highest" and not prompt_attention.available_f32():
+        pytest.skip("no AVX-512 float32 kernel")
     gen = torch.Generator().manual_seed(5)
     prefix = torch.randint(2, 60, (900,), generator=gen).tolist()
     prompts = [prefix + torch.randint(2, 60, (n,), generator=gen).tolist() for n in (22, 9, 130)]
 
     def run(passes: int, **kw: object) -> tuple[list[object], int]:
-        cfg = EngineConfig(num_blocks=512, dtype="bfloat16", matmul_precision="medium",
+        cfg = EngineConfig(num_blocks=512, dtype="bfloat16", matmul_precision=precision,
                            max_model_len=4096, **kw)  # type: ignore[arg-type]  # fmt: skip
         engine = LLMEngine.from_model_dir(str(model_dir), cfg)
         return greedy_logprobs(engine, prompts, passes, max_tokens=4)

@@ -18,16 +18,18 @@ Two paths compute the same thing:
 * or, for the decodes instead, the native kernel (``pagedkv.engine.native``): one call walks
   every sequence's block table and reads each block once, no gather and no padding.
 
-Under ``matmul_precision="medium"`` with a bf16 pool on a CPU with AMX, the per-sequence
-path runs the AMX prompt kernel instead of SDPA (``pagedkv.engine.prompt_attention``): the
-same bf16 arithmetic straight from the pool, in an order fixed per query row, so a row's
-bits do not depend on the chunk, a cached prefix or the prompt's length (SDPA's do from ~600
-positions). Sliding-window views and shapes it does not take keep SDPA.
+On the CPU the per-sequence path runs a native prompt kernel instead of SDPA where one applies
+(``pagedkv.engine.prompt_attention``): under ``matmul_precision="medium"`` with a bf16 pool
+and AMX, the same bf16 arithmetic on AMX; otherwise, with AVX-512, float32 from a float32 or
+bf16 pool. Both read the pool as it lies, in an order fixed per query row, so a row's bits do
+not depend on the chunk, a cached prefix or the prompt's length (SDPA's do from ~600
+positions). Sliding-window views and shapes they do not take keep SDPA.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -44,6 +46,10 @@ from pagedkv.engine.attention_metadata import (
 )
 from pagedkv.engine.decode_plan import plan_decode_groups
 from pagedkv.engine.kv_cache import PagedKVCache
+
+PromptKernel: TypeAlias = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor
+]
 
 __all__ = [
     "AttentionMetadata",
@@ -96,22 +102,21 @@ def attend(
     ``matmul_precision="medium"`` rounds ``q`` and the K/V it reads to bf16 and runs torch's
     bf16 flash attention (float32 softmax statistics and sums, the probabilities rounded to
     bf16 for their product with V); its bf16 output is what the o-projection's own input
-    rounding would make of a float32 one. Where the AMX prompt kernel applies (a bf16 pool
-    on the CPU, a shape it takes, a full-attention view) it serves those rows instead, with
-    the same arithmetic in a row-invariant order. The decode kernels keep float32."""
+    rounding would make of a float32 one. Where a native prompt kernel applies (on the CPU,
+    a pool and shape it takes, a full-attention view: ``_prompt_kernel``) it serves those
+    rows instead, with the same arithmetic in a row-invariant order. The decode kernels keep
+    float32."""
     if out is None:
         out = torch.empty_like(q)
     num_heads = q.shape[1]
-    amx = sdpa_dtype is torch.bfloat16 and _prompt_kernel_applies(q, out, cache)
+    dtype = sdpa_dtype or q.dtype
+    kernel = _prompt_kernel(q, out, cache, dtype) if meta.seqs else None
     for s in meta.seqs:
         rows = slice(s.token_offset, s.token_offset + s.num_tokens)
-        if amx and s.block_ids is not None:
+        if kernel is not None and s.block_ids is not None:
             k, v = cache.k[layer], cache.v[layer]
-            prompt_kernel.prompt_attention(
-                q[rows], out[rows], k, v, s.block_ids, s.start_position, scale
-            )
+            kernel(q[rows], out[rows], k, v, s.block_ids, s.start_position, scale)
             continue
-        dtype = sdpa_dtype or q.dtype
         out[rows] = _attend_reference(q[rows], cache, layer, s, num_heads, scale, dtype)
     nat = meta.native
     if nat is not None:
@@ -137,22 +142,33 @@ def attend(
     return out
 
 
-def _prompt_kernel_applies(q: torch.Tensor, out: torch.Tensor, cache: PagedKVCache) -> bool:
-    """Whether the AMX prompt kernel (``pagedkv.engine.prompt_attention``) serves this
-    cache's prompt rows: a bf16 pool on the CPU, a shape it takes, float32 ``q``/``out`` with
-    each row's heads contiguous, AMX here."""
+def _prompt_kernel(
+    q: torch.Tensor, out: torch.Tensor, cache: PagedKVCache, dtype: torch.dtype
+) -> PromptKernel | None:
+    """The native prompt kernel (``pagedkv.engine.prompt_attention``) that serves this cache's
+    prompt rows computing in ``dtype``, or None (SDPA): float32 ``q``/``out`` with each row's
+    heads contiguous on the CPU; for bf16 arithmetic a bf16 pool, a shape the AMX kernel
+    takes and AMX here; for float32 a float32 or bf16 pool, a shape it takes and AVX-512."""
     spec = cache.spec
     d = spec.head_dim
-    return (
+    if not (
         cache.device.type == "cpu"
         and q.dtype is torch.float32
         and out.dtype is torch.float32
         and q.stride()[1:] == (d, 1)
         and out.stride()[1:] == (d, 1)
-        and spec.dtype is torch.bfloat16
-        and prompt_kernel.supports(q.shape[1], spec.num_kv_heads, spec.block_size, spec.head_dim)
-        and prompt_kernel.available()
-    )
+    ):
+        return None
+    heads, kv_heads = q.shape[1], spec.num_kv_heads
+    if dtype is torch.bfloat16:
+        ok = spec.dtype is torch.bfloat16 and prompt_kernel.supports(
+            heads, kv_heads, spec.block_size, d
+        )
+        return prompt_kernel.prompt_attention if ok and prompt_kernel.available() else None
+    if dtype is torch.float32 and spec.dtype in (torch.float32, torch.bfloat16):
+        ok = prompt_kernel.supports_f32(heads, kv_heads, d)
+        return prompt_kernel.prompt_attention_f32 if ok and prompt_kernel.available_f32() else None
+    return None
 
 
 def bind_native_decode(

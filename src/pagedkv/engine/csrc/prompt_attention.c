@@ -42,7 +42,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #include "amx.h"
-#include "exp512.h"
+#include "prompt_softmax.h"
 #define PA_AMX 1
 #else
 #define PA_AMX 0
@@ -51,9 +51,9 @@
 #include <omp.h>
 #endif
 
-#define PT 32 /* positions per step (two 16-row K tiles) */
-#define QT 16 /* query vectors per tile */
-#define MAX_D 256
+#ifndef MAX_D
+#define MAX_D 256 /* (prompt_softmax.h's, for the checks of builds without it) */
+#endif
 #define RES_D 64 /* up to this head_dim, O^T stays in tiles 4-7 across the walk */
 
 #if PA_AMX
@@ -69,32 +69,6 @@ static void tiles_on(void) {
         c.colsb[i] = 64;
     }
     _tile_loadconfig(&c);
-}
-
-/* bf16 of 16 floats, round to nearest even (a NaN stays a NaN), in the low half of each
- * 32-bit lane. */
-static inline __m512i round_bf16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-}
-
-/* The pair layout of two rows: lane c = bf16(even[c]) | bf16(odd[c]) << 16 (nearest even;
- * even and odd are probabilities in [0, 1]: arithmetic results, so a NaN keeps its payload's
- * top bits). */
-static inline __m512i pair_bf16(__m512 even, __m512 odd) {
-#ifdef __AVX512BF16__
-    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* even 0..15, odd 16..31 */
-    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                         16, 0);
-    return _mm512_permutexvar_epi16(zip, both);
-#else
-    return _mm512_or_si512(round_bf16(even), _mm512_slli_epi32(round_bf16(odd), 16));
-#endif
 }
 
 /* Q^T tiles of one KV head: qt[tile][d / 32][16 pairs][16 queries][2] bf16 (zero past nq). */
@@ -147,42 +121,6 @@ static void pack_values(const uint16_t *vh, const int64_t *table, int64_t block_
         if (d > 48) op(7, obuf + 768, 64);                                                  \
     } while (0)
 
-/* The online softmax of one step (scores sc[32 positions][16 queries], scaled here) for
- * queries whose last attended position is lim[col] - 1; the step starts at position p0.
- * Writes P^T in the pair layout (pt) and returns the factor the accumulator must take. */
-static __m512 step_softmax(const float *sc, float scale, int64_t p0, __m512i lim, int full,
-                           __m512 *m, __m512 *l, uint32_t *pt) {
-    const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
-    __m512 s[PT];
-    __mmask16 valid[PT];
-    __m512 mx = lowest;
-    for (int p = 0; p < PT; p++) {
-        valid[p] = full ? (__mmask16)0xFFFF
-                        : _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32((int)(p0 + p)));
-        s[p] = _mm512_maskz_mul_ps(valid[p], _mm512_loadu_ps(sc + p * QT), _mm512_set1_ps(scale));
-        s[p] = _mm512_mask_mov_ps(lowest, valid[p], s[p]);
-        mx = _mm512_max_ps(mx, s[p]);
-    }
-    const __m512 top = _mm512_max_ps(*m, mx);
-    const __m512 corr = exp512(_mm512_sub_ps(*m, top));
-    __m512 sum = _mm512_setzero_ps();
-    for (int p = 0; p < PT; p += 2) {
-        const __m512 e0 = _mm512_maskz_mov_ps(valid[p], exp512(_mm512_sub_ps(s[p], top)));
-        const __m512 e1 = _mm512_maskz_mov_ps(valid[p + 1], exp512(_mm512_sub_ps(s[p + 1], top)));
-        sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
-        _mm512_store_si512(pt + p / 2 * QT, pair_bf16(e0, e1));
-    }
-    *l = _mm512_add_ps(_mm512_mul_ps(*l, corr), sum);
-    *m = top;
-    return corr;
-}
-
-/* obuf's first d rows (16 lanes each) times corr. */
-static void rescale(float *obuf, int64_t d, __m512 corr) {
-    for (int64_t x = 0; x < d; x++)
-        _mm512_store_ps(obuf + x * QT, _mm512_mul_ps(_mm512_load_ps(obuf + x * QT), corr));
-}
-
 /* S^T of one step into sc: two 16-position halves, a half past `hi` (no query of the tile
  * attends to it) left unwritten (step_softmax masks it). */
 static void step_scores(const uint16_t *kh, const int64_t *table, int64_t block_size, int64_t d,
@@ -208,12 +146,8 @@ static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *v
     float sc[PT * QT] __attribute__((aligned(64)));
     uint32_t pt[PT / 2 * QT] __attribute__((aligned(64)));
     float obuf[MAX_D * QT] __attribute__((aligned(64)));
-    int32_t lim_a[QT];
-    const int64_t u0 = tile * QT, cols = nq - u0 < QT ? nq - u0 : QT;
-    for (int64_t col = 0; col < QT; col++) /* padding columns take the last query's limit */
-        lim_a[col] = (int32_t)(pos0 + (u0 + (col < cols ? col : cols - 1)) / group + 1);
-    const __m512i lim = _mm512_loadu_si512(lim_a);
-    const int64_t lo = lim_a[0], hi = lim_a[QT - 1], resident = d <= RES_D;
+    const qtile tq = tile_limits(pos0, group, nq, tile);
+    const int64_t lo = tq.lo, hi = tq.hi, resident = d <= RES_D;
     memset(obuf, 0, sizeof(float) * d * QT);
     if (resident) O_TILES(_tile_loadd);
     __m512 m = _mm512_set1_ps(-FLT_MAX), l = _mm512_setzero_ps();
@@ -221,7 +155,7 @@ static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *v
     for (int64_t t = 0; t * PT < hi; t++) {
         const int64_t p0 = t * PT;
         step_scores(kh, table, block_size, d, q0, p0, hi, sc);
-        const __m512 corr = step_softmax(sc, scale, p0, lim, p0 + PT <= lo, &m, &l, pt);
+        const __m512 corr = step_softmax(sc, scale, p0, tq.lim, p0 + PT <= lo, &m, &l, NULL, pt);
         const int moved = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) != 0;
         _tile_loadd(3, pt, 64);
         const uint16_t *vs = vt + t * d * PT;
@@ -254,13 +188,7 @@ static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *v
         }
     }
     if (resident) O_TILES(_tile_stored);
-    float inv[QT];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-    for (int64_t col = 0; col < cols; col++) {
-        const int64_t u = u0 + col;
-        float *o = out + (u / group) * ldo + (h * group + u % group) * d;
-        for (int64_t x = 0; x < d; x++) o[x] = obuf[x * QT + col] * inv[col];
-    }
+    write_out(obuf, l, &tq, d, h, group, out, ldo);
 }
 #endif
 

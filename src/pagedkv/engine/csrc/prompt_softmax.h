@@ -1,0 +1,120 @@
+/* The online softmax of one step of a prompt's attention, shared by the two prompt kernels
+ * (prompt_attention.c on AMX, prompt_attention_f32.c in float32): a query tile's limits,
+ * the step's softmax 16 queries wide, the rescale of the accumulator, and the outputs. Every
+ * operation is per lane (per query), so a query's bits never depend on the other queries of
+ * its tile. AVX-512F/BW builds only. */
+#ifndef PAGEDKV_PROMPT_SOFTMAX_H
+#define PAGEDKV_PROMPT_SOFTMAX_H
+
+#include <float.h>
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "exp512.h"
+
+#define PT 32 /* positions per step */
+#define QT 16 /* query vectors per tile */
+#define MAX_D 256
+
+/* A query tile: queries u0 .. u0 + cols - 1 of a KV head (u = row * group + member); query
+ * column c attends to positions below lim[c]; lo and hi are the first and last limits. */
+typedef struct {
+    __m512i lim;
+    int64_t u0, cols, lo, hi;
+} qtile;
+
+static inline qtile tile_limits(int64_t pos0, int64_t group, int64_t nq, int64_t tile) {
+    qtile t;
+    int32_t lim[QT];
+    t.u0 = tile * QT;
+    t.cols = nq - t.u0 < QT ? nq - t.u0 : QT;
+    for (int64_t col = 0; col < QT; col++) /* padding columns take the last query's limit */
+        lim[col] = (int32_t)(pos0 + (t.u0 + (col < t.cols ? col : t.cols - 1)) / group + 1);
+    t.lim = _mm512_loadu_si512(lim);
+    t.lo = lim[0];
+    t.hi = lim[QT - 1];
+    return t;
+}
+
+/* bf16 of 16 floats, round to nearest even (a NaN stays a NaN), in the low half of each
+ * 32-bit lane. */
+static inline __m512i round_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+/* The pair layout of two rows: lane c = bf16(even[c]) | bf16(odd[c]) << 16 (nearest even;
+ * even and odd are probabilities in [0, 1]: arithmetic results, so a NaN keeps its payload's
+ * top bits). */
+static inline __m512i pair_bf16(__m512 even, __m512 odd) {
+#ifdef __AVX512BF16__
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* even 0..15, odd 16..31 */
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    return _mm512_permutexvar_epi16(zip, both);
+#else
+    return _mm512_or_si512(round_bf16(even), _mm512_slli_epi32(round_bf16(odd), 16));
+#endif
+}
+
+/* The online softmax of one step (scores sc[32 positions][16 queries], scaled here) for
+ * queries whose last attended position is lim[col] - 1; the step starts at position p0.
+ * Writes the probabilities as float32 rows (pe) or as bf16 in the pair layout (pt), whichever
+ * is given, and returns the factor the accumulator must take. */
+static inline __attribute__((always_inline)) __m512
+step_softmax(const float *sc, float scale, int64_t p0, __m512i lim, int full, __m512 *m, __m512 *l,
+             float *pe, uint32_t *pt) {
+    const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
+    __m512 s[PT];
+    __mmask16 valid[PT];
+    __m512 mx = lowest;
+    for (int p = 0; p < PT; p++) {
+        valid[p] = full ? (__mmask16)0xFFFF
+                        : _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32((int)(p0 + p)));
+        s[p] = _mm512_maskz_mul_ps(valid[p], _mm512_loadu_ps(sc + p * QT), _mm512_set1_ps(scale));
+        s[p] = _mm512_mask_mov_ps(lowest, valid[p], s[p]);
+        mx = _mm512_max_ps(mx, s[p]);
+    }
+    const __m512 top = _mm512_max_ps(*m, mx);
+    const __m512 corr = exp512(_mm512_sub_ps(*m, top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int p = 0; p < PT; p += 2) {
+        const __m512 e0 = _mm512_maskz_mov_ps(valid[p], exp512(_mm512_sub_ps(s[p], top)));
+        const __m512 e1 = _mm512_maskz_mov_ps(valid[p + 1], exp512(_mm512_sub_ps(s[p + 1], top)));
+        sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+        if (pt) _mm512_store_si512(pt + p / 2 * QT, pair_bf16(e0, e1));
+        if (pe) {
+            _mm512_store_ps(pe + p * QT, e0);
+            _mm512_store_ps(pe + (p + 1) * QT, e1);
+        }
+    }
+    *l = _mm512_add_ps(_mm512_mul_ps(*l, corr), sum);
+    *m = top;
+    return corr;
+}
+
+/* obuf's first d rows (16 lanes each) times corr. */
+static void rescale(float *obuf, int64_t d, __m512 corr) {
+    for (int64_t x = 0; x < d; x++)
+        _mm512_store_ps(obuf + x * QT, _mm512_mul_ps(_mm512_load_ps(obuf + x * QT), corr));
+}
+
+/* out[row][head] = obuf[x][col] / l[col] for the tile's real columns (obuf: d x 16). */
+static inline void write_out(const float *obuf, __m512 l, const qtile *t, int64_t d, int64_t h,
+                             int64_t group, float *out, int64_t ldo) {
+    float inv[QT];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int64_t col = 0; col < t->cols; col++) {
+        const int64_t u = t->u0 + col;
+        float *o = out + (u / group) * ldo + (h * group + u % group) * d;
+        for (int64_t x = 0; x < d; x++) o[x] = obuf[x * QT + col] * inv[col];
+    }
+}
+
+#endif
