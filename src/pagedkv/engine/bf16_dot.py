@@ -25,11 +25,9 @@ is the AMX prompt kernel (``prompt_attention``: a row's bits depend on its query
 to its position only), so prefix caching and chunked prefill give the same bits as one
 uncached prefill at any length (tested at 900 + 130 tokens). Where that kernel does not apply
 (a head_dim that is not a multiple of 32, a block size that is not a multiple of 16, a
-sliding window) it is torch's SDPA, as it is under ``highest`` (float32): a row's bits do
-not change when a mask shifts its queries (a chunk after a cached prefix; checked to 2,100
-tokens), but can change with the context length SDPA is given from ~600 tokens on (its
-blocking follows that length), so there, for long prompts, prefix caching keeps outputs within
-rounding, not bit for bit. The AMX tiles do not follow Intel's
+sliding window) it is torch's SDPA, whose rows can change with the context length it is given
+from ~600 tokens on (its blocking follows that length), so there, for long prompts, prefix
+caching keeps outputs within rounding, not bit for bit. The AMX tiles do not follow Intel's
 documented sequential order bit for bit (measured: 1-43 of 64 sums at 576 inputs equal that
 order or a pairwise tree), so the portable loops (``portable=True``: the stated sequential
 order, any CPU) are a reference within the bound, not bit for bit.
