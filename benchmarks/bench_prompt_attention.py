@@ -1,8 +1,9 @@
-"""The AMX prompt-attention kernel (``pagedkv.engine.prompt_attention``) against what it
-replaced under ``--matmul-precision medium``: the engine's per-sequence SDPA path, i.e. the
-gather of the sequence's K/V from the paged pool (``PagedKVCache.gather``) and torch's bf16
-SDPA (queries rounded to bf16; the same inputs), one layer of SmolLM2-135M's shape (9 query
-heads over 3 KV heads, head_dim 64, block size 16).
+"""The prompt-attention kernels (``pagedkv.engine.prompt_attention``) against what they
+replaced: the engine's per-sequence SDPA path, i.e. the gather of the sequence's K/V from the
+paged pool (``PagedKVCache.gather``) and torch's SDPA on the same inputs, one layer of
+SmolLM2-135M's shape (9 query heads over 3 KV heads, head_dim 64, block size 16, a bf16
+pool). ``--precision medium`` (default): the AMX kernel against bf16 SDPA (queries rounded to
+bf16); ``highest``: the float32 kernel against float32 SDPA.
 
 Cases: an uncached prompt of 256, 1,024 and 2,048 tokens (one chunk from position 0), and the
 unfavourable ones for the kernel, a short chunk after a long cached prefix (64 tokens after
@@ -10,7 +11,7 @@ unfavourable ones for the kernel, a short chunk after a long cached prefix (64 t
 is the context's, not the chunk's. Rounds interleave the two sides; the table gives medians in
 ms and the ratio (SDPA path / kernel: above 1 means the kernel is faster).
 
-Run: ``python benchmarks/bench_prompt_attention.py [--threads N] [--rounds R]``.
+Run: ``python benchmarks/bench_prompt_attention.py [--threads N] [--rounds R] [--precision P]``.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ def _case(
     return cache, table, q
 
 
-def _sdpa_path(cache: PagedKVCache, table: torch.Tensor, q: torch.Tensor, start: int) -> None:
-    """What ``attention._attend_reference`` does for one sequence under ``medium``."""
+def _sdpa_path(
+    cache: PagedKVCache, table: torch.Tensor, q: torch.Tensor, start: int, dtype: torch.dtype
+) -> None:
+    """What ``attention._attend_reference`` does for one sequence computing in ``dtype``."""
     n = q.shape[0]
     pos = torch.arange(start + n)
     slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
@@ -51,8 +54,8 @@ def _sdpa_path(cache: PagedKVCache, table: torch.Tensor, q: torch.Tensor, start:
     if start:
         mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None].to(torch.bfloat16), keys.to(torch.bfloat16)[None],
-        values.to(torch.bfloat16)[None], attn_mask=mask, is_causal=mask is None,
+        q.transpose(0, 1)[None].to(dtype), keys.to(dtype)[None],
+        values.to(dtype)[None], attn_mask=mask, is_causal=mask is None,
         scale=HEAD_DIM**-0.5, enable_gqa=True,
     )  # fmt: skip
     torch.empty(q.shape).copy_(out[0].transpose(0, 1))
@@ -62,12 +65,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--precision", choices=("medium", "highest"), default="medium")
     args = parser.parse_args()
-    if not prompt_attention.available():
-        raise SystemExit("the AMX prompt kernel is unavailable here (no AMX-BF16?)")
+    medium = args.precision == "medium"
+    if not (prompt_attention.available() if medium else prompt_attention.available_f32()):
+        raise SystemExit(f"the {args.precision} prompt kernel is unavailable on this CPU")
+    kernel = prompt_attention.prompt_attention if medium else prompt_attention.prompt_attention_f32
+    dtype = torch.bfloat16 if medium else torch.float32
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    print(f"threads {args.threads}, median of {args.rounds} interleaved rounds, one layer")
+    print(f"{args.precision}, threads {args.threads}, median of {args.rounds} rounds, one layer")
     print(f"{'prefix + chunk':>16} | {'SDPA path ms':>12} | {'kernel ms':>9} | ratio")
     for start, n in CASES:
         cache, table, q = _case(start, n, gen)
@@ -75,12 +82,10 @@ def main() -> None:
         times: dict[str, list[float]] = {"sdpa": [], "kernel": []}
         for _ in range(args.rounds):
             t = time.perf_counter()
-            _sdpa_path(cache, table, q, start)
+            _sdpa_path(cache, table, q, start, dtype)
             times["sdpa"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            prompt_attention.prompt_attention(
-                q, out, cache.k[0], cache.v[0], table, start, HEAD_DIM**-0.5, args.threads
-            )
+            kernel(q, out, cache.k[0], cache.v[0], table, start, HEAD_DIM**-0.5, args.threads)
             times["kernel"].append(time.perf_counter() - t)
         sd, kn = (statistics.median(times[k]) * 1e3 for k in ("sdpa", "kernel"))
         print(f"{f'{start} + {n}':>16} | {sd:12.3f} | {kn:9.3f} | {sd / kn:5.2f}x")

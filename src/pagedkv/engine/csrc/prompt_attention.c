@@ -71,44 +71,40 @@ static void tiles_on(void) {
     _tile_loadconfig(&c);
 }
 
-/* Q^T tiles of one KV head: qt[tile][d / 32][16 pairs][16 queries][2] bf16 (zero past nq). */
-static void pack_queries(const float *q, int64_t ldq, int64_t h, int64_t group, int64_t d,
-                         int64_t nq, uint16_t *qt) {
-    const int64_t chunks = d / 32, tiles = (nq + QT - 1) / QT;
-    uint32_t *dst = (uint32_t *)qt;
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t c = 0; c < chunks; c++)
-            for (int64_t col = 0; col < QT; col++) {
-                const int64_t u = t * QT + col;
-                uint32_t *o = dst + (t * chunks + c) * 16 * QT + col;
-                if (u >= nq) {
-                    for (int64_t k = 0; k < 16; k++) o[k * QT] = 0;
-                    continue;
-                }
-                const float *src = q + (u / group) * ldq + (h * group + u % group) * d + c * 32;
-                uint32_t lanes[32];
-                _mm512_storeu_si512(lanes, round_bf16(_mm512_loadu_ps(src)));
-                _mm512_storeu_si512(lanes + 16, round_bf16(_mm512_loadu_ps(src + 16)));
-                for (int64_t k = 0; k < 16; k++) o[k * QT] = lanes[2 * k] | (lanes[2 * k + 1] << 16);
-            }
-}
-
-/* V^T tiles of one KV head for positions [0, ctx): vt[step][d / 16][16 of d][32 positions]
- * bf16, zero past ctx. */
-static void pack_values(const uint16_t *vh, const int64_t *table, int64_t block_size,
-                        int64_t d, int64_t ctx, uint16_t *vt) {
-    const int64_t steps = (ctx + PT - 1) / PT;
-    for (int64_t t = 0; t < steps; t++) {
-        uint16_t *o = vt + t * d * PT;
-        for (int64_t p = 0; p < PT; p++) {
-            const int64_t pos = t * PT + p;
-            if (pos >= ctx) {
-                for (int64_t x = 0; x < d; x++) o[x * PT + p] = 0;
+/* Q^T tile t of one KV head: qt[d / 32][16 pairs][16 queries][2] bf16 (zero past nq). */
+static void pack_query_tile(const float *q, int64_t ldq, int64_t h, int64_t group, int64_t d,
+                            int64_t nq, int64_t t, uint16_t *qt) {
+    const int64_t chunks = d / 32;
+    uint32_t *dst = (uint32_t *)qt + t * chunks * 16 * QT;
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t col = 0; col < QT; col++) {
+            const int64_t u = t * QT + col;
+            uint32_t *o = dst + c * 16 * QT + col;
+            if (u >= nq) {
+                for (int64_t k = 0; k < 16; k++) o[k * QT] = 0;
                 continue;
             }
-            const uint16_t *row = vh + (table[pos / block_size] * block_size + pos % block_size) * d;
-            for (int64_t x = 0; x < d; x++) o[x * PT + p] = row[x];
+            const float *src = q + (u / group) * ldq + (h * group + u % group) * d + c * 32;
+            uint32_t lanes[32];
+            _mm512_storeu_si512(lanes, round_bf16(_mm512_loadu_ps(src)));
+            _mm512_storeu_si512(lanes + 16, round_bf16(_mm512_loadu_ps(src + 16)));
+            for (int64_t k = 0; k < 16; k++) o[k * QT] = lanes[2 * k] | (lanes[2 * k + 1] << 16);
         }
+}
+
+/* V^T tiles of step t of one KV head (positions 32t .. 32t + 31, zero from ctx):
+ * vt[t][d / 16][16 of d][32 positions] bf16. */
+static void pack_value_step(const uint16_t *vh, const int64_t *table, int64_t block_size,
+                            int64_t d, int64_t ctx, int64_t t, uint16_t *vt) {
+    uint16_t *o = vt + t * d * PT;
+    for (int64_t p = 0; p < PT; p++) {
+        const int64_t pos = t * PT + p;
+        if (pos >= ctx) {
+            for (int64_t x = 0; x < d; x++) o[x * PT + p] = 0;
+            continue;
+        }
+        const uint16_t *row = vh + (table[pos / block_size] * block_size + pos % block_size) * d;
+        for (int64_t x = 0; x < d; x++) o[x * PT + p] = row[x];
     }
 }
 
@@ -217,27 +213,28 @@ int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ld
     const int64_t group = num_heads / num_kv_heads, nq = n * group;
     const int64_t qtiles = (nq + QT - 1) / QT, steps = (ctx + PT - 1) / PT;
     const int64_t qt_elems = qtiles * d * QT, vt_elems = steps * d * PT;
-    uint16_t *qt = aligned_alloc(64, (size_t)(num_kv_heads * (qt_elems + vt_elems)) * 2);
+    uint16_t *qt = aligned_alloc(64, (size_t)(qt_elems + vt_elems) * 2); /* one head's */
     if (!qt) return -2;
-    uint16_t *vt = qt + num_kv_heads * qt_elems;
-    const int64_t head_elems = num_blocks * block_size * d, items = num_kv_heads * qtiles;
+    uint16_t *vt = qt + qt_elems;
+    const int64_t head_elems = num_blocks * block_size * d;
     int parts = threads < 1 ? 1 : threads;
-    if (parts > items) parts = (int)items;
+    if (parts > qtiles) parts = (int)qtiles;
+    for (int64_t h = 0; h < num_kv_heads; h++) { /* a head at a time: its scratch only */
+        const uint16_t *kh = k_pool + h * head_elems, *vh = v_pool + h * head_elems;
 #pragma omp parallel num_threads(parts) if (parts > 1)
-    {
+        {
 #pragma omp for schedule(static)
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            pack_queries(q, ldq, h, group, d, nq, qt + h * qt_elems);
-            pack_values(v_pool + h * head_elems, table, block_size, d, ctx, vt + h * vt_elems);
-        }
-        tiles_on();
+            for (int64_t t = 0; t < qtiles; t++) pack_query_tile(q, ldq, h, group, d, nq, t, qt);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < steps; t++)
+                pack_value_step(vh, table, block_size, d, ctx, t, vt);
+            tiles_on();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) { /* the longest (last) query tiles first */
-            const int64_t h = it % num_kv_heads, tile = qtiles - 1 - it / num_kv_heads;
-            query_tile(k_pool + h * head_elems, qt + h * qt_elems, vt + h * vt_elems, table,
-                       block_size, d, h, group, pos0, nq, tile, scale, out, ldo);
+            for (int64_t it = 0; it < qtiles; it++) /* the longest (last) query tiles first */
+                query_tile(kh, qt, vt, table, block_size, d, h, group, pos0, nq, qtiles - 1 - it,
+                           scale, out, ldo);
+            _tile_release();
         }
-        _tile_release();
     }
     free(qt);
     return 0;

@@ -41,11 +41,10 @@
 #endif
 
 #if PF_512
-/* Rows [0, ctx) of one KV head's pool as float32 [steps * 32][d], zero past ctx. */
-static void pack_rows(const char *pool_h, int64_t elem, const int64_t *table, int64_t block_size,
-                      int64_t d, int64_t ctx, float *dst) {
-    const int64_t rows = (ctx + PT - 1) / PT * PT;
-    for (int64_t pos = 0; pos < rows; pos++) {
+/* Rows 32t .. 32t + 31 of one KV head's pool as float32 rows of dst ([.][d]), zero from ctx. */
+static void pack_step_rows(const char *pool_h, int64_t elem, const int64_t *table,
+                           int64_t block_size, int64_t d, int64_t ctx, int64_t t, float *dst) {
+    for (int64_t pos = t * PT; pos < (t + 1) * PT; pos++) {
         float *o = dst + pos * d;
         if (pos >= ctx) {
             memset(o, 0, sizeof(float) * d);
@@ -65,17 +64,15 @@ static void pack_rows(const char *pool_h, int64_t elem, const int64_t *table, in
     }
 }
 
-/* The queries of one KV head as [tile][d][16] float32 (zero past nq). */
-static void pack_queries(const float *q, int64_t ldq, int64_t h, int64_t group, int64_t d,
-                         int64_t nq, float *qt) {
-    const int64_t tiles = (nq + QT - 1) / QT;
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t col = 0; col < QT; col++) {
-            const int64_t u = t * QT + col;
-            float *o = qt + t * d * QT + col;
-            const float *src = q + (u / group) * ldq + (h * group + u % group) * d;
-            for (int64_t x = 0; x < d; x++) o[x * QT] = u < nq ? src[x] : 0.0f;
-        }
+/* Query tile t of one KV head as [d][16] float32 at qt + t * d * 16 (zero past nq). */
+static void pack_query_tile(const float *q, int64_t ldq, int64_t h, int64_t group, int64_t d,
+                            int64_t nq, int64_t t, float *qt) {
+    for (int64_t col = 0; col < QT; col++) {
+        const int64_t u = t * QT + col;
+        float *o = qt + t * d * QT + col;
+        const float *src = q + (u / group) * ldq + (h * group + u % group) * d;
+        for (int64_t x = 0; x < d; x++) o[x * QT] = u < nq ? src[x] : 0.0f;
+    }
 }
 
 /* Scores of one step: sc[p][lane] for 32 positions from p0 (the rows of kf), halves past `hi`
@@ -149,28 +146,28 @@ int pagedkv_prompt_attention_f32(const float *q, int64_t ldq, float *out, int64_
 #if PF_512
     const int64_t group = num_heads / num_kv_heads, nq = n * group;
     const int64_t qtiles = (nq + QT - 1) / QT, rows = (ctx + PT - 1) / PT * PT;
-    const int64_t qt_elems = qtiles * d * QT, kv_elems = rows * d;
-    float *qt = aligned_alloc(64, sizeof(float) * (size_t)(num_kv_heads * (qt_elems + 2 * kv_elems)));
-    if (!qt) return -2;
-    float *kf = qt + num_kv_heads * qt_elems, *vf = kf + num_kv_heads * kv_elems;
-    const int64_t head_bytes = num_blocks * block_size * d * elem, items = num_kv_heads * qtiles;
+    const int64_t qt_elems = qtiles * d * QT, kv_elems = rows * d, steps = rows / PT;
+    float *qt = aligned_alloc(64, sizeof(float) * (size_t)(qt_elems + 2 * kv_elems));
+    if (!qt) return -2; /* one head's scratch */
+    float *kf = qt + qt_elems, *vf = kf + kv_elems;
+    const int64_t head_bytes = num_blocks * block_size * d * elem;
     int parts = threads < 1 ? 1 : threads;
-    if (parts > items) parts = (int)items;
+    if (parts > qtiles) parts = (int)qtiles;
+    for (int64_t h = 0; h < num_kv_heads; h++) { /* a head at a time: its scratch only */
+        const char *kh = (const char *)k_pool + h * head_bytes;
+        const char *vh = (const char *)v_pool + h * head_bytes;
 #pragma omp parallel num_threads(parts) if (parts > 1)
-    {
+        {
 #pragma omp for schedule(static)
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            pack_queries(q, ldq, h, group, d, nq, qt + h * qt_elems);
-            pack_rows((const char *)k_pool + h * head_bytes, elem, table, block_size, d, ctx,
-                      kf + h * kv_elems);
-            pack_rows((const char *)v_pool + h * head_bytes, elem, table, block_size, d, ctx,
-                      vf + h * kv_elems);
-        }
+            for (int64_t t = 0; t < qtiles; t++) pack_query_tile(q, ldq, h, group, d, nq, t, qt);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < steps; t++) {
+                pack_step_rows(kh, elem, table, block_size, d, ctx, t, kf);
+                pack_step_rows(vh, elem, table, block_size, d, ctx, t, vf);
+            }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) { /* the longest (last) query tiles first */
-            const int64_t h = it % num_kv_heads, tile = qtiles - 1 - it / num_kv_heads;
-            query_tile(kf + h * kv_elems, vf + h * kv_elems, qt + h * qt_elems, d, h, group, pos0,
-                       nq, tile, scale, out, ldo);
+            for (int64_t it = 0; it < qtiles; it++) /* the longest (last) query tiles first */
+                query_tile(kf, vf, qt, d, h, group, pos0, nq, qtiles - 1 - it, scale, out, ldo);
         }
     }
     free(qt);
