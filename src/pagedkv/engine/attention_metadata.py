@@ -62,7 +62,7 @@ class SeqAttention:
     mask: torch.Tensor | None = None  # [num_tokens, len(context_slots)] True where attended;
     # None: plainly causal (a fresh prompt that the window does not cut)
     block_ids: torch.Tensor | None = None  # int64 [ceil((start + num_tokens) / block_size)]:
-    # the table from position 0, for the AMX prompt kernel (full-attention views only)
+    # the table from position 0, for the native prompt kernels (full-attention views only)
 
 
 @dataclass(slots=True)
@@ -174,6 +174,13 @@ def context_slots(
     return result
 
 
+def _decodes(s: SeqLike) -> bool:
+    """Whether ``s`` takes a batched decode path: one token that is not a prompt's (a prompt
+    chunk of one token, left after a prefix-cache hit, stays on the per-sequence path, so its
+    row is computed as in any other prompt chunk: the prompt kernels' bits)."""
+    return s.num_tokens == 1 and not getattr(s, "is_prefill", False)
+
+
 def build_metadata(
     seqs: Sequence[SeqLike],
     block_size: int,
@@ -204,7 +211,7 @@ def build_metadata(
     ref: list[tuple[int, SeqLike]] = []  # (token offset, sequence) on the reference path
     dec: list[tuple[int, SeqLike]] = []  # (token offset, sequence) on a batched decode path
     offset = 0
-    num_single = sum(1 for s in seqs if s.num_tokens == 1)
+    num_single = sum(1 for s in seqs if _decodes(s))
     use_batched = batched_decode and num_single >= (1 if native_decode else 2)
     for s in seqs:
         n = s.num_tokens
@@ -215,7 +222,7 @@ def build_metadata(
         start = s.start_position
         slot_parts.append(s.slot_mapping)
         pos_parts.append(np.arange(start, start + n, dtype=np.int64))
-        if use_batched and n == 1:  # the hot path: checked with scalars, no arrays
+        if use_batched and _decodes(s):  # the hot path: checked with scalars, no arrays
             blk = start // block_size
             table = s.block_table
             if blk >= len(table):
