@@ -49,6 +49,7 @@ class Case:
         self.table = torch.randperm(need + 3, generator=gen)[:need].to(torch.int64)
         stale = torch.ones(need + 3, dtype=torch.bool)
         stale[self.table] = False
+        self.stale = int(stale.nonzero()[0])
         self.k[:, stale] = float("nan")
         self.v[:, stale] = float("nan")
         if ctx % block_size:  # the slots past the context in its last block: stale too
@@ -57,15 +58,23 @@ class Case:
         self.q = torch.randn(ctx, heads, head_dim, generator=gen) * 2
         self.ctx, self.heads, self.scale = ctx, heads, head_dim**-0.5
 
-    def run(self, start: int, n: int, threads: int = 1) -> torch.Tensor:
+    def run(self, start: int, n: int, threads: int = 1, window: int = 0) -> torch.Tensor:
+        """Rows ``start .. start + n - 1``. With a window, the table's entries wholly before
+        the chunk's first window point at a NaN-filled stale block, as a window's released
+        blocks point at the null block: the kernel must not read them."""
         out = torch.full((n, self.heads, self.q.shape[2]), float("nan"))
+        table = self.table
+        if window and start + 1 > window:
+            table = table.clone()
+            table[: (start + 1 - window) // self.k.shape[2]] = self.stale
         return self.kernel(
-            self.q[start : start + n], out, self.k, self.v, self.table, start, self.scale,
-            threads,
+            self.q[start : start + n], out, self.k, self.v, table, start, self.scale, window,
+            threads=threads,
         )  # fmt: skip
 
-    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """float64 attention of every row over the bf16 inputs (queries rounded), and the
+    def reference(self, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 attention of every row over the pool's values (queries rounded to bf16
+        for the bf16 kernel), each row over its last ``window`` positions when given, and the
         magnitude ``P @ |V|`` its error is measured against."""
         kv_heads, _, _, d = self.k.shape
         group = self.heads // kv_heads
@@ -78,6 +87,8 @@ class Case:
         q = (self.q if self.f32 else self.q.to(torch.bfloat16)).double().transpose(0, 1)
         s = q @ k.transpose(1, 2) * self.scale
         future = torch.triu(torch.ones(self.ctx, self.ctx, dtype=torch.bool), 1)
+        if window:
+            future |= torch.tril(torch.ones(self.ctx, self.ctx, dtype=torch.bool), -window)
         p = s.masked_fill(future, float("-inf")).softmax(-1)
         return (p @ v).transpose(0, 1), (p @ v.abs()).transpose(0, 1)
 
@@ -145,6 +156,25 @@ def test_the_float32_kernel_is_float32_exact_and_row_invariant(
     for a, b in itertools.pairwise(sorted({0, 1, ctx // 2, ctx - 1, ctx})):
         assert torch.equal(case.run(a, b - a, threads), whole[a:b]), (a, b)
     assert torch.equal(case.run(0, ctx, threads), whole)
+
+
+@pytest.mark.parametrize("f32", [False, True], ids=["amx", "float32"])
+@pytest.mark.parametrize(("window", "block_size"), [(50, 16), (16, 32), (1, 16), (300, 16)])
+def test_a_sliding_window_is_exact_and_row_invariant(
+    f32: bool, window: int, block_size: int, threads: int
+) -> None:
+    """Each row over its last ``window`` positions: within the kernel's bound of float64, and
+    the same bits in any chunk, at any start (the blocks wholly before a chunk's first window
+    NaN-filled: a released block is never read) and thread count."""
+    if f32 and not prompt_attention.available_f32():
+        pytest.skip("no AVX-512 float32 kernel")
+    case = Case(200, 9, 3, 64, block_size, seed=window, f32=f32)
+    ref, mag = case.reference(window)
+    whole = case.run(0, 200, window=window)
+    bound = 2.0**-14 if f32 else 2.0**-8
+    assert bool(((whole.double() - ref).abs() <= bound * mag + 1e-6).all())
+    for a, b in itertools.pairwise([0, 1, 60, 133, 199, 200]):
+        assert torch.equal(case.run(a, b - a, threads, window), whole[a:b]), (a, b)
 
 
 def test_it_agrees_with_torch_bf16_sdpa_within_rounding() -> None:
@@ -242,17 +272,34 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("precision", ["medium", "highest"])
+@pytest.fixture(scope="module")
+def window_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Mistral with a 256-position sliding window on every layer."""
+    return write_tiny_model(
+        tmp_path_factory.mktemp("prompt_window") / "m", hidden_size=128, intermediate_size=192,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
+        max_position_embeddings=4096, sliding_window=256, model_type="mistral",
+        architectures=["MistralForCausalLM"],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("precision", "windowed"),
+    [("medium", False), ("highest", False), ("medium", True), ("highest", True)],
+)
 def test_bf16_caching_and_chunking_keep_the_bits_of_long_prompts(
-    model_dir: Path, sdpa_calls: list[int], precision: str
+    model_dir: Path, window_model_dir: Path, sdpa_calls: list[int], precision: str, windowed: bool
 ) -> None:
     """A bf16 engine, ``medium`` (the AMX kernel, AMX linears) or ``highest`` (the float32
-    kernel, float32-compute linears; both sets of linears are batch invariant): prompts sharing
-    a 900-token prefix (past the ~600 tokens from which torch's SDPA rows change with the
+    kernel, float32-compute linears; both sets of linears are batch invariant), on a Llama or
+    a Mistral with a 256-position window (released blocks and all): prompts sharing a
+    900-token prefix (past the ~600 tokens from which torch's SDPA rows change with the
     context length) get the same tokens and log-probabilities, bit for bit, uncached, served
-    from the prefix cache, and prefilled in 256-token chunks; no prompt row reaches SDPA."""
+    from the prefix cache, and prefilled in 256-token chunks; no prompt row reaches SDPA.
+    (Before the kernels took windows, the windowed medium engine changed a greedy token.)"""
     if precision == "highest" and not prompt_attention.available_f32():
         pytest.skip("no AVX-512 float32 kernel")
+    path = window_model_dir if windowed else model_dir
     gen = torch.Generator().manual_seed(5)
     prefix = torch.randint(2, 60, (900,), generator=gen).tolist()
     # tails of 22, 9, 130 and 13 tokens: the last prompt (913 tokens) leaves a one-token chunk
@@ -263,7 +310,7 @@ def test_bf16_caching_and_chunking_keep_the_bits_of_long_prompts(
     def run(passes: int, **kw: object) -> tuple[list[object], int]:
         cfg = EngineConfig(num_blocks=512, dtype="bfloat16", matmul_precision=precision,
                            max_model_len=4096, **kw)  # type: ignore[arg-type]  # fmt: skip
-        engine = LLMEngine.from_model_dir(str(model_dir), cfg)
+        engine = LLMEngine.from_model_dir(str(path), cfg)
         return greedy_logprobs(engine, prompts, passes, max_tokens=4)
 
     uncached, none = run(1, enable_prefix_caching=False)

@@ -23,7 +23,7 @@ On the CPU the per-sequence path runs a native prompt kernel instead of SDPA whe
 and AMX, the same bf16 arithmetic on AMX; otherwise, with AVX-512, float32 from a float32 or
 bf16 pool. Both read the pool as it lies, in an order fixed per query row, so a row's bits do
 not depend on the chunk, a cached prefix or the prompt's length (SDPA's do from ~600
-positions). Sliding-window views and shapes they do not take keep SDPA.
+positions), sliding windows included. Shapes they do not take keep SDPA.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from pagedkv.engine.decode_plan import plan_decode_groups
 from pagedkv.engine.kv_cache import PagedKVCache
 
 PromptKernel: TypeAlias = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float, int],
+    torch.Tensor,
 ]
 
 __all__ = [
@@ -103,19 +104,20 @@ def attend(
     bf16 flash attention (float32 softmax statistics and sums, the probabilities rounded to
     bf16 for their product with V); its bf16 output is what the o-projection's own input
     rounding would make of a float32 one. Where a native prompt kernel applies (on the CPU,
-    a pool and shape it takes, a full-attention view: ``_prompt_kernel``) it serves those
-    rows instead, with the same arithmetic in a row-invariant order. The decode kernels keep
-    float32."""
+    a pool and shape it takes: ``_prompt_kernel``) it serves those
+    rows instead (a sliding-window view's too), with the same arithmetic in a row-invariant
+    order. The decode kernels keep float32."""
     if out is None:
         out = torch.empty_like(q)
     num_heads = q.shape[1]
     dtype = sdpa_dtype or q.dtype
     kernel = _prompt_kernel(q, out, cache, dtype) if meta.seqs else None
+    window = meta.window or 0
     for s in meta.seqs:
         rows = slice(s.token_offset, s.token_offset + s.num_tokens)
         if kernel is not None and s.block_ids is not None:
             k, v = cache.k[layer], cache.v[layer]
-            kernel(q[rows], out[rows], k, v, s.block_ids, s.start_position, scale)
+            kernel(q[rows], out[rows], k, v, s.block_ids, s.start_position, scale, window)
             continue
         out[rows] = _attend_reference(q[rows], cache, layer, s, num_heads, scale, dtype)
     nat = meta.native

@@ -62,7 +62,8 @@ class SeqAttention:
     mask: torch.Tensor | None = None  # [num_tokens, len(context_slots)] True where attended;
     # None: plainly causal (a fresh prompt that the window does not cut)
     block_ids: torch.Tensor | None = None  # int64 [ceil((start + num_tokens) / block_size)]:
-    # the table from position 0, for the native prompt kernels (full-attention views only)
+    # the table from position 0 (a window's released blocks as the null block), for the
+    # native prompt kernels
 
 
 @dataclass(slots=True)
@@ -282,10 +283,8 @@ def _build_view(
             if window is not None:
                 keep &= kpos > qpos - window
             mask = torch.from_numpy(keep).to(device)
-        table = None
-        if window is None:
-            ids = np.array(s.block_table[: -(-(start + n) // block_size)], dtype=np.int64)
-            table = torch.from_numpy(ids).to(device)
+        ids = np.array(s.block_table[: -(-(start + n) // block_size)], dtype=np.int64)
+        table = torch.from_numpy(ids).to(device)
         meta.seqs.append(SeqAttention(offset, n, start, ctx.to(device), mask, table))
     if not dec:
         return meta

@@ -26,9 +26,10 @@ rows differ in the last bits between a short and a long prompt (and its masked p
 chunk after a prefix is not its causal one). The tests bound each kernel against float64: the
 bf16 roundings for the first, float32's for the second.
 
-Sliding-window views keep SDPA. Query tiles are shared among torch's intra-op threads (OpenMP
-inside the call), the longest first. Measured (this 2-core Xeon, SmolLM2's 9 query / 3 KV
-heads, head_dim 64): ``benchmarks/RESULTS.md``, "a prompt's attention on AMX".
+Sliding windows are taken (a row attends to its last ``window`` positions). Query tiles are
+shared among torch's intra-op threads (OpenMP inside the call), the longest first. Measured
+(this 2-core Xeon, SmolLM2's 9 query / 3 KV heads, head_dim 64): ``benchmarks/RESULTS.md``,
+"a prompt's attention on AMX".
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _bind(lib: ctypes.CDLL) -> bool:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagedkv_prompt_attention.argtypes = [
         ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-        ctypes.c_int,
+        i64, ctypes.c_int,
     ]  # fmt: skip
     lib.pagedkv_prompt_attention.restype = ctypes.c_int
     lib.pagedkv_prompt_attention_amx.restype = ctypes.c_int
@@ -67,7 +68,7 @@ def _bind_f32(lib: ctypes.CDLL) -> bool:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagedkv_prompt_attention_f32.argtypes = [
         ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
-        ctypes.c_float, ctypes.c_int,
+        ctypes.c_float, i64, ctypes.c_int,
     ]  # fmt: skip
     lib.pagedkv_prompt_attention_f32.restype = ctypes.c_int
     lib.pagedkv_prompt_attention_f32_built.restype = ctypes.c_int
@@ -175,14 +176,18 @@ def prompt_attention(
     table: torch.Tensor,
     start: int,
     scale: float,
+    window: int = 0,
     threads: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's chunk in bf16 on AMX: ``q`` (``[n, heads,
     head_dim]`` float32) at positions ``start .. start + n - 1``, over the positions ``0 ..``
     each row's own in the bf16 pools ``[kv_heads, blocks, block_size, head_dim]`` through
-    ``table`` (int64 block ids, at least ``ceil((start + n) / block_size)``). Writes ``out``
-    (same shape as ``q``; rows may be strided) and returns it. Raises ``InvalidRequestError``
-    for anything the kernel does not take, a block id out of range included."""
+    ``table`` (int64 block ids, at least ``ceil((start + n) / block_size)``, indexed by
+    position). ``window`` > 0: a sliding window, each row attends to its last ``window``
+    positions only (table entries wholly before the chunk's first window are not read).
+    Writes ``out`` (same shape as ``q``; rows may be strided) and returns it. Raises
+    ``InvalidRequestError`` for anything the kernel does not take, a block id out of range
+    included."""
     kv_heads, blocks, block_size, head_dim = k_pool.shape
     fits = k_pool.dtype is torch.bfloat16 and supports(q.shape[1], kv_heads, block_size, head_dim)
     ldq, ldo, n = _call_args(q, out, k_pool, v_pool, table, start, fits)
@@ -192,7 +197,7 @@ def prompt_attention(
     rc = lib.pagedkv_prompt_attention(
         q.data_ptr(), ldq, out.data_ptr(), ldo, n, k_pool.data_ptr(), v_pool.data_ptr(),
         table.data_ptr(), start, q.shape[1], kv_heads, blocks, block_size, head_dim, scale,
-        threads if threads is not None else torch.get_num_threads(),
+        window, threads if threads is not None else torch.get_num_threads(),
     )  # fmt: skip
     if rc:
         raise InvalidRequestError(f"prompt attention kernel failed: {_ERRORS.get(rc, rc)}")
@@ -207,6 +212,7 @@ def prompt_attention_f32(
     table: torch.Tensor,
     start: int,
     scale: float,
+    window: int = 0,
     threads: int | None = None,
 ) -> torch.Tensor:
     """:func:`prompt_attention` in float32 (``highest``): float32 or bf16 pools (widened
@@ -222,7 +228,8 @@ def prompt_attention_f32(
     rc = lib.pagedkv_prompt_attention_f32(
         q.data_ptr(), ldq, out.data_ptr(), ldo, n, k_pool.data_ptr(), v_pool.data_ptr(),
         k_pool.element_size(), table.data_ptr(), start, q.shape[1], kv_heads, blocks,
-        block_size, head_dim, scale, threads if threads is not None else torch.get_num_threads(),
+        block_size, head_dim, scale, window,
+        threads if threads is not None else torch.get_num_threads(),
     )  # fmt: skip
     if rc:
         raise InvalidRequestError(f"prompt attention kernel failed: {_ERRORS.get(rc, rc)}")

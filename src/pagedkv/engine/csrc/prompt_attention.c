@@ -2,7 +2,8 @@
  * head-major bf16 KV pool ("matmul precision medium": the arithmetic of torch's bf16 SDPA).
  *
  * Contract. The chunk's query rows i = 0..n-1 sit at positions pos0 + i of one sequence and
- * attend to positions 0..pos0 + i (causal; no window). For every query vector (row, head):
+ * attend to positions 0..pos0 + i (causal), or with a sliding window W > 0 to positions
+ * pos0 + i - W + 1 .. pos0 + i. For every query vector (row, head):
  *   q is rounded to bf16 (nearest even); each score s_p = scale * (q . k_p), the dot product
  *   of bf16 values summed in float32 on AMX (TDPBF16PS), then one float32 multiplication;
  *   positions are walked in tiles of 16 from position 0 with an online softmax in float32:
@@ -10,8 +11,8 @@
  *   acc = acc * c + sum_p bf16(e_p) * v_p (AMX, float32 sums), with e_p = exp(s_p - m') by
  *   exp512 (exp512.h); finally out = acc * (1 / l) (float32).
  * Positions past a query's own are excluded exactly (e_p = 0; a tile wholly past it leaves
- * m, l and acc unchanged, bit for bit), and the pool is read only up to the chunk's last
- * position (V past it enters as zeros). So a query's result depends on its own q and the
+ * m, l and acc unchanged, bit for bit, as does a step wholly before its window), and V is read
+ * only within the chunk's span (zeros outside it). So a query's result depends on its own q and the
  * K/V of positions 0..its own, and on nothing else: not on the chunk's other rows, its
  * length, where the chunk starts (a cached prefix), the thread count, or stale pool data.
  * That is what makes prefix caching and chunked prefill give the same bits as one
@@ -30,9 +31,10 @@
  *
  * Layouts: q [n, ldq], out [n, ldo] float32 rows (head h at column h * head_dim); k_pool, v_pool
  * [num_kv_heads, num_blocks, block_size, head_dim] bf16; table: the sequence's block ids,
- * ceil((pos0 + n) / block_size) of them. block_size a multiple of 16, head_dim a multiple of
- * 32 and at most 256. Returns 0; -1 for a bad shape or block id; -2 when a buffer cannot be
- * allocated; -3 when AMX is not built or the OS refuses the tile data.
+ * ceil((pos0 + n) / block_size) of them (indexed by position; with a window, entries wholly
+ * before the chunk's first window are not read). block_size a multiple of 16, head_dim a
+ * multiple of 32 and at most 256. Returns 0; -1 for a bad shape or block id; -2 when a
+ * buffer cannot be allocated; -3 when AMX is not built or the OS refuses the tile data.
  */
 #include <float.h>
 #include <stdint.h>
@@ -92,14 +94,14 @@ static void pack_query_tile(const float *q, int64_t ldq, int64_t h, int64_t grou
         }
 }
 
-/* V^T tiles of step t of one KV head (positions 32t .. 32t + 31, zero from ctx):
+/* V^T tiles of step t of one KV head (positions 32t .. 32t + 31, zero outside [from, ctx)):
  * vt[t][d / 16][16 of d][32 positions] bf16. */
 static void pack_value_step(const uint16_t *vh, const int64_t *table, int64_t block_size,
-                            int64_t d, int64_t ctx, int64_t t, uint16_t *vt) {
+                            int64_t d, int64_t from, int64_t ctx, int64_t t, uint16_t *vt) {
     uint16_t *o = vt + t * d * PT;
     for (int64_t p = 0; p < PT; p++) {
         const int64_t pos = t * PT + p;
-        if (pos >= ctx) {
+        if (pos < from || pos >= ctx) {
             for (int64_t x = 0; x < d; x++) o[x * PT + p] = 0;
             continue;
         }
@@ -137,21 +139,21 @@ static void step_scores(const uint16_t *kh, const int64_t *table, int64_t block_
 /* One query tile of KV head h: the walk over its steps, then its outputs. */
 static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *vt,
                        const int64_t *table, int64_t block_size, int64_t d, int64_t h,
-                       int64_t group, int64_t pos0, int64_t nq, int64_t tile, float scale,
-                       float *out, int64_t ldo) {
+                       int64_t group, int64_t pos0, int64_t nq, int64_t tile, int64_t window,
+                       float scale, float *out, int64_t ldo) {
     float sc[PT * QT] __attribute__((aligned(64)));
     uint32_t pt[PT / 2 * QT] __attribute__((aligned(64)));
     float obuf[MAX_D * QT] __attribute__((aligned(64)));
-    const qtile tq = tile_limits(pos0, group, nq, tile);
-    const int64_t lo = tq.lo, hi = tq.hi, resident = d <= RES_D;
+    const qtile tq = tile_limits(pos0, group, nq, tile, window);
+    const int64_t hi = tq.hi, resident = d <= RES_D;
     memset(obuf, 0, sizeof(float) * d * QT);
     if (resident) O_TILES(_tile_loadd);
     __m512 m = _mm512_set1_ps(-FLT_MAX), l = _mm512_setzero_ps();
     const uint16_t *q0 = qt + tile * (d / 32) * 512;
-    for (int64_t t = 0; t * PT < hi; t++) {
+    for (int64_t t = tq.first / PT; t * PT < hi; t++) {
         const int64_t p0 = t * PT;
         step_scores(kh, table, block_size, d, q0, p0, hi, sc);
-        const __m512 corr = step_softmax(sc, scale, p0, tq.lim, p0 + PT <= lo, &m, &l, NULL, pt);
+        const __m512 corr = step_softmax(sc, scale, p0, &tq, &m, &l, NULL, pt);
         const int moved = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) != 0;
         _tile_loadd(3, pt, 64);
         const uint16_t *vs = vt + t * d * PT;
@@ -200,13 +202,15 @@ int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ld
                              const uint16_t *k_pool, const uint16_t *v_pool,
                              const int64_t *table, int64_t pos0, int64_t num_heads,
                              int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                             int64_t head_dim, float scale, int threads) {
+                             int64_t head_dim, float scale, int64_t window, int threads) {
     const int64_t d = head_dim, ctx = pos0 + n;
-    if (n < 1 || pos0 < 0 || num_kv_heads < 1 || num_heads % num_kv_heads || d % 32 ||
+    const int64_t from = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    if (n < 1 || pos0 < 0 || window < 0 || num_kv_heads < 1 || num_heads % num_kv_heads ||
+        d % 32 ||
         d > MAX_D || block_size % 16 || block_size < 16 || ldq < num_heads * d ||
         ldo < num_heads * d)
         return -1;
-    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
+    for (int64_t b = from / block_size; b < (ctx + block_size - 1) / block_size; b++)
         if (table[b] < 0 || table[b] >= num_blocks) return -1;
 #if PA_AMX
     if (!amx_permitted()) return -3;
@@ -226,20 +230,20 @@ int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ld
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < qtiles; t++) pack_query_tile(q, ldq, h, group, d, nq, t, qt);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < steps; t++)
-                pack_value_step(vh, table, block_size, d, ctx, t, vt);
+            for (int64_t t = from / PT; t < steps; t++)
+                pack_value_step(vh, table, block_size, d, from, ctx, t, vt);
             tiles_on();
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < qtiles; it++) /* the longest (last) query tiles first */
                 query_tile(kh, qt, vt, table, block_size, d, h, group, pos0, nq, qtiles - 1 - it,
-                           scale, out, ldo);
+                           window, scale, out, ldo);
             _tile_release();
         }
     }
     free(qt);
     return 0;
 #else
-    (void)q, (void)out, (void)k_pool, (void)v_pool, (void)scale, (void)threads;
+    (void)q, (void)out, (void)k_pool, (void)v_pool, (void)scale, (void)threads, (void)from;
     return -3;
 #endif
 }

@@ -3,7 +3,8 @@
  * prompt_attention.c, with the same walk and the same row invariance.
  *
  * Contract. The chunk's query rows i = 0..n-1 sit at positions pos0 + i of one sequence and
- * attend to positions 0..pos0 + i. For every query vector (row, head), in float32:
+ * attend to positions 0..pos0 + i, or with a sliding window W > 0 to pos0 + i - W + 1 ..
+ * pos0 + i. For every query vector (row, head), in float32:
  *   s_p = scale * (sum over x = 0, 1, .., d-1 of q[x] * k_p[x]), one fused multiply-add per x
  *   in increasing x (then one multiplication); positions walked in steps of 32 from position 0
  *   with an online softmax (prompt_softmax.h: m' = max(m, max_p s_p), c = exp(m - m'),
@@ -41,12 +42,14 @@
 #endif
 
 #if PF_512
-/* Rows 32t .. 32t + 31 of one KV head's pool as float32 rows of dst ([.][d]), zero from ctx. */
+/* Rows 32t .. 32t + 31 of one KV head's pool as float32 rows of dst ([.][d]), zero outside
+ * [from, ctx). */
 static void pack_step_rows(const char *pool_h, int64_t elem, const int64_t *table,
-                           int64_t block_size, int64_t d, int64_t ctx, int64_t t, float *dst) {
+                           int64_t block_size, int64_t d, int64_t from, int64_t ctx, int64_t t,
+                           float *dst) {
     for (int64_t pos = t * PT; pos < (t + 1) * PT; pos++) {
         float *o = dst + pos * d;
-        if (pos >= ctx) {
+        if (pos < from || pos >= ctx) {
             memset(o, 0, sizeof(float) * d);
             continue;
         }
@@ -108,20 +111,19 @@ static void step_values(const float *vf, const float *pe, int64_t d, float *obuf
 
 /* One query tile of KV head h: the walk over its steps, then its outputs. */
 static void query_tile(const float *kf, const float *vf, const float *qt, int64_t d, int64_t h,
-                       int64_t group, int64_t pos0, int64_t nq, int64_t tile, float scale,
-                       float *out, int64_t ldo) {
+                       int64_t group, int64_t pos0, int64_t nq, int64_t tile, int64_t window,
+                       float scale, float *out, int64_t ldo) {
     float sc[PT * QT] __attribute__((aligned(64)));
     float pe[PT * QT] __attribute__((aligned(64)));
     float obuf[MAX_D * QT] __attribute__((aligned(64)));
-    const qtile tq = tile_limits(pos0, group, nq, tile);
+    const qtile tq = tile_limits(pos0, group, nq, tile, window);
     memset(obuf, 0, sizeof(float) * d * QT);
     __m512 m = _mm512_set1_ps(-FLT_MAX), l = _mm512_setzero_ps();
     const float *q0 = qt + tile * d * QT;
-    for (int64_t t = 0; t * PT < tq.hi; t++) {
+    for (int64_t t = tq.first / PT; t * PT < tq.hi; t++) {
         const int64_t p0 = t * PT;
         step_scores(kf, q0, d, p0, tq.hi, sc);
-        const __m512 corr = step_softmax(sc, scale, p0, tq.lim, p0 + PT <= tq.lo, &m, &l, pe,
-                                         NULL);
+        const __m512 corr = step_softmax(sc, scale, p0, &tq, &m, &l, pe, NULL);
         if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) rescale(obuf, d, corr);
         step_values(vf + p0 * d, pe, d, obuf);
     }
@@ -135,13 +137,15 @@ int pagedkv_prompt_attention_f32(const float *q, int64_t ldq, float *out, int64_
                                  const void *k_pool, const void *v_pool, int64_t elem,
                                  const int64_t *table, int64_t pos0, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                                 int64_t head_dim, float scale, int threads) {
+                                 int64_t head_dim, float scale, int64_t window, int threads) {
     const int64_t d = head_dim, ctx = pos0 + n;
-    if (n < 1 || pos0 < 0 || num_kv_heads < 1 || num_heads % num_kv_heads || d % 16 ||
+    const int64_t from = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    if (n < 1 || pos0 < 0 || window < 0 || num_kv_heads < 1 || num_heads % num_kv_heads ||
+        d % 16 ||
         d > MAX_D || block_size < 1 || (elem != 2 && elem != 4) || ldq < num_heads * d ||
         ldo < num_heads * d)
         return -1;
-    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
+    for (int64_t b = from / block_size; b < (ctx + block_size - 1) / block_size; b++)
         if (table[b] < 0 || table[b] >= num_blocks) return -1;
 #if PF_512
     const int64_t group = num_heads / num_kv_heads, nq = n * group;
@@ -161,19 +165,20 @@ int pagedkv_prompt_attention_f32(const float *q, int64_t ldq, float *out, int64_
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < qtiles; t++) pack_query_tile(q, ldq, h, group, d, nq, t, qt);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < steps; t++) {
-                pack_step_rows(kh, elem, table, block_size, d, ctx, t, kf);
-                pack_step_rows(vh, elem, table, block_size, d, ctx, t, vf);
+            for (int64_t t = from / PT; t < steps; t++) {
+                pack_step_rows(kh, elem, table, block_size, d, from, ctx, t, kf);
+                pack_step_rows(vh, elem, table, block_size, d, from, ctx, t, vf);
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < qtiles; it++) /* the longest (last) query tiles first */
-                query_tile(kf, vf, qt, d, h, group, pos0, nq, qtiles - 1 - it, scale, out, ldo);
+                query_tile(kf, vf, qt, d, h, group, pos0, nq, qtiles - 1 - it, window, scale, out,
+                           ldo);
         }
     }
     free(qt);
     return 0;
 #else
-    (void)q, (void)out, (void)k_pool, (void)v_pool, (void)scale, (void)threads;
+    (void)q, (void)out, (void)k_pool, (void)v_pool, (void)scale, (void)threads, (void)from;
     return -3;
 #endif
 }

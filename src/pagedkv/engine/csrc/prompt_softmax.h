@@ -18,22 +18,31 @@
 #define MAX_D 256
 
 /* A query tile: queries u0 .. u0 + cols - 1 of a KV head (u = row * group + member); query
- * column c attends to positions below lim[c]; lo and hi are the first and last limits. */
+ * column c attends to positions low[c] .. lim[c] - 1 (low = lim - window with a sliding
+ * window, else 0); lo and hi are the first and last limits, first the first low. The walk
+ * covers steps first / PT .. (hi - 1) / PT: a step outside every column's range changes
+ * nothing (e = 0, c = 1), so where the walk starts and ends does not change a column's bits. */
 typedef struct {
-    __m512i lim;
-    int64_t u0, cols, lo, hi;
+    __m512i lim, low;
+    int64_t u0, cols, lo, hi, first, low_max;
 } qtile;
 
-static inline qtile tile_limits(int64_t pos0, int64_t group, int64_t nq, int64_t tile) {
+static inline qtile tile_limits(int64_t pos0, int64_t group, int64_t nq, int64_t tile,
+                                int64_t window) {
     qtile t;
-    int32_t lim[QT];
+    int32_t lim[QT], low[QT];
     t.u0 = tile * QT;
     t.cols = nq - t.u0 < QT ? nq - t.u0 : QT;
-    for (int64_t col = 0; col < QT; col++) /* padding columns take the last query's limit */
+    for (int64_t col = 0; col < QT; col++) { /* padding columns take the last query's range */
         lim[col] = (int32_t)(pos0 + (t.u0 + (col < t.cols ? col : t.cols - 1)) / group + 1);
+        low[col] = window > 0 && lim[col] > window ? (int32_t)(lim[col] - window) : 0;
+    }
     t.lim = _mm512_loadu_si512(lim);
+    t.low = _mm512_loadu_si512(low);
     t.lo = lim[0];
     t.hi = lim[QT - 1];
+    t.first = low[0];
+    t.low_max = low[QT - 1];
     return t;
 }
 
@@ -63,20 +72,22 @@ static inline __m512i pair_bf16(__m512 even, __m512 odd) {
 #endif
 }
 
-/* The online softmax of one step (scores sc[32 positions][16 queries], scaled here) for
- * queries whose last attended position is lim[col] - 1; the step starts at position p0.
+/* The online softmax of one step (scores sc[32 positions][16 queries], scaled here) for the
+ * tile's queries (each over its own range, tq); the step starts at position p0.
  * Writes the probabilities as float32 rows (pe) or as bf16 in the pair layout (pt), whichever
  * is given, and returns the factor the accumulator must take. */
 static inline __attribute__((always_inline)) __m512
-step_softmax(const float *sc, float scale, int64_t p0, __m512i lim, int full, __m512 *m, __m512 *l,
+step_softmax(const float *sc, float scale, int64_t p0, const qtile *tq, __m512 *m, __m512 *l,
              float *pe, uint32_t *pt) {
+    const int full = p0 + PT <= tq->lo && p0 >= tq->low_max; /* every column takes every p */
     const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
     __m512 s[PT];
     __mmask16 valid[PT];
     __m512 mx = lowest;
     for (int p = 0; p < PT; p++) {
+        const __m512i at = _mm512_set1_epi32((int)(p0 + p));
         valid[p] = full ? (__mmask16)0xFFFF
-                        : _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32((int)(p0 + p)));
+                        : _mm512_cmpgt_epi32_mask(tq->lim, at) & _mm512_cmple_epi32_mask(tq->low, at);
         s[p] = _mm512_maskz_mul_ps(valid[p], _mm512_loadu_ps(sc + p * QT), _mm512_set1_ps(scale));
         s[p] = _mm512_mask_mov_ps(lowest, valid[p], s[p]);
         mx = _mm512_max_ps(mx, s[p]);
