@@ -85,7 +85,8 @@ def main() -> None:
             _sdpa_path(cache, table, q, start, dtype)
             times["sdpa"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            kernel(q, out, cache.k[0], cache.v[0], table, start, HEAD_DIM**-0.5, threads=args.threads)
+            k, v, scale = cache.k[0], cache.v[0], HEAD_DIM**-0.5
+            kernel(q, out, k, v, table, start, scale, threads=args.threads)
             times["kernel"].append(time.perf_counter() - t)
         sd, kn = (statistics.median(times[k]) * 1e3 for k in ("sdpa", "kernel"))
         print(f"{f'{start} + {n}':>16} | {sd:12.3f} | {kn:9.3f} | {sd / kn:5.2f}x")
