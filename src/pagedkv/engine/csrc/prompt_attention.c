@@ -19,15 +19,16 @@
  * uncached prefill, at any prompt length (torch's SDPA blocks by the context length it is
  * given, so its rows change with it from ~600 tokens).
  *
- * Work. Per KV head, the queries of its group are listed row-major (row i, group member g:
- * u = i * group + g) and cut into tiles of 16; a tile walks the position tiles up to its last
- * query's. S^T = K Q^T puts positions in rows and queries in columns: the pool's K rows load
- * as the A tile as stored (row stride head_dim * 2 bytes), the queries as B tiles (packed
- * once per call), and the softmax runs 16 queries wide with no horizontal sums. O^T = V^T
- * P^T: V^T is packed once per call (16 x 16 tiles, zeros past the chunk), P^T is built per
- * tile in the B (pair) layout, and O^T stays in an L1 buffer (head_dim x 16 float32) that the
- * C tile is loaded from and stored to. Items (KV head, query tile) go to the process's
- * OpenMP threads, the longest first.
+ * Work. One KV head at a time (its scratch only): the queries of its group are listed
+ * row-major (row i, group member g: u = i * group + g) and cut into tiles of 16; a tile walks
+ * the 32-position steps from its first window's to its last query's. S^T = K Q^T puts
+ * positions in rows and queries in columns: the pool's K rows load as the A tile as stored
+ * (row stride head_dim * 2 bytes), the queries as B tiles (packed per head), and the softmax
+ * runs 16 queries wide with no horizontal sums (prompt_softmax.h). O^T = V^T P^T: V^T is
+ * packed per head (16 of d x 32 positions tiles, zeros outside the chunk's span), P^T is
+ * built per step in the B (pair) layout, and O^T stays in tiles 4-7 up to head_dim 64 (else
+ * an L1 buffer the C tile is loaded from and stored to). The head's packing and its query
+ * tiles (the longest first) are shared among the process's OpenMP threads.
  *
  * Layouts: q [n, ldq], out [n, ldo] float32 rows (head h at column h * head_dim); k_pool, v_pool
  * [num_kv_heads, num_blocks, block_size, head_dim] bf16; table: the sequence's block ids,

@@ -15,10 +15,11 @@
  * 0..its own, and on nothing else: not the chunk's other rows or length, a cached prefix, the
  * thread count, or stale pool slots. No step rounds anything to bf16.
  *
- * Work. Per call and KV head, the context's K and V rows are copied (widened) into float32
- * scratch, zero past the chunk, and the queries into [tile][d][16] (16 query vectors in the
- * lanes: each score or value step is one FMA of a broadcast pool element with 16 queries).
- * Items (KV head, query tile of 16) go to the process's OpenMP threads, the longest first.
+ * Work. One KV head at a time (its scratch only): the K and V rows of the chunk's span are
+ * copied (widened) into float32 scratch, zeros outside it, and the queries into [tile][d][16]
+ * (16 query vectors in the lanes: each score or value step is one FMA of a broadcast pool
+ * element with 16 queries). The head's packing and its query tiles (the longest first) are
+ * shared among the process's OpenMP threads.
  *
  * Layouts: q [n, ldq], out [n, ldo] float32 rows (head h at column h * head_dim); k_pool,
  * v_pool [num_kv_heads, num_blocks, block_size, head_dim], float32 (elem 4) or bf16 (elem 2);
