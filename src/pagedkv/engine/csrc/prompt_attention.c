@@ -6,15 +6,15 @@
  * pos0 + i - W + 1 .. pos0 + i. For every query vector (row, head):
  *   q is rounded to bf16 (nearest even); each score s_p = scale * (q . k_p), the dot product
  *   of bf16 values summed in float32 on AMX (TDPBF16PS), then one float32 multiplication;
- *   positions are walked in tiles of 16 from position 0 with an online softmax in float32:
- *   per tile, m' = max(m, max_p s_p), c = exp(m - m'), l = l * c + sum_p e_p (in p order),
+ *   positions are walked in steps of 32 from position 0 with an online softmax in float32:
+ *   per step, m' = max(m, max_p s_p), c = exp(m - m'), l = l * c + sum_p e_p (in p order),
  *   acc = acc * c + sum_p bf16(e_p) * v_p (AMX, float32 sums), with e_p = exp(s_p - m') by
  *   exp512 (exp512.h); finally out = acc * (1 / l) (float32).
- * Positions past a query's own are excluded exactly (e_p = 0; a tile wholly past it leaves
- * m, l and acc unchanged, bit for bit, as does a step wholly before its window), and V is read
- * only within the chunk's span (zeros outside it). So a query's result depends on its own q and the
- * K/V of positions 0..its own, and on nothing else: not on the chunk's other rows, its
- * length, where the chunk starts (a cached prefix), the thread count, or stale pool data.
+ * Positions outside a query's range are excluded exactly (e_p = 0; a step wholly outside it
+ * leaves m, l and acc unchanged, bit for bit), and V is read only within the chunk's span
+ * (zeros outside it). So a query's result depends on its own q and the K/V of its own range,
+ * and on nothing else: not on the chunk's other rows, its length, where the chunk starts (a
+ * cached prefix), the thread count, or stale pool data.
  * That is what makes prefix caching and chunked prefill give the same bits as one
  * uncached prefill, at any prompt length (torch's SDPA blocks by the context length it is
  * given, so its rows change with it from ~600 tokens).
