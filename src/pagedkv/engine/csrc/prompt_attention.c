@@ -98,8 +98,42 @@ static void pack_query_tile(const float *q, int64_t ldq, int64_t h, int64_t grou
 /* V^T tiles of step t of one KV head (positions 32t .. 32t + 31, zero outside [from, ctx)):
  * vt[t][d / 16][16 of d][32 positions] bf16. */
 static void pack_value_step(const uint16_t *vh, const int64_t *table, int64_t block_size,
-                            int64_t d, int64_t from, int64_t ctx, int64_t t, uint16_t *vt) {
+                            int64_t d, int64_t from, int64_t ctx, int64_t t, int gather,
+                            uint16_t *vt) {
     uint16_t *o = vt + t * d * PT;
+    if (gather) { /* pairs of d gathered as dwords from the 32 rows, split into two rows */
+        int32_t at[PT]; /* each row's first dword; outside [from, ctx): masked to zero */
+        uint32_t in = 0;
+        for (int64_t p = 0; p < PT; p++) {
+            const int64_t pos = t * PT + p;
+            const int ok = pos >= from && pos < ctx;
+            at[p] = ok ? (int32_t)((table[pos / block_size] * block_size + pos % block_size) *
+                                   d / 2)
+                       : 0;
+            in |= (uint32_t)ok << p;
+        }
+        const __m512i lo_at = _mm512_loadu_si512(at), hi_at = _mm512_loadu_si512(at + 16);
+        const __mmask16 lo_in = (__mmask16)in, hi_in = (__mmask16)(in >> 16);
+        __m512i even, odd;
+        {
+            int16_t e[32], f[32];
+            for (int i = 0; i < 16; i++) {
+                e[i] = (int16_t)(2 * i), e[16 + i] = (int16_t)(32 + 2 * i);
+                f[i] = (int16_t)(2 * i + 1), f[16 + i] = (int16_t)(33 + 2 * i);
+            }
+            even = _mm512_loadu_si512(e);
+            odd = _mm512_loadu_si512(f);
+        }
+        const __m512i zero = _mm512_setzero_si512();
+        for (int64_t x = 0; x < d; x += 2) {
+            const int *base = (const int *)(vh + x);
+            const __m512i g0 = _mm512_mask_i32gather_epi32(zero, lo_in, lo_at, base, 4);
+            const __m512i g1 = _mm512_mask_i32gather_epi32(zero, hi_in, hi_at, base, 4);
+            _mm512_storeu_si512(o + x * PT, _mm512_permutex2var_epi16(g0, even, g1));
+            _mm512_storeu_si512(o + (x + 1) * PT, _mm512_permutex2var_epi16(g0, odd, g1));
+        }
+        return;
+    }
     for (int64_t p = 0; p < PT; p++) {
         const int64_t pos = t * PT + p;
         if (pos < from || pos >= ctx) {
@@ -222,6 +256,7 @@ int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ld
     if (!qt) return -2;
     uint16_t *vt = qt + qt_elems;
     const int64_t head_elems = num_blocks * block_size * d;
+    const int gather = head_elems / 2 <= INT32_MAX; /* dword offsets in the gathers' int32 */
     int parts = threads < 1 ? 1 : threads;
     if (parts > qtiles) parts = (int)qtiles;
     for (int64_t h = 0; h < num_kv_heads; h++) { /* a head at a time: its scratch only */
@@ -232,7 +267,7 @@ int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ld
             for (int64_t t = 0; t < qtiles; t++) pack_query_tile(q, ldq, h, group, d, nq, t, qt);
 #pragma omp for schedule(static)
             for (int64_t t = from / PT; t < steps; t++)
-                pack_value_step(vh, table, block_size, d, from, ctx, t, vt);
+                pack_value_step(vh, table, block_size, d, from, ctx, t, gather, vt);
             tiles_on();
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < qtiles; it++) /* the longest (last) query tiles first */
