@@ -25,8 +25,13 @@ from pagedkv.errors import InvalidRequestError
 
 pytestmark = [
     pytest.mark.engine,
-    pytest.mark.skipif(not prompt_attention.available(), reason="no AMX-BF16 kernel here"),
+    pytest.mark.skipif(
+        not (prompt_attention.available() or prompt_attention.available_f32()),
+        reason="neither prompt kernel runs here (no AMX-BF16, no AVX-512)",
+    ),
 ]
+needs_amx = pytest.mark.skipif(not prompt_attention.available(), reason="no AMX-BF16 kernel")
+needs_f32 = pytest.mark.skipif(not prompt_attention.available_f32(), reason="no AVX-512")
 
 
 class Case:
@@ -101,6 +106,7 @@ SHAPES = [  # (ctx, heads, kv_heads, head_dim, block_size)
 ]
 
 
+@needs_amx
 @pytest.mark.parametrize(("ctx", "heads", "kv_heads", "head_dim", "block_size"), SHAPES)
 def test_rows_are_within_the_bf16_roundings_of_float64(
     ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int
@@ -115,6 +121,7 @@ def test_rows_are_within_the_bf16_roundings_of_float64(
     assert bool((err <= 2.0**-8 * mag + 1e-6).all()), float((err / mag).max())
 
 
+@needs_amx
 @pytest.mark.parametrize(("ctx", "heads", "kv_heads", "head_dim", "block_size"), SHAPES)
 def test_a_rows_bits_depend_only_on_its_query_and_its_past(
     ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, threads: int
@@ -139,7 +146,7 @@ F32_SHAPES = [  # (ctx, heads, kv_heads, head_dim, block_size, pool dtype)
 ]
 
 
-@pytest.mark.skipif(not prompt_attention.available_f32(), reason="no AVX-512 float32 kernel")
+@needs_f32
 @pytest.mark.parametrize(("ctx", "heads", "kv_heads", "head_dim", "block_size", "pool"), F32_SHAPES)
 def test_the_float32_kernel_is_float32_exact_and_row_invariant(
     ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, pool: torch.dtype,
@@ -158,7 +165,13 @@ def test_the_float32_kernel_is_float32_exact_and_row_invariant(
     assert torch.equal(case.run(0, ctx, threads), whole)
 
 
-@pytest.mark.parametrize("f32", [False, True], ids=["amx", "float32"])
+@pytest.mark.parametrize(
+    "f32",
+    [
+        pytest.param(False, marks=needs_amx, id="amx"),
+        pytest.param(True, marks=needs_f32, id="float32"),
+    ],
+)
 @pytest.mark.parametrize(("window", "block_size"), [(50, 16), (16, 32), (1, 16), (300, 16)])
 def test_a_sliding_window_is_exact_and_row_invariant(
     f32: bool, window: int, block_size: int, threads: int
@@ -166,8 +179,6 @@ def test_a_sliding_window_is_exact_and_row_invariant(
     """Each row over its last ``window`` positions: within the kernel's bound of float64, and
     the same bits in any chunk, at any start (the blocks wholly before a chunk's first window
     NaN-filled: a released block is never read) and thread count."""
-    if f32 and not prompt_attention.available_f32():
-        pytest.skip("no AVX-512 float32 kernel")
     case = Case(200, 9, 3, 64, block_size, seed=window, f32=f32)
     ref, mag = case.reference(window)
     whole = case.run(0, 200, window=window)
@@ -177,6 +188,7 @@ def test_a_sliding_window_is_exact_and_row_invariant(
         assert torch.equal(case.run(a, b - a, threads, window), whole[a:b]), (a, b)
 
 
+@needs_amx
 def test_it_agrees_with_torch_bf16_sdpa_within_rounding() -> None:
     """The same arithmetic as the SDPA call it replaces, up to the order of the sums."""
     case = Case(300, 9, 3, 64, 16, seed=3)
@@ -192,6 +204,7 @@ def test_it_agrees_with_torch_bf16_sdpa_within_rounding() -> None:
     assert bool((err <= 2.0**-7 * mag + 1e-6).all())
 
 
+@needs_amx
 def test_bad_inputs_are_refused_by_name() -> None:
     case = Case(40, 4, 2, 32, 16, seed=1)
     out = torch.empty(40, 4, 32)
@@ -212,6 +225,7 @@ def test_bad_inputs_are_refused_by_name() -> None:
     assert not prompt_attention.supports(4, 2, 16, 48)  # head_dim not a multiple of 32
 
 
+@needs_amx
 def test_attend_uses_it_where_it_applies_and_sdpa_elsewhere(
     sdpa_calls: list[int],
 ) -> None:
@@ -297,8 +311,10 @@ def test_bf16_caching_and_chunking_keep_the_bits_of_long_prompts(
     context length) get the same tokens and log-probabilities, bit for bit, uncached, served
     from the prefix cache, and prefilled in 256-token chunks; no prompt row reaches SDPA.
     (Before the kernels took windows, the windowed medium engine changed a greedy token.)"""
-    if precision == "highest" and not prompt_attention.available_f32():
-        pytest.skip("no AVX-512 float32 kernel")
+    if not (
+        prompt_attention.available() if precision == "medium" else prompt_attention.available_f32()
+    ):
+        pytest.skip(f"the {precision} prompt kernel does not run here")
     path = window_model_dir if windowed else model_dir
     gen = torch.Generator().manual_seed(5)
     prefix = torch.randint(2, 60, (900,), generator=gen).tolist()
