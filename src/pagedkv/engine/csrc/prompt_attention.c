@@ -9,7 +9,7 @@
  *   positions are walked in steps of 32 from position 0 with an online softmax in float32:
  *   per step, m' = max(m, max_p s_p), c = exp(m - m'), l = l * c + sum_p e_p (in p order),
  *   acc = acc * c + sum_p bf16(e_p) * v_p (AMX, float32 sums), with e_p = exp(s_p - m') by
- *   exp512 (exp512.h); finally out = acc * (1 / l) (float32).
+ *   softmax_exp (prompt_softmax.h); finally out = acc * (1 / l) (float32).
  * Positions outside a query's range are excluded exactly (e_p = 0; a step wholly outside it
  * leaves m, l and acc unchanged, bit for bit), and V is read only within the chunk's span
  * (zeros outside it). So a query's result depends on its own q and the K/V of its own range,
@@ -188,7 +188,7 @@ static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *v
     for (int64_t t = tq.first / PT; t * PT < hi; t++) {
         const int64_t p0 = t * PT;
         step_scores(kh, table, block_size, d, q0, p0, hi, sc);
-        const __m512 corr = step_softmax(sc, scale, p0, &tq, &m, &l, NULL, pt);
+        const __m512 corr = step_softmax(sc, scale, p0, &tq, &m, &l, NULL, pt, 1);
         const int moved = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) != 0;
         _tile_loadd(3, pt, 64);
         const uint16_t *vs = vt + t * d * PT;

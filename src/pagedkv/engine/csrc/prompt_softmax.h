@@ -13,9 +13,31 @@
 
 #include "exp512.h"
 
+
 #define PT 32 /* positions per step */
 #define QT 16 /* query vectors per tile */
 #define MAX_D 256
+
+/* exp(x) for 16 lanes, x <= 0 (a score minus its running max): 2^t for t = x log2(e), as 2^n
+ * (vscalefps) times a degree-5 polynomial in f = t - n on [-1/2, 1/2] (n = round(t); f is
+ * exact), c0 = 1 so that exp(0) = 1 exactly (a step that does not move the running max leaves
+ * the sums alone). Fitted for relative error; measured with float32 evaluation: within
+ * 1.6e-7 of 2^f on the interval. Below -87 the result is 0 or subnormal, as expf's is. Fewer
+ * operations than exp512.h's Cephes form: the AMX kernel's exponential (its probabilities are
+ * rounded to bf16 anyway; 1,024 tokens 7% faster); the float32 kernel keeps exp512. */
+static inline __m512 softmax_exp(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
+                                   _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3218672247603536e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671698324382305e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893023610115e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022237956523895e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468844413757e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
 
 /* A query tile: queries u0 .. u0 + cols - 1 of a KV head (u = row * group + member); query
  * column c attends to positions low[c] .. lim[c] - 1 (low = lim - window with a sliding
@@ -78,7 +100,8 @@ static inline __m512i pair_bf16(__m512 even, __m512 odd) {
  * is given, and returns the factor the accumulator must take. */
 static inline __attribute__((always_inline)) __m512
 step_softmax(const float *sc, float scale, int64_t p0, const qtile *tq, __m512 *m, __m512 *l,
-             float *pe, uint32_t *pt) {
+             float *pe, uint32_t *pt, int fast_exp) {
+#define STEP_EXP(x) (fast_exp ? softmax_exp(x) : exp512(x))
     const int full = p0 + PT <= tq->lo && p0 >= tq->low_max; /* every column takes every p */
     const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
     __m512 s[PT];
@@ -93,11 +116,12 @@ step_softmax(const float *sc, float scale, int64_t p0, const qtile *tq, __m512 *
         mx = _mm512_max_ps(mx, s[p]);
     }
     const __m512 top = _mm512_max_ps(*m, mx);
-    const __m512 corr = exp512(_mm512_sub_ps(*m, top));
+    const __m512 corr = STEP_EXP(_mm512_sub_ps(*m, top));
     __m512 sum = _mm512_setzero_ps();
     for (int p = 0; p < PT; p += 2) {
-        const __m512 e0 = _mm512_maskz_mov_ps(valid[p], exp512(_mm512_sub_ps(s[p], top)));
-        const __m512 e1 = _mm512_maskz_mov_ps(valid[p + 1], exp512(_mm512_sub_ps(s[p + 1], top)));
+        const __m512 e0 = _mm512_maskz_mov_ps(valid[p], STEP_EXP(_mm512_sub_ps(s[p], top)));
+        const __m512 e1 =
+            _mm512_maskz_mov_ps(valid[p + 1], STEP_EXP(_mm512_sub_ps(s[p + 1], top)));
         sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
         if (pt) _mm512_store_si512(pt + p / 2 * QT, pair_bf16(e0, e1));
         if (pe) {
@@ -108,6 +132,7 @@ step_softmax(const float *sc, float scale, int64_t p0, const qtile *tq, __m512 *
     *l = _mm512_add_ps(_mm512_mul_ps(*l, corr), sum);
     *m = top;
     return corr;
+#undef STEP_EXP
 }
 
 /* obuf's first d rows (16 lanes each) times corr. */
