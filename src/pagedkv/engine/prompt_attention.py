@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,23 +54,23 @@ _ERRORS = {-1: "a bad shape or block id", -2: "out of memory for its buffers",
            -3: "it is not built for this CPU"}  # fmt: skip
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+# both kernels: q, ldq, out, ldo, n, k_pool, v_pool, elem, table, pos0, heads, kv_heads,
+# blocks, block_size, head_dim, scale, window, threads
+_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
+    _P, _I, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int,
+]  # fmt: skip
+
+
 def _bind(lib: ctypes.CDLL) -> bool:
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pagedkv_prompt_attention.argtypes = [
-        ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-        i64, ctypes.c_int,
-    ]  # fmt: skip
+    lib.pagedkv_prompt_attention.argtypes = _ARGTYPES
     lib.pagedkv_prompt_attention.restype = ctypes.c_int
     lib.pagedkv_prompt_attention_amx.restype = ctypes.c_int
     return bool(lib.pagedkv_prompt_attention_amx())
 
 
 def _bind_f32(lib: ctypes.CDLL) -> bool:
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pagedkv_prompt_attention_f32.argtypes = [
-        ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
-        ctypes.c_float, i64, ctypes.c_int,
-    ]  # fmt: skip
+    lib.pagedkv_prompt_attention_f32.argtypes = _ARGTYPES
     lib.pagedkv_prompt_attention_f32.restype = ctypes.c_int
     lib.pagedkv_prompt_attention_f32_built.restype = ctypes.c_int
     return bool(lib.pagedkv_prompt_attention_f32_built())
@@ -188,20 +189,12 @@ def prompt_attention(
     Writes ``out`` (same shape as ``q``; rows may be strided) and returns it. Raises
     ``InvalidRequestError`` for anything the kernel does not take, a block id out of range
     included."""
-    kv_heads, blocks, block_size, head_dim = k_pool.shape
-    fits = k_pool.dtype is torch.bfloat16 and supports(q.shape[1], kv_heads, block_size, head_dim)
-    ldq, ldo, n = _call_args(q, out, k_pool, v_pool, table, start, fits)
-    lib = _native.load()
-    if lib is None or not _native.bound:
-        raise InvalidRequestError("the bf16 AMX prompt attention kernel is unavailable here")
-    rc = lib.pagedkv_prompt_attention(
-        q.data_ptr(), ldq, out.data_ptr(), ldo, n, k_pool.data_ptr(), v_pool.data_ptr(),
-        table.data_ptr(), start, q.shape[1], kv_heads, blocks, block_size, head_dim, scale,
-        window, threads if threads is not None else torch.get_num_threads(),
-    )  # fmt: skip
-    if rc:
-        raise InvalidRequestError(f"prompt attention kernel failed: {_ERRORS.get(rc, rc)}")
-    return out
+    _, _, block_size, head_dim = k_pool.shape
+    fits = k_pool.dtype is torch.bfloat16 and supports(
+        q.shape[1], k_pool.shape[0], block_size, head_dim
+    )
+    args = (q, out, k_pool, v_pool, table, start, scale, window, threads)
+    return _launch(_native, "pagedkv_prompt_attention", "bf16 AMX", fits, *args)
 
 
 def prompt_attention_f32(
@@ -217,15 +210,36 @@ def prompt_attention_f32(
 ) -> torch.Tensor:
     """:func:`prompt_attention` in float32 (``highest``): float32 or bf16 pools (widened
     exactly), no bf16 rounding anywhere, any block size, head_dim a multiple of 16."""
-    kv_heads, blocks, block_size, head_dim = k_pool.shape
     fits = k_pool.dtype in (torch.float32, torch.bfloat16) and supports_f32(
-        q.shape[1], kv_heads, head_dim
+        q.shape[1], k_pool.shape[0], k_pool.shape[3]
     )
+    args = (q, out, k_pool, v_pool, table, start, scale, window, threads)
+    return _launch(_native_f32, "pagedkv_prompt_attention_f32", "float32", fits, *args)
+
+
+def _launch(
+    native_lib: native.LazyLibrary[bool],
+    symbol: str,
+    what: str,
+    fits: bool,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    start: int,
+    scale: float,
+    window: int,
+    threads: int | None,
+) -> torch.Tensor:
+    """Check the call (``_call_args``), then run ``symbol`` of ``native_lib`` (both kernels
+    take the same arguments); a non-zero result raises ``InvalidRequestError``."""
     ldq, ldo, n = _call_args(q, out, k_pool, v_pool, table, start, fits)
-    lib = _native_f32.load()
-    if lib is None or not _native_f32.bound:
-        raise InvalidRequestError("the float32 prompt attention kernel is unavailable here")
-    rc = lib.pagedkv_prompt_attention_f32(
+    lib = native_lib.load()
+    if lib is None or not native_lib.bound:
+        raise InvalidRequestError(f"the {what} prompt attention kernel is unavailable here")
+    kv_heads, blocks, block_size, head_dim = k_pool.shape
+    rc = getattr(lib, symbol)(
         q.data_ptr(), ldq, out.data_ptr(), ldo, n, k_pool.data_ptr(), v_pool.data_ptr(),
         k_pool.element_size(), table.data_ptr(), start, q.shape[1], kv_heads, blocks,
         block_size, head_dim, scale, window,

@@ -31,7 +31,8 @@
  * tiles (the longest first) are shared among the process's OpenMP threads.
  *
  * Layouts: q [n, ldq], out [n, ldo] float32 rows (head h at column h * head_dim); k_pool, v_pool
- * [num_kv_heads, num_blocks, block_size, head_dim] bf16; table: the sequence's block ids,
+ * [num_kv_heads, num_blocks, block_size, head_dim] bf16 (elem 2: the float32 kernel's
+ * signature); table: the sequence's block ids,
  * ceil((pos0 + n) / block_size) of them (indexed by position; with a window, entries wholly
  * before the chunk's first window are not read). block_size a multiple of 16, head_dim a
  * multiple of 32 and at most 256. Returns 0; -1 for a bad shape or block id; -2 when a
@@ -234,14 +235,14 @@ int pagedkv_prompt_attention_amx(void) {
 }
 
 int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ldo, int64_t n,
-                             const uint16_t *k_pool, const uint16_t *v_pool,
+                             const uint16_t *k_pool, const uint16_t *v_pool, int64_t elem,
                              const int64_t *table, int64_t pos0, int64_t num_heads,
                              int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                              int64_t head_dim, float scale, int64_t window, int threads) {
     const int64_t d = head_dim, ctx = pos0 + n;
     const int64_t from = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
-    if (n < 1 || pos0 < 0 || window < 0 || num_kv_heads < 1 || num_heads % num_kv_heads ||
-        d % 32 ||
+    if (n < 1 || pos0 < 0 || window < 0 || elem != 2 || num_kv_heads < 1 ||
+        num_heads % num_kv_heads || d % 32 ||
         d > MAX_D || block_size % 16 || block_size < 16 || ldq < num_heads * d ||
         ldo < num_heads * d)
         return -1;
