@@ -221,6 +221,13 @@ def test_bad_inputs_are_refused_by_name() -> None:
         call(case.q.double(), out, case.k, case.v, case.table, 0, 0.1)
     with pytest.raises(InvalidRequestError, match="rows into"):
         call(case.q, out[:10], case.k, case.v, case.table, 0, 0.1)
+    for kernel in (call, prompt_attention.prompt_attention_f32):
+        with pytest.raises(InvalidRequestError, match="q must be 3-D and the pools 4-D"):
+            kernel(case.q[0], out[0], case.k, case.v, case.table, 0, 0.1)
+        with pytest.raises(InvalidRequestError, match="q must be 3-D and the pools 4-D"):
+            kernel(case.q, out, case.k[0], case.v[0], case.table, 0, 0.1)
+    with pytest.raises(InvalidRequestError, match="a bad shape or block id"):  # the C checks
+        call(case.q, out, case.k, case.v, case.table, 0, 0.1, window=-1)
     assert not prompt_attention.supports(4, 2, 8, 32)  # block size not a multiple of 16
     assert not prompt_attention.supports(4, 2, 16, 48)  # head_dim not a multiple of 32
 

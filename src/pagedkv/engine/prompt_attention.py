@@ -133,6 +133,16 @@ def _rows(t: torch.Tensor, heads: int, head_dim: int, what: str) -> int:
     return t.stride(0)
 
 
+def _check_ranks(q: torch.Tensor, k_pool: torch.Tensor) -> None:
+    """``q`` ``[rows, heads, head_dim]`` and pools ``[kv_heads, blocks, block_size,
+    head_dim]``, before either is unpacked."""
+    if q.dim() != 3 or k_pool.dim() != 4:
+        raise InvalidRequestError(
+            f"prompt attention kernel: q must be 3-D and the pools 4-D, got q{tuple(q.shape)} "
+            f"and a pool {tuple(k_pool.shape)}"
+        )
+
+
 def _call_args(
     q: torch.Tensor,
     out: torch.Tensor,
@@ -189,6 +199,7 @@ def prompt_attention(
     Writes ``out`` (same shape as ``q``; rows may be strided) and returns it. Raises
     ``InvalidRequestError`` for anything the kernel does not take, a block id out of range
     included."""
+    _check_ranks(q, k_pool)
     _, _, block_size, head_dim = k_pool.shape
     fits = k_pool.dtype is torch.bfloat16 and supports(
         q.shape[1], k_pool.shape[0], block_size, head_dim
@@ -210,6 +221,7 @@ def prompt_attention_f32(
 ) -> torch.Tensor:
     """:func:`prompt_attention` in float32 (``highest``): float32 or bf16 pools (widened
     exactly), no bf16 rounding anywhere, any block size, head_dim a multiple of 16."""
+    _check_ranks(q, k_pool)
     fits = k_pool.dtype in (torch.float32, torch.bfloat16) and supports_f32(
         q.shape[1], k_pool.shape[0], k_pool.shape[3]
     )

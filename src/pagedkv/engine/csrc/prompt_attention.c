@@ -43,6 +43,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prompt_args.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #include "amx.h"
@@ -55,9 +57,6 @@
 #include <omp.h>
 #endif
 
-#ifndef MAX_D
-#define MAX_D 256 /* (prompt_softmax.h's, for the checks of builds without it) */
-#endif
 #define RES_D 64 /* up to this head_dim, O^T stays in tiles 4-7 across the walk */
 
 #if PA_AMX
@@ -239,15 +238,11 @@ int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ld
                              const int64_t *table, int64_t pos0, int64_t num_heads,
                              int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                              int64_t head_dim, float scale, int64_t window, int threads) {
-    const int64_t d = head_dim, ctx = pos0 + n;
-    const int64_t from = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
-    if (n < 1 || pos0 < 0 || window < 0 || elem != 2 || num_kv_heads < 1 ||
-        num_heads % num_kv_heads || d % 32 ||
-        d > MAX_D || block_size % 16 || block_size < 16 || ldq < num_heads * d ||
-        ldo < num_heads * d)
+    const int64_t d = head_dim, ctx = pos0 + n, from = window_start(pos0, window);
+    if (elem != 2 || block_size % 16 ||
+        prompt_args(n, pos0, window, num_heads, num_kv_heads, d, 32, ldq, ldo, table,
+                    num_blocks, block_size))
         return -1;
-    for (int64_t b = from / block_size; b < (ctx + block_size - 1) / block_size; b++)
-        if (table[b] < 0 || table[b] >= num_blocks) return -1;
 #if PA_AMX
     if (!amx_permitted()) return -3;
     const int64_t group = num_heads / num_kv_heads, nq = n * group;
@@ -280,7 +275,7 @@ int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ld
     free(qt);
     return 0;
 #else
-    (void)q, (void)out, (void)k_pool, (void)v_pool, (void)scale, (void)threads, (void)from;
+    (void)q, (void)out, (void)k_pool, (void)v_pool, (void)scale, (void)threads, (void)from, (void)ctx;
     return -3;
 #endif
 }

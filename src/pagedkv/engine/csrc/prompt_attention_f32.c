@@ -31,12 +31,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prompt_args.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include "prompt_softmax.h"
 #define PF_512 1
 #else
 #define PF_512 0
-#define MAX_D 256
 #endif
 #ifdef _OPENMP
 #include <omp.h>
@@ -139,15 +140,11 @@ int pagedkv_prompt_attention_f32(const float *q, int64_t ldq, float *out, int64_
                                  const int64_t *table, int64_t pos0, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                                  int64_t head_dim, float scale, int64_t window, int threads) {
-    const int64_t d = head_dim, ctx = pos0 + n;
-    const int64_t from = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
-    if (n < 1 || pos0 < 0 || window < 0 || num_kv_heads < 1 || num_heads % num_kv_heads ||
-        d % 16 ||
-        d > MAX_D || block_size < 1 || (elem != 2 && elem != 4) || ldq < num_heads * d ||
-        ldo < num_heads * d)
+    const int64_t d = head_dim, ctx = pos0 + n, from = window_start(pos0, window);
+    if ((elem != 2 && elem != 4) ||
+        prompt_args(n, pos0, window, num_heads, num_kv_heads, d, 16, ldq, ldo, table,
+                    num_blocks, block_size))
         return -1;
-    for (int64_t b = from / block_size; b < (ctx + block_size - 1) / block_size; b++)
-        if (table[b] < 0 || table[b] >= num_blocks) return -1;
 #if PF_512
     const int64_t group = num_heads / num_kv_heads, nq = n * group;
     const int64_t qtiles = (nq + QT - 1) / QT, rows = (ctx + PT - 1) / PT * PT;
@@ -179,7 +176,7 @@ int pagedkv_prompt_attention_f32(const float *q, int64_t ldq, float *out, int64_
     free(qt);
     return 0;
 #else
-    (void)q, (void)out, (void)k_pool, (void)v_pool, (void)scale, (void)threads, (void)from;
+    (void)q, (void)out, (void)k_pool, (void)v_pool, (void)scale, (void)threads, (void)from, (void)ctx;
     return -3;
 #endif
 }

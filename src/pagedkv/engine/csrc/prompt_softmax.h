@@ -12,11 +12,10 @@
 #include <string.h>
 
 #include "exp512.h"
-
+#include "prompt_args.h"
 
 #define PT 32 /* positions per step */
 #define QT 16 /* query vectors per tile */
-#define MAX_D 256
 
 /* exp(x) for 16 lanes, x <= 0 (a score minus its running max): 2^t for t = x log2(e), as 2^n
  * (vscalefps) times a degree-5 polynomial in f = t - n on [-1/2, 1/2] (n = round(t); f is
