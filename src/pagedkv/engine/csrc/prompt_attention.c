@@ -154,21 +154,29 @@ static void pack_value_step(const uint16_t *vh, const int64_t *table, int64_t bl
         if (d > 48) op(7, obuf + 768, 64);                                                  \
     } while (0)
 
-/* S^T of one step into sc: two 16-position halves, a half past `hi` (no query of the tile
- * attends to it) left unwritten (step_softmax masks it). */
+/* S^T of one step into sc: two 16-position halves, in tiles 0 and 3 (P^T's, free until the
+ * step's probabilities) so that their two chains of products overlap; a half past `hi` (no
+ * query of the tile attends to it) is left unwritten (step_softmax masks it). */
 static void step_scores(const uint16_t *kh, const int64_t *table, int64_t block_size, int64_t d,
                         const uint16_t *q0, int64_t p0, int64_t hi, float *sc) {
-    for (int64_t half = 0; half < 2 && p0 + 16 * half < hi; half++) {
-        const int64_t p = p0 + 16 * half;
-        const uint16_t *kt = kh + (table[p / block_size] * block_size + p % block_size) * d;
-        _tile_zero(0);
-        for (int64_t c = 0; c < d / 32; c++) {
-            _tile_loadd(1, kt + c * 32, d * 2);
-            _tile_loadd(2, q0 + c * 512, 64);
-            _tile_dpbf16ps(0, 1, 2);
+    const int two = p0 + 16 < hi;
+    const int64_t p1 = p0 + 16;
+    const uint16_t *k0 = kh + (table[p0 / block_size] * block_size + p0 % block_size) * d;
+    const uint16_t *k1 = two ? kh + (table[p1 / block_size] * block_size + p1 % block_size) * d
+                             : k0;
+    _tile_zero(0);
+    if (two) _tile_zero(3);
+    for (int64_t c = 0; c < d / 32; c++) {
+        _tile_loadd(2, q0 + c * 512, 64);
+        _tile_loadd(1, k0 + c * 32, d * 2);
+        _tile_dpbf16ps(0, 1, 2);
+        if (two) {
+            _tile_loadd(1, k1 + c * 32, d * 2);
+            _tile_dpbf16ps(3, 1, 2);
         }
-        _tile_stored(0, sc + half * 256, 64);
     }
+    _tile_stored(0, sc, 64);
+    if (two) _tile_stored(3, sc + 256, 64);
 }
 
 /* One query tile of KV head h: the walk over its steps, then its outputs. */

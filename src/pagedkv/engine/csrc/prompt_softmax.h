@@ -98,23 +98,23 @@ static inline __m512i pair_bf16(__m512 even, __m512 odd) {
  * Writes the probabilities as float32 rows (pe) or as bf16 in the pair layout (pt), whichever
  * is given, and returns the factor the accumulator must take. */
 static inline __attribute__((always_inline)) __m512
-step_softmax(const float *sc, float scale, int64_t p0, const qtile *tq, __m512 *m, __m512 *l,
-             float *pe, uint32_t *pt, int fast_exp) {
+softmax_in(const float *sc, float scale, int64_t p0, const qtile *tq, __m512 *m, __m512 *l,
+           float *pe, uint32_t *pt, int fast_exp, int full) {
 #define STEP_EXP(x) (fast_exp ? softmax_exp(x) : exp512(x))
-    const int full = p0 + PT <= tq->lo && p0 >= tq->low_max; /* every column takes every p */
     const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
     __m512 s[PT];
     __mmask16 valid[PT];
-    __m512 mx = lowest;
+    __m512 mx4[4] = {lowest, lowest, lowest, lowest}; /* max is exact: a tree, same bits */
     for (int p = 0; p < PT; p++) {
         const __m512i at = _mm512_set1_epi32((int)(p0 + p));
         valid[p] = full ? (__mmask16)0xFFFF
                         : _mm512_cmpgt_epi32_mask(tq->lim, at) & _mm512_cmple_epi32_mask(tq->low, at);
         s[p] = _mm512_maskz_mul_ps(valid[p], _mm512_loadu_ps(sc + p * QT), _mm512_set1_ps(scale));
         s[p] = _mm512_mask_mov_ps(lowest, valid[p], s[p]);
-        mx = _mm512_max_ps(mx, s[p]);
+        mx4[p % 4] = _mm512_max_ps(mx4[p % 4], s[p]);
     }
-    const __m512 top = _mm512_max_ps(*m, mx);
+    const __m512 top = _mm512_max_ps(
+        *m, _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3])));
     const __m512 corr = STEP_EXP(_mm512_sub_ps(*m, top));
     __m512 sum = _mm512_setzero_ps();
     for (int p = 0; p < PT; p += 2) {
@@ -134,21 +134,64 @@ step_softmax(const float *sc, float scale, int64_t p0, const qtile *tq, __m512 *
 #undef STEP_EXP
 }
 
+/* softmax_in, compiled apart for a step every column takes whole (no masks), the common case. */
+static inline __attribute__((always_inline)) __m512
+step_softmax(const float *sc, float scale, int64_t p0, const qtile *tq, __m512 *m, __m512 *l,
+             float *pe, uint32_t *pt, int fast_exp) {
+    if (p0 + PT <= tq->lo && p0 >= tq->low_max) /* every column takes every p */
+        return softmax_in(sc, scale, p0, tq, m, l, pe, pt, fast_exp, 1);
+    return softmax_in(sc, scale, p0, tq, m, l, pe, pt, fast_exp, 0);
+}
+
 /* obuf's first d rows (16 lanes each) times corr. */
 static void rescale(float *obuf, int64_t d, __m512 corr) {
     for (int64_t x = 0; x < d; x++)
         _mm512_store_ps(obuf + x * QT, _mm512_mul_ps(_mm512_load_ps(obuf + x * QT), corr));
 }
 
-/* out[row][head] = obuf[x][col] / l[col] for the tile's real columns (obuf: d x 16). */
+/* r[i][j] -> r[j][i] for a 16 x 16 block of floats: unpacks within 128-bit lanes, then
+ * 128-bit lane shuffles (64 shuffles, no arithmetic). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + k] lane L: column 4L + k of rows 4i .. 4i + 3 */
+        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) { /* the 4 x 4 lanes of u[k], u[4 + k], u[8 + k], u[12 + k] */
+        const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+        const __m512 v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+        r[k] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+        r[4 + k] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+        r[12 + k] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+    }
+}
+
+/* out[row][head] = obuf[x][col] * (1 / l[col]) for the tile's real columns (obuf: d x 16,
+ * 64-byte aligned, d a multiple of 16): each product one float32 multiplication, then 16 x 16
+ * blocks transposed so that a query's outputs are stored as contiguous runs. */
 static inline void write_out(const float *obuf, __m512 l, const qtile *t, int64_t d, int64_t h,
                              int64_t group, float *out, int64_t ldo) {
-    float inv[QT];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+    float *dst[QT];
     for (int64_t col = 0; col < t->cols; col++) {
         const int64_t u = t->u0 + col;
-        float *o = out + (u / group) * ldo + (h * group + u % group) * d;
-        for (int64_t x = 0; x < d; x++) o[x] = obuf[x * QT + col] * inv[col];
+        dst[col] = out + (u / group) * ldo + (h * group + u % group) * d;
+    }
+    for (int64_t x0 = 0; x0 < d; x0 += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = _mm512_mul_ps(_mm512_load_ps(obuf + (x0 + i) * QT), inv);
+        transpose16(r);
+        for (int64_t col = 0; col < t->cols; col++) _mm512_storeu_ps(dst[col] + x0, r[col]);
     }
 }
 
