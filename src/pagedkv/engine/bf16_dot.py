@@ -52,13 +52,14 @@ equal, mean log-likelihood -1.6e-3 nats (``highest`` bf16: -1.7e-4).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pagedkv.engine import native
+from pagedkv.engine import layer_ops, native
 from pagedkv.engine.bf16_linear import TILE, TiledWeight, check_weight_t
 from pagedkv.engine.bound_call import BoundKernel, fits
 from pagedkv.engine.native_build import with_openmp
@@ -74,7 +75,7 @@ _FLAGS: native.FlagSets = with_openmp(
 )
 _PORTABLE_FLAGS: native.FlagSets = ((["-O3", "-ffp-contract=off", "-fPIC"], ["-shared", "-lm"]),)
 _ERRORS = {-1: "a bad shape or stride", -2: "out of memory for its buffers",
-           -3: "AMX is unavailable here"}  # fmt: skip
+           -3: "AMX is unavailable here", -4: "the MLP has no exponential (mlp_ready)"}  # fmt: skip
 
 
 def _bind(lib: ctypes.CDLL) -> bool:
@@ -86,6 +87,10 @@ def _bind(lib: ctypes.CDLL) -> bool:
     lib.pagedkv_bf16dot_nt.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i32, i32]
     lib.pagedkv_bf16dot_linear.restype = lib.pagedkv_bf16dot_nt.restype = i32
     lib.pagedkv_bf16dot_amx.restype = i32
+    lib.pagedkv_bf16dot_mlp.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.pagedkv_bf16dot_mlp.restype = i32
+    lib.pagedkv_bf16dot_silu_init.argtypes = [ptr]
+    lib.pagedkv_bf16dot_silu_init.restype = i32
     return bool(lib.pagedkv_bf16dot_amx())
 
 
@@ -349,3 +354,73 @@ def bind_into(
     args: tuple[int | None, ...] = (*inputs, x.stride(0), *rest)
     return BoundKernel(_library(), symbol, [args], out, (x, up, weight.tiles, bias),
                        "bf16 AMX linear kernel")  # fmt: skip
+
+
+@functools.cache
+def mlp_ready() -> bool:
+    """Whether :func:`mlp` runs here: the AMX path, and torch's 16-lane exp (the one its
+    AVX-512 SiLU calls) handed to the kernel. Once per process."""
+    exp16 = layer_ops.torch_expf16()
+    return amx() and exp16 is not None and _library().pagedkv_bf16dot_silu_init(exp16) == 0
+
+
+def _check_mlp(x: torch.Tensor, gate_up: PairedWeight, down: PairedWeight) -> int:
+    """The intermediate size of a SwiGLU MLP over these weights; raises InvalidRequestError
+    naming what does not fit (:func:`mlp`'s shapes)."""
+    hidden, inter = gate_up.in_features, down.in_features
+    if not (
+        gate_up.out_features == 2 * inter and down.out_features == hidden and inter % TILE == 0
+    ):
+        raise InvalidRequestError(
+            f"bf16 AMX mlp: gate/up [{hidden}, {gate_up.out_features}] and down [{inter}, "
+            f"{down.out_features}] (needs [h, 2i] and [i, h], i a multiple of {TILE})"
+        )
+    _check_input(x, hidden, "mlp")
+    return inter
+
+
+def mlp(
+    x: torch.Tensor,
+    gate_up: PairedWeight,
+    down: PairedWeight,
+    out: torch.Tensor | None = None,
+    *,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """A SwiGLU MLP in one call: ``linear(silu(g) * u, down)`` for ``g, u =
+    linear(x, gate_up).chunk(2, -1)`` (gate columns first), with SiLU as torch's AVX-512
+    kernel computes it; the same bits as those three calls wherever torch's SiLU runs its
+    16-lane path on every element (rows whose width is a multiple of 32, not cut by its
+    thread split), without storing the gate/up output (``csrc/bf16_dot.c``). Needs
+    :func:`mlp_ready`; no biases."""
+    inter = _check_mlp(x, gate_up, down)
+    if not mlp_ready():
+        raise InvalidRequestError("bf16 AMX mlp: unavailable here (no AMX or no torch exp)")
+    y = native.float32_output(out, x.shape[0], down.out_features, "bf16 AMX mlp")
+    if x.shape[0] == 0:
+        return y
+    rc = _library().pagedkv_bf16dot_mlp(
+        x.data_ptr(), x.stride(0), gate_up.tiles.data_ptr(), down.tiles.data_ptr(),
+        y.data_ptr(), y.stride(0), x.shape[0], gate_up.in_features, inter, _threads(threads),
+    )  # fmt: skip
+    _check_rc(rc)
+    return y
+
+
+def bind_mlp(
+    x: torch.Tensor, gate_up: PairedWeight, down: PairedWeight, out: torch.Tensor
+) -> BoundKernel | None:
+    """``mlp(x, gate_up, down, out)`` with its arguments converted once, at torch's intra-op
+    thread count now; None where it does not run here or the buffers or shapes do not fit
+    (contiguous float32 ``x`` and ``out``)."""
+    hidden, inter = gate_up.in_features, down.in_features
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if not (
+        rows and gate_up.out_features == 2 * inter and down.out_features == hidden
+        and inter % TILE == 0 and fits(x, out, hidden, hidden, 1 << 30) and mlp_ready()
+    ):  # fmt: skip
+        return None
+    args = (x.data_ptr(), hidden, gate_up.tiles.data_ptr(), down.tiles.data_ptr(),
+            out.data_ptr(), hidden, rows, hidden, inter, torch.get_num_threads())  # fmt: skip
+    return BoundKernel(_library(), "pagedkv_bf16dot_mlp", [args], out,
+                       (x, gate_up.tiles, down.tiles), "bf16 AMX mlp kernel")  # fmt: skip

@@ -166,18 +166,29 @@ def argmax_rows(x: torch.Tensor) -> list[int] | None:
 
 
 @functools.cache
+def torch_expf16() -> int | None:
+    """The address of torch's own 16-lane exp (``Sleef_expf16_u10`` in libtorch_cpu, which
+    its AVX-512 SiLU calls), or None where torch does not run its AVX-512 kernels or the
+    symbol is missing. Once per process."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        address = ctypes.cast(ctypes.CDLL(path).Sleef_expf16_u10, ctypes.c_void_p).value
+    except (OSError, AttributeError) as exc:
+        logger.info("native SiLU not used: %s", exc)
+        return None
+    return address or None
+
+
+@functools.cache
 def _silu_ready() -> bool:
     """Whether ``pagedkv_silu_f32`` can run: this build has its 16-lane path and was handed
     torch's own vector exp (Sleef_expf16_u10 from libtorch_cpu, which torch's AVX-512 SiLU
     calls). Once per process."""
     lib = _LIB.load()
-    if lib is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return False
-    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    try:
-        exp16 = ctypes.cast(ctypes.CDLL(path).Sleef_expf16_u10, ctypes.c_void_p).value
-    except (OSError, AttributeError) as exc:
-        logger.info("native SiLU not used: %s", exc)
+    exp16 = torch_expf16()
+    if lib is None or exp16 is None:
         return False
     lib.pagedkv_silu_init.argtypes = [ctypes.c_void_p]
     lib.pagedkv_silu_init.restype = ctypes.c_int

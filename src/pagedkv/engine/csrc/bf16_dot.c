@@ -370,6 +370,115 @@ static int nt_amx(const uint16_t *xv, int64_t kp, const uint16_t *e, int64_t lde
     return 0;
 }
 
+/* ---- the SwiGLU MLP in one call: gate/up, SiLU and its product, down ---- */
+
+/* x / (1 + exp(-x)) with exp the 16-lane function pagedkv_bf16dot_silu_init was handed
+ * (torch's own Sleef_expf16_u10), the order of torch's AVX-512 SiLU; NULL until then. */
+typedef __m512 (*expf16_fn)(__m512);
+static expf16_fn mlp_exp16;
+
+/* to_bf16 of 16 lanes (the same function: nearest even, a NaN quieted, a result below the
+ * smallest normal a signed zero), as 16 bf16 values. */
+static inline __m256i to_bf16_16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), e = _mm512_set1_epi32(0x7f800000);
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), e);
+    __m512i r = _mm512_add_epi32(
+        u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    const __mmask16 tiny = _mm512_testn_epi32_mask(r, e);
+    r = _mm512_mask_and_epi32(r, tiny, r, _mm512_set1_epi32((int)0x80000000u));
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* Rows [0, nr) of a gate C tile g and its up tile u (16 x 16, row-major) into the down
+ * projection's A tiles xd (kd: its k) at rows r0.., columns j..j + 15: bf16(silu(g) * u),
+ * the float32 product rounded once, as a gated pack_rows of torch.silu's output would. */
+static void swiglu_put(const float *g, const float *u, int64_t nr, uint16_t *xd, int64_t kd,
+                       int64_t r0, int64_t j) {
+    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+    for (int64_t r = 0; r < nr; r++) {
+        const __m512 v = _mm512_load_ps(g + r * TILE);
+        const __m512 s = _mm512_div_ps(v, _mm512_add_ps(one, mlp_exp16(_mm512_xor_ps(v, sign))));
+        const __m512 act = _mm512_mul_ps(s, _mm512_load_ps(u + r * TILE));
+        _mm256_storeu_si256((__m256i *)&XA(xd, kd, r0 + r, j), to_bf16_16(act));
+    }
+}
+
+/* A 32-row x 16-column block's four C tiles (gate, up for rows r0..; gate, up for rows
+ * r0 + 16..), stored, whose SwiGLU is still to be written into xd. */
+typedef struct {
+    float c[4][TILE * TILE] __attribute__((aligned(64)));
+    int64_t nr0, nr1, r0, j, done; /* done: rows of the 32 written so far */
+} swiglu_block;
+
+/* The block's rows [done, upto) into xd (swiglu_put's arithmetic, a row at a time). */
+static void swiglu_rows(swiglu_block *b, int64_t upto, uint16_t *xd, int64_t kd) {
+    for (int64_t r = b->done; r < upto; r++) {
+        if (r < TILE && r < b->nr0)
+            swiglu_put(b->c[0] + r * TILE, b->c[1] + r * TILE, 1, xd, kd, b->r0 + r, b->j);
+        else if (r >= TILE && r - TILE < b->nr1)
+            swiglu_put(b->c[2] + (r - TILE) * TILE, b->c[3] + (r - TILE) * TILE, 1, xd, kd,
+                       b->r0 + r, b->j);
+    }
+    if (upto > b->done) b->done = upto;
+}
+
+/* Gate tiles [t0, t1) (up tile t's weights `ups` tiles further on) of rows [0, rows): the
+ * products of linear_amx's 32-row x 2-tile blocks, gate and up side by side. Each block's C
+ * tiles are stored, and their SwiGLU (vector work) is written while the next block's
+ * products run on the tiles: a few rows after each k step, so the two units overlap.
+ * Panels as in linear_amx. */
+static void swiglu_amx(const uint16_t *xa, int64_t kp, const uint16_t *p, int64_t ups,
+                       uint16_t *xd, int64_t kd, int64_t rows, int64_t t0, int64_t t1) {
+    swiglu_block blk[2];
+    swiglu_block *prev = NULL, *cur = &blk[0];
+    const int64_t nk = kp / KB, span = ups * kp * TILE;
+    int64_t panel = BD_PANEL / (kp * TILE * 2) / 2;
+    if (panel < 1 || rows <= TILE) panel = t1 - t0;
+    tiles_on(rows < TILE ? (int)rows : TILE, TILE);
+    for (int64_t p0 = t0; p0 < t1; p0 += panel) {
+        const int64_t p1 = p0 + panel < t1 ? p0 + panel : t1;
+        for (int64_t r0 = 0; r0 < rows; r0 += 2 * TILE) {
+            const uint16_t *a0 = xa + r0 * kp, *a1 = a0 + nk * TILE * KB;
+            const int64_t nr0 = rows - r0 < TILE ? rows - r0 : TILE;
+            const int64_t nr1 = rows - r0 - TILE < TILE ? rows - r0 - TILE : TILE;
+            for (int64_t t = p0; t < p1; t++) {
+                const uint16_t *bg = p + t * kp * TILE, *bu = bg + span;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kb = 0; kb < nk; kb++) {
+                    _tile_loadd(4, a0 + kb * TILE * KB, 64);
+                    _tile_loadd(6, bg + kb * KB * TILE, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(7, bu + kb * KB * TILE, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (nr1 > 0) {
+                        _tile_loadd(5, a1 + kb * TILE * KB, 64);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    if (prev) swiglu_rows(prev, (kb + 1) * 2 * TILE / nk, xd, kd);
+                }
+                if (prev) swiglu_rows(prev, 2 * TILE, xd, kd);
+                _tile_stored(0, cur->c[0], 64);
+                _tile_stored(1, cur->c[1], 64);
+                _tile_stored(2, cur->c[2], 64);
+                _tile_stored(3, cur->c[3], 64);
+                cur->nr0 = nr0, cur->nr1 = nr1, cur->r0 = r0, cur->j = t * TILE, cur->done = 0;
+                prev = cur;
+                cur = cur == &blk[0] ? &blk[1] : &blk[0];
+            }
+        }
+    }
+    if (prev) swiglu_rows(prev, 2 * TILE, xd, kd);
+    _tile_release();
+}
+
 #else
 static int amx_permitted(void) { return 0; }
 #endif
@@ -470,4 +579,56 @@ int pagedkv_bf16dot_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t l
     for (int q = 0; q < parts; q++)
         if (rcs[q]) return rcs[q];
     return 0;
+}
+
+/* Hands the MLP its exponential (torch's Sleef_expf16_u10, as layer_ops' SiLU takes it): 0,
+ * or -1 where this build has no AMX path. */
+int pagedkv_bf16dot_silu_init(const void *expf16) {
+#if BD_AMX
+    mlp_exp16 = (expf16_fn)(uintptr_t)expf16;
+    return expf16 ? 0 : -1;
+#else
+    (void)expf16;
+    return -1;
+#endif
+}
+
+/* y [rows, hidden] = bf16(silu(x Wg) * (x Wu)) @ Wd: Wgu [hidden, 2 * inter] (gate columns,
+ * then up) and Wd [inter, hidden] as pair tiles, inter a multiple of 16. The same bits as
+ * linear(x, Wgu), torch's SiLU on the gate half (where it runs its 16-lane exp: every
+ * element of a row whose width is a multiple of 32), then linear_gated(gate, up, Wd): each
+ * sum is the same AMX sum, the SiLU the same IEEE operations. The gate/up outputs are never
+ * stored: each 32-row x 16-column block goes straight into the down projection's A tiles
+ * (bf16), so the call writes 2 bytes per intermediate value instead of 8, and the down
+ * projection packs nothing. -4: no exponential yet (pagedkv_bf16dot_silu_init). */
+int pagedkv_bf16dot_mlp(const float *x, int64_t ldx, const uint16_t *gate_up,
+                        const uint16_t *down, float *y, int64_t ldy, int64_t rows,
+                        int64_t hidden, int64_t inter, int threads) {
+    if (bad(rows, hidden, hidden, ldx, ldy) || inter < TILE || inter % TILE) return -1;
+    if (!amx_permitted()) return -3;
+#if BD_AMX
+    if (!mlp_exp16) return -4;
+    const int64_t kp = (hidden + KB - 1) / KB * KB, kd = (inter + KB - 1) / KB * KB;
+    const int64_t rows_pad = (rows + TILE - 1) / TILE * TILE;
+    uint16_t *xa = malloc((size_t)(rows_pad * (kp + kd)) * sizeof *xa);
+    if (!xa) return -2;
+    uint16_t *xd = xa + rows_pad * kp;
+    if (kd != inter || rows != rows_pad) /* padding, which swiglu_put never writes */
+        memset(xd, 0, (size_t)(rows_pad * kd) * sizeof *xd);
+    pack_tiles(x, NULL, ldx, rows, rows_pad, hidden, kp, xa, threads);
+    int64_t cuts[BD_PAR_MAX + 1];
+    int parts = cut_tiles(rows * kp * 2 * inter, inter / TILE, threads, cuts);
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+    for (int q = 0; q < parts; q++)
+        swiglu_amx(xa, kp, gate_up, inter / TILE, xd, kd, rows, cuts[q], cuts[q + 1]);
+    parts = cut_tiles(rows * kd * hidden, (hidden + TILE - 1) / TILE, threads, cuts);
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+    for (int q = 0; q < parts; q++)
+        linear_amx(xd, kd, down, NULL, y, ldy, rows, hidden, cuts[q], cuts[q + 1]);
+    free(xa);
+    return 0;
+#else
+    (void)x, (void)gate_up, (void)down, (void)y, (void)threads;
+    return -3;
+#endif
 }

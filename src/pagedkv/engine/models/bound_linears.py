@@ -71,6 +71,18 @@ def bind_into(p: Linear, x: torch.Tensor, out: torch.Tensor) -> Call:
     return partial(linear_into, p, x, out)
 
 
+def _bind_mlp(gate_up: Linear, down: Linear, buf: StepBuffers) -> Call | None:
+    """Layer ``gate_up``/``down``'s SwiGLU in one call (:func:`bf16_dot.mlp`: the same bits
+    as gate/up, SiLU and the gated down, without the gate/up output), or None where it
+    cannot run (other layer types, a bias, AMX or torch's exp unavailable)."""
+    if not (
+        type(gate_up) is Bf16DotProjection and type(down) is Bf16DotProjection
+        and gate_up.bias is None and down.bias is None
+    ):  # fmt: skip
+        return None
+    return bf16_dot.bind_mlp(buf.x, gate_up.weight, down.weight, buf.down)
+
+
 def _bind_gated(p: Linear, buf: StepBuffers) -> Call | None:
     """The down projection ``p`` reading ``buf.gate * buf.up`` itself (the AMX kernel's
     gated packing: torch.mul's float32 products, rounded to bf16 as its input would be, so
@@ -84,7 +96,9 @@ class BoundLinears:
     """Every layer's linear calls over one step's buffers (``calls[i]``, :data:`LayerCalls`),
     and what they were bound for. ``gated[i]``: layer ``i``'s down call multiplies
     ``buf.gate`` by ``buf.up`` itself (the caller applies SiLU to ``buf.gate`` in place and
-    skips ``buf.act``).
+    skips ``buf.act``). ``mlp[i]``, where not None, computes layer ``i``'s gate/up, SiLU and
+    down into ``buf.down`` in one call, with the bits of those three (the Python layer loop
+    takes it; the decode programs keep the three calls).
 
     Invariants: ``calls[i]`` computes layer ``i``'s projections of ``buf``'s inputs into
     ``buf``'s outputs with the layer objects in ``linears`` (held, so their weights outlive
@@ -102,6 +116,7 @@ class BoundLinears:
             bind_into(p, buf.act, buf.down) if d is None else d
             for p, d in zip(down, downs, strict=True)
         ]
+        self.mlp = [_bind_mlp(g, d, buf) for g, d in zip(gate_up, down, strict=True)]
         self.calls: list[LayerCalls] = [
             (
                 bind_into(qkv[i], buf.x, buf.qkv),

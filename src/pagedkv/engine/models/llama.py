@@ -509,6 +509,10 @@ class LlamaModel:
             else:
                 attend(i, buf.q, cache, view, self.scale, buf.att, sdpa_dtype=self.sdpa_dtype)
             buf.add_post_norm(i, o())
+            mlp = bound_linears.mlp[i]
+            if mlp is not None:  # gate/up, SiLU and down in one call: the same bits
+                buf.add_next_norm(i, mlp())
+                continue
             gu = gate_up()
             if gated:  # down multiplies gate by up itself (bound_linears: the same bits)
                 if gu is not buf.gate_up:
