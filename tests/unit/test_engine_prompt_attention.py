@@ -122,6 +122,26 @@ def test_rows_are_within_the_bf16_roundings_of_float64(
 
 
 @needs_amx
+@pytest.mark.parametrize("rise", [3.0, 40.0, 400.0])
+def test_scores_that_climb_along_the_positions_stay_within_the_roundings(rise: float) -> None:
+    """Keys whose scores climb by ``rise`` (natural units) every 32 positions, well past
+    float32's exponent range over the context: the walk's reference max must follow them (a
+    probability relative to a stale max overflows past 2^128), and each row must still be
+    within the bf16 roundings of float64, and equal alone and in a chunk."""
+    case = Case(300, 9, 3, 64, 16, seed=int(rise))
+    case.q[..., 0] = 1.0  # every query reads the keys' first dimension with weight 1
+    climb = torch.arange(300, dtype=torch.float64) / 32 * rise / case.scale
+    first = case.k[:, case.table, :, 0].reshape(3, -1)  # [kv_heads, positions of the blocks]
+    first[:, :300] = climb.to(torch.bfloat16)
+    case.k[:, case.table, :, 0] = first.reshape(3, len(case.table), 16)
+    ref, mag = case.reference()
+    got = case.run(0, 300).double()
+    assert bool(got.isfinite().all())
+    assert bool(((got - ref).abs() <= 2.0**-8 * mag + 1e-6).all())
+    assert torch.equal(case.run(150, 150), got[150:].float())
+
+
+@needs_amx
 @pytest.mark.parametrize(("ctx", "heads", "kv_heads", "head_dim", "block_size"), SHAPES)
 def test_a_rows_bits_depend_only_on_its_query_and_its_past(
     ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, threads: int

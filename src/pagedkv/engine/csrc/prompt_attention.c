@@ -4,12 +4,15 @@
  * Contract. The chunk's query rows i = 0..n-1 sit at positions pos0 + i of one sequence and
  * attend to positions 0..pos0 + i (causal), or with a sliding window W > 0 to positions
  * pos0 + i - W + 1 .. pos0 + i. For every query vector (row, head):
- *   q is rounded to bf16 (nearest even); each score s_p = scale * (q . k_p), the dot product
- *   of bf16 values summed in float32 on AMX (TDPBF16PS), then one float32 multiplication;
- *   positions are walked in steps of 32 from position 0 with an online softmax in float32:
- *   per step, m' = max(m, max_p s_p), c = exp(m - m'), l = l * c + sum_p e_p (in p order),
- *   acc = acc * c + sum_p bf16(e_p) * v_p (AMX, float32 sums), with e_p = exp(s_p - m') by
- *   softmax_exp (prompt_softmax.h); finally out = acc * (1 / l) (float32).
+ *   q is rounded to bf16 (nearest even); each score s_p = (scale * log2(e)) * (q . k_p), the
+ *   dot product of bf16 values summed in float32 on AMX (TDPBF16PS), then one float32
+ *   multiplication (a base-2 score); positions are walked in steps of 32 from position 0
+ *   with an online softmax in float32: per step, with M = max_p s_p, the reference max
+ *   m' = max(m, M) where M > m + 8, else m' = m (lazy, prompt_softmax.h's LAZY_MAX),
+ *   c = 2^(m - m'), l = l * c + sum_p e_p (in p order), acc = acc * c + sum_p bf16(e_p) * v_p
+ *   (AMX, float32 sums), with e_p = 2^(s_p - m') by softmax_exp2 (prompt_softmax.h: within
+ *   2.9e-6 relative); finally out = acc * (1 / l) (float32). Mathematically exp(natural
+ *   score - max) as torch's SDPA; the roundings differ.
  * Positions outside a query's range are excluded exactly (e_p = 0; a step wholly outside it
  * leaves m, l and acc unchanged, bit for bit), and V is read only within the chunk's span
  * (zeros outside it). So a query's result depends on its own q and the K/V of its own range,
@@ -60,9 +63,10 @@
 #define RES_D 64 /* up to this head_dim, O^T stays in tiles 4-7 across the walk */
 
 #if PA_AMX
-/* Tile 0: S^T (16 positions x 16 queries, float32); 1: A operand, K (16 positions x 32 bf16
- * of d) or V^T (16 of d x 32 positions); 2: Q^T (16 d pairs x 16 queries); 3: P^T (16
- * position pairs x 16 queries); 4-7: O^T (16 of d x 16 queries, float32 each). */
+/* Tiles 0 and 3: S^T (16 positions x 16 queries each, float32); 1: A operand, K (16
+ * positions x 32 bf16 of d) or V^T (16 of d x 32 positions); 2: B operand, Q^T (16 d pairs x
+ * 16 queries) or P^T (16 position pairs x 16 queries); 4-7: O^T (16 of d x 16 queries,
+ * float32 each). */
 static void tiles_on(void) {
     tile_config c;
     memset(&c, 0, sizeof c);
@@ -154,11 +158,11 @@ static void pack_value_step(const uint16_t *vh, const int64_t *table, int64_t bl
         if (d > 48) op(7, obuf + 768, 64);                                                  \
     } while (0)
 
-/* S^T of one step into sc: two 16-position halves, in tiles 0 and 3 (P^T's, free until the
- * step's probabilities) so that their two chains of products overlap; a half past `hi` (no
- * query of the tile attends to it) is left unwritten (step_softmax masks it). */
-static void step_scores(const uint16_t *kh, const int64_t *table, int64_t block_size, int64_t d,
-                        const uint16_t *q0, int64_t p0, int64_t hi, float *sc) {
+/* S^T of the step at p0 issued into tiles 0 and 3 (two 16-position halves, so that their two
+ * chains of products overlap); returns whether the second half is computed: a half past
+ * `hi` (no query of the tile attends to it) is not, and step_softmax masks it. */
+static int scores_issue(const uint16_t *kh, const int64_t *table, int64_t block_size,
+                        int64_t d, const uint16_t *q0, int64_t p0, int64_t hi) {
     const int two = p0 + 16 < hi;
     const int64_t p1 = p0 + 16;
     const uint16_t *k0 = kh + (table[p0 / block_size] * block_size + p0 % block_size) * d;
@@ -175,58 +179,77 @@ static void step_scores(const uint16_t *kh, const int64_t *table, int64_t block_
             _tile_dpbf16ps(3, 1, 2);
         }
     }
+    return two;
+}
+
+/* The issued S^T into sc (32 positions x 16 queries). */
+static inline void scores_store(float *sc, int two) {
     _tile_stored(0, sc, 64);
     if (two) _tile_stored(3, sc + 256, 64);
 }
 
-/* One query tile of KV head h: the walk over its steps, then its outputs. */
+/* O^T += V^T P^T for the step's V^T tiles vs (P^T in tile 2): in tiles 4.. (resident), or
+ * through obuf. */
+static inline void step_values(const uint16_t *vs, int64_t d, int resident, float *obuf) {
+    if (resident) {
+        _tile_loadd(1, vs, 64);
+        _tile_dpbf16ps(4, 1, 2);
+        _tile_loadd(1, vs + 512, 64);
+        _tile_dpbf16ps(5, 1, 2);
+        if (d > 32) {
+            _tile_loadd(1, vs + 1024, 64);
+            _tile_dpbf16ps(6, 1, 2);
+        }
+        if (d > 48) {
+            _tile_loadd(1, vs + 1536, 64);
+            _tile_dpbf16ps(7, 1, 2);
+        }
+        return;
+    }
+    for (int64_t j = 0; j < d / 16; j++) {
+        _tile_loadd(4, obuf + j * 256, 64);
+        _tile_loadd(1, vs + j * 512, 64);
+        _tile_dpbf16ps(4, 1, 2);
+        _tile_stored(4, obuf + j * 256, 64);
+    }
+}
+
+/* One query tile of KV head h: the walk over its steps, then its outputs. Software-pipelined:
+ * step t + 1's scores are issued on the tiles before step t's softmax runs on the vector
+ * units, and stored after it, so the two overlap (the same operations per step). */
 static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *vt,
                        const int64_t *table, int64_t block_size, int64_t d, int64_t h,
                        int64_t group, int64_t pos0, int64_t nq, int64_t tile, int64_t window,
                        float scale, float *out, int64_t ldo) {
-    float sc[PT * QT] __attribute__((aligned(64)));
+    float scores[2][PT * QT] __attribute__((aligned(64)));
     uint32_t pt[PT / 2 * QT] __attribute__((aligned(64)));
     float obuf[MAX_D * QT] __attribute__((aligned(64)));
     const qtile tq = tile_limits(pos0, group, nq, tile, window);
-    const int64_t hi = tq.hi, resident = d <= RES_D;
+    const int64_t hi = tq.hi, resident = d <= RES_D, end = (hi + PT - 1) / PT;
+    const float scale2 = scale * 1.44269504088896341f; /* base-2 scores: softmax_exp2 */
     memset(obuf, 0, sizeof(float) * d * QT);
     if (resident) O_TILES(_tile_loadd);
     __m512 m = _mm512_set1_ps(-FLT_MAX), l = _mm512_setzero_ps();
     const uint16_t *q0 = qt + tile * (d / 32) * 512;
-    for (int64_t t = tq.first / PT; t * PT < hi; t++) {
+    float *sc = scores[0], *next = scores[1];
+    int64_t t = tq.first / PT;
+    scores_store(sc, scores_issue(kh, table, block_size, d, q0, t * PT, hi));
+    for (; t < end; t++) {
         const int64_t p0 = t * PT;
-        step_scores(kh, table, block_size, d, q0, p0, hi, sc);
-        const __m512 corr = step_softmax(sc, scale, p0, &tq, &m, &l, NULL, pt, 1);
-        const int moved = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) != 0;
-        _tile_loadd(3, pt, 64);
-        const uint16_t *vs = vt + t * d * PT;
-        if (resident) {
-            if (moved) {
-                O_TILES(_tile_stored);
-                rescale(obuf, d, corr);
-                O_TILES(_tile_loadd);
-            }
-            _tile_loadd(1, vs, 64);
-            _tile_dpbf16ps(4, 1, 3);
-            _tile_loadd(1, vs + 512, 64);
-            _tile_dpbf16ps(5, 1, 3);
-            if (d > 32) {
-                _tile_loadd(1, vs + 1024, 64);
-                _tile_dpbf16ps(6, 1, 3);
-            }
-            if (d > 48) {
-                _tile_loadd(1, vs + 1536, 64);
-                _tile_dpbf16ps(7, 1, 3);
-            }
-            continue;
+        const int more = t + 1 < end;
+        const int two = more ? scores_issue(kh, table, block_size, d, q0, p0 + PT, hi) : 0;
+        const __m512 corr = step_softmax(sc, scale2, p0, &tq, &m, &l, NULL, pt, 1);
+        if (more) scores_store(next, two);
+        if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) { /* the max moved */
+            if (resident) O_TILES(_tile_stored);
+            rescale(obuf, d, corr);
+            if (resident) O_TILES(_tile_loadd);
         }
-        if (moved) rescale(obuf, d, corr);
-        for (int64_t j = 0; j < d / 16; j++) {
-            _tile_loadd(4, obuf + j * 256, 64);
-            _tile_loadd(1, vs + j * 512, 64);
-            _tile_dpbf16ps(4, 1, 3);
-            _tile_stored(4, obuf + j * 256, 64);
-        }
+        _tile_loadd(2, pt, 64);
+        step_values(vt + t * d * PT, d, (int)resident, obuf);
+        float *done = sc;
+        sc = next;
+        next = done;
     }
     if (resident) O_TILES(_tile_stored);
     write_out(obuf, l, &tq, d, h, group, out, ldo);
