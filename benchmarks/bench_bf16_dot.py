@@ -8,7 +8,11 @@ from memory as in a decode step), rounds interleaved, and the table gives the mi
 second. Outputs go to buffers allocated once, as the engine's step buffers do (a new 12 MB
 output per call costs page faults that the engine does not pay). Rows: 1 and 16 (decode:
 bandwidth), 1,024 (prefill: compute). The vocabulary
-projection (the tied embedding, ``[49152, 576]``) runs at 1 and 16 rows. Run ``python
+projection (the tied embedding, ``[49152, 576]``) runs at 1 and 16 rows. A second table times
+the SwiGLU MLP (gate/up, SiLU, down) three ways: the three AMX calls the engine made before
+(gate/up into a float32 buffer, torch's SiLU, the down projection multiplying as it packs),
+the one-call ``bf16_dot.mlp``, and torch's bf16 ops (oneDNN linears, bf16 SiLU and multiply).
+Run ``python
 benchmarks/bench_bf16_dot.py [--threads N] [--quick]`` (about a minute); it refuses to run
 where AMX does not.
 """
@@ -81,6 +85,45 @@ def _head_row(rows: int, reps: int) -> str:
     return f"| {rows:5d} | head     | " + " | ".join(cells) + " |"
 
 
+def _mlp_row(rows: int, reps: int) -> str:
+    """The SwiGLU MLP over 30 layers' weights: three AMX calls, one AMX call, torch bf16."""
+    gen = torch.Generator().manual_seed(rows)
+    hidden, inter = 576, 1536
+    gu = [torch.randn(hidden, 2 * inter, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    dn = [torch.randn(inter, hidden, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    p_gu, p_dn = (
+        [PairedWeight.from_weight_t(w) for w in gu],
+        [PairedWeight.from_weight_t(w) for w in dn],
+    )
+    t_gu, t_dn = [w.t().contiguous() for w in gu], [w.t().contiguous() for w in dn]
+    x = torch.randn(rows, hidden, generator=gen)
+    xb = x.to(torch.bfloat16)
+    buf, y = torch.empty(rows, 2 * inter), torch.empty(rows, hidden)
+
+    def three() -> None:
+        for g, d in zip(p_gu, p_dn, strict=True):
+            bf16_dot.linear(x, g, out=buf)
+            torch._C._nn.silu_(buf[:, :inter])
+            bf16_dot.linear(buf[:, :inter], d, out=y, up=buf[:, inter:])
+
+    def torch_bf16() -> None:
+        for g, d in zip(t_gu, t_dn, strict=True):
+            a, b = torch.nn.functional.linear(xb, g).chunk(2, dim=-1)
+            torch.nn.functional.linear(torch.nn.functional.silu(a) * b, d)
+
+    best = _best(
+        {
+            "three": three,
+            "one": lambda: [bf16_dot.mlp(x, g, d, out=y) for g, d in zip(p_gu, p_dn, strict=True)],
+            "torch-bf16": torch_bf16,
+        },
+        reps,
+    )
+    flops = 2 * rows * 3 * hidden * inter * LAYERS / 1e9
+    cells = [f"{s * 1e3:8.2f} ms {flops / s:7.1f} GFLOP/s" for s in best.values()]
+    return f"| {rows:5d} | " + " | ".join(cells) + f" | {best['three'] / best['one']:.2f}x |"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else "")
     ap.add_argument("--threads", type=int, default=1)
@@ -99,6 +142,12 @@ def main() -> None:
             print(_linear_row(name, in_dim, out, rows, max(2, reps // 3 if rows > 16 else reps)))
     for rows in (1, 16):
         print(_head_row(rows, reps))
+    if bf16_dot.mlp_ready():
+        print("\nSwiGLU MLP, 576 -> 2 x 1536 -> 576, per 30 layers")
+        print("| rows | three AMX calls | one call (mlp) | torch bf16 | three / one |")
+        print("|---|---|---|---|---|")
+        for rows in (16,) if args.quick else (16, 256, 1024):
+            print(_mlp_row(rows, max(2, reps // 3 if rows > 16 else reps)))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,14 @@ exactly from (and back to) ``bf16_linear.TiledWeight`` when the precision change
 vocabulary projection reads the embedding as stored (``[vocab, in]``, ``in`` a multiple of
 32; the caller keeps the float32-compute kernel otherwise).
 
+**The MLP in one call, and inputs as tiles.** :func:`mlp` computes a SwiGLU MLP (gate/up,
+torch's SiLU formula with torch's own 16-lane exp, the product, down) without storing the
+gate/up output: each 32-row x 16-column block of gate and up goes straight into the down
+projection's A tiles, its SiLU overlapped with the next block's products. The activation
+layout (``csrc/bf16_tiles.h``) is shared with ``layer_ops``' tiled norm, so a norm can write
+a layer's q/k/v and MLP input as tiles (:func:`bind_linear_tiles`, :func:`bind_mlp_tiles`;
+``models.tiled_layers``). Both give the bits of the calls they replace (tested bit for bit).
+
 Measured (this 2-core Xeon with AMX, one thread; ``benchmarks/bench_bf16_dot.py``, and
 benchmarks/RESULTS.md, "bf16 arithmetic on AMX"): the kernel alone at 16 rows 1.9-2.4x the
 float32-compute kernel on SmolLM2's shapes and head, one row within 5%, 1,024 rows 400-530 G
@@ -90,6 +98,9 @@ def _bind(lib: ctypes.CDLL) -> bool:
     lib.pagedkv_bf16dot_mlp.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
     lib.pagedkv_bf16dot_mlp.restype = i32
     lib.pagedkv_bf16dot_silu_init.argtypes = [ptr]
+    for tiles in (lib.pagedkv_bf16dot_linear_tiles, lib.pagedkv_bf16dot_mlp_tiles):
+        tiles.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+        tiles.restype = i32
     lib.pagedkv_bf16dot_silu_init.restype = i32
     return bool(lib.pagedkv_bf16dot_amx())
 
@@ -424,3 +435,59 @@ def bind_mlp(
             out.data_ptr(), hidden, rows, hidden, inter, torch.get_num_threads())  # fmt: skip
     return BoundKernel(_library(), "pagedkv_bf16dot_mlp", [args], out,
                        (x, gate_up.tiles, down.tiles), "bf16 AMX mlp kernel")  # fmt: skip
+
+
+def tiles_k(in_features: int) -> int:
+    """The k of the A tiles for rows of ``in_features`` values (``csrc/bf16_tiles.h``)."""
+    return -(-in_features // KB) * KB
+
+
+def tiles_for(rows: int, in_features: int) -> torch.Tensor:
+    """A zeroed buffer for ``rows`` rows of A tiles (``csrc/bf16_tiles.h``: ``[ceil(rows / 16),
+    kp / 32, 16, 32]`` bf16, flat): what ``layer_ops``' tiled norm writes and the ``*_tiles``
+    calls read."""
+    return torch.zeros(-(-rows // TILE) * TILE * tiles_k(in_features), dtype=torch.bfloat16)
+
+
+def bind_linear_tiles(
+    tiles: torch.Tensor, rows: int, weight: PairedWeight, bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> BoundKernel | None:  # fmt: skip
+    """``linear`` over rows already packed as A tiles (``tiles``, from :func:`tiles_for`),
+    into ``out`` (contiguous float32 ``[rows, out_features]``), converted once at torch's
+    thread count now: the bits of ``linear`` over the float32 rows those tiles round. None
+    where AMX does not run or the buffers do not fit."""
+    in_dim, cols = weight.in_features, weight.out_features
+    kp = tiles_k(in_dim)
+    if not (
+        amx() and rows > 0 and tiles.dtype is torch.bfloat16 and tiles.is_contiguous()
+        and tiles.numel() == -(-rows // TILE) * TILE * kp and out.dtype is torch.float32
+        and out.is_contiguous() and out.shape == (rows, cols)
+        and (bias is None or (bias.shape == (cols,) and bias.dtype is torch.float32
+                              and bias.is_contiguous()))
+    ):  # fmt: skip
+        return None
+    b = None if bias is None else bias.data_ptr()
+    args = (tiles.data_ptr(), kp, weight.tiles.data_ptr(), b, out.data_ptr(), cols, rows, in_dim,
+            cols, torch.get_num_threads())  # fmt: skip
+    return BoundKernel(_library(), "pagedkv_bf16dot_linear_tiles", [args], out,
+                       (tiles, weight.tiles, bias), "bf16 AMX linear kernel")  # fmt: skip
+
+
+def bind_mlp_tiles(
+    tiles: torch.Tensor, rows: int, gate_up: PairedWeight, down: PairedWeight, out: torch.Tensor
+) -> BoundKernel | None:
+    """:func:`bind_mlp` over rows already packed as A tiles (as :func:`bind_linear_tiles`)."""
+    hidden, inter = gate_up.in_features, down.in_features
+    kp = tiles_k(hidden)
+    if not (
+        rows > 0 and gate_up.out_features == 2 * inter and down.out_features == hidden
+        and inter % TILE == 0 and tiles.dtype is torch.bfloat16 and tiles.is_contiguous()
+        and tiles.numel() == -(-rows // TILE) * TILE * kp and out.dtype is torch.float32
+        and out.is_contiguous() and out.shape == (rows, hidden) and mlp_ready()
+    ):  # fmt: skip
+        return None
+    args = (tiles.data_ptr(), kp, gate_up.tiles.data_ptr(), down.tiles.data_ptr(),
+            out.data_ptr(), hidden, rows, hidden, inter, torch.get_num_threads())  # fmt: skip
+    return BoundKernel(_library(), "pagedkv_bf16dot_mlp_tiles", [args], out,
+                       (tiles, gate_up.tiles, down.tiles), "bf16 AMX mlp kernel")  # fmt: skip

@@ -68,12 +68,14 @@ def _bind_and_check(lib: ctypes.CDLL) -> int:
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.pagedkv_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i64]
     lib.pagedkv_add_rms_norm_f32.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, f32, i64]
+    lib.pagedkv_add_rms_norm_tiles.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, f32, i64]
     lib.pagedkv_rope_write_f32.argtypes = [ptr] * 7 + [i64] * 5 + [ptr, ptr, f32, i64]
     lib.pagedkv_rope_write_bf16kv.argtypes = lib.pagedkv_rope_write_f32.argtypes
     lib.pagedkv_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
     for fn in (
         lib.pagedkv_rms_norm_f32,
         lib.pagedkv_add_rms_norm_f32,
+        lib.pagedkv_add_rms_norm_tiles,
         lib.pagedkv_rope_write_f32,
         lib.pagedkv_rope_write_bf16kv,
         lib.pagedkv_argmax_f32,

@@ -41,6 +41,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_tiles.h" /* the A tiles' layout (XA) and rounding (to_bf16) */
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include "amx.h"
 #define BD_AMX 1
@@ -69,15 +71,6 @@
 
 /* ---- bf16 rounding and the portable loops (the stated order, step by step) ---- */
 
-static inline uint16_t to_bf16(float f) { /* branch-free, so the packing loops vectorize */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
-    uint32_t r = u + 0x7fffu + ((u >> 16) & 1u);
-    r = (r & 0x7f800000u) ? r : (r & 0x80000000u); /* below the smallest normal: signed 0 */
-    return (uint16_t)(nan ? ((u >> 16) | 0x40u) : (r >> 16));
-}
-
 static inline float widen_daz(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
     if ((u & 0x7f800000u) == 0) u &= 0x80000000u; /* a subnormal input reads as zero */
@@ -90,10 +83,6 @@ static inline float add_ftz(float s, float p) {
     const float t = s + p;
     return fabsf(t) < 1.17549435e-38f ? copysignf(0.0f, t) : t;
 }
-
-/* Row r, k of the packed activations xa: A tiles of 16 rows x 32 k (1 KiB each, contiguous),
- * [ceil(rows / 16)][kp / 32][16][32] bf16, so a tile load reads one contiguous KiB. */
-#define XA(xa, kp, r, k) (xa)[((r) / TILE * ((kp) / KB) + (k) / KB) * TILE * KB + (r) % TILE * KB + (k) % KB]
 
 /* xa from x: rounded to bf16, zero past in and from rows up to rows_pad. With u (same ldx),
  * from x[i] * u[i] instead: each product a float32 multiplication (one IEEE rounding, as
@@ -500,17 +489,11 @@ static int bad(int64_t rows, int64_t in, int64_t out, int64_t ldx, int64_t ldy) 
     return rows < 1 || in < 1 || out < 1 || ldx < in || ldy < out;
 }
 
-/* y [rows, out] = bf16(x) @ W (+ bias), W as pair tiles (the header). */
-/* pagedkv_bf16dot_linear's body; u non-NULL: the input is x * u (pack_tiles). */
-static int linear_entry(const float *x, const float *u, int64_t ldx, const uint16_t *p,
-                        const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
-                        int64_t out, int threads, int portable) {
-    if (bad(rows, in, out, ldx, ldy)) return -1;
-    if (!portable && !amx_permitted()) return -3;
-    const int64_t kp = (in + KB - 1) / KB * KB, rows_pad = (rows + TILE - 1) / TILE * TILE;
-    uint16_t *xb = malloc((size_t)(rows_pad * kp) * sizeof *xb);
-    if (!xb) return -2;
-    pack_tiles(x, u, ldx, rows, rows_pad, in, kp, xb, threads);
+/* y [rows, out] = xb @ W (+ bias) for packed A tiles xb (bf16_tiles.h; k kp), W as pair
+ * tiles (the header): the columns cut among the threads. */
+static void linear_run(const uint16_t *xb, int64_t kp, const uint16_t *p, const float *bias,
+                       float *y, int64_t ldy, int64_t rows, int64_t out, int threads,
+                       int portable) {
     const int64_t tiles = (out + TILE - 1) / TILE;
     int64_t cuts[BD_PAR_MAX + 1];
     const int parts = cut_tiles(rows * kp * out, tiles, threads, cuts);
@@ -525,7 +508,33 @@ static int linear_entry(const float *x, const float *u, int64_t ldx, const uint1
 #endif
         }
     }
+}
+
+/* y [rows, out] = bf16(x) @ W (+ bias): pagedkv_bf16dot_linear's body; u non-NULL: the input
+ * is x * u (pack_tiles). */
+static int linear_entry(const float *x, const float *u, int64_t ldx, const uint16_t *p,
+                        const float *bias, float *y, int64_t ldy, int64_t rows, int64_t in,
+                        int64_t out, int threads, int portable) {
+    if (bad(rows, in, out, ldx, ldy)) return -1;
+    if (!portable && !amx_permitted()) return -3;
+    const int64_t kp = (in + KB - 1) / KB * KB, rows_pad = (rows + TILE - 1) / TILE * TILE;
+    uint16_t *xb = malloc((size_t)(rows_pad * kp) * sizeof *xb);
+    if (!xb) return -2;
+    pack_tiles(x, u, ldx, rows, rows_pad, in, kp, xb, threads);
+    linear_run(xb, kp, p, bias, y, ldy, rows, out, threads, portable);
     free(xb);
+    return 0;
+}
+
+/* pagedkv_bf16dot_linear from A tiles already packed (bf16_tiles.h: k kp, in rounded up to 32;
+ * rows padded to 16 with zeros), as the layer ops' norm writes them: the same bits as the
+ * float32 input those tiles round. */
+int pagedkv_bf16dot_linear_tiles(const uint16_t *xa, int64_t kp, const uint16_t *p,
+                                 const float *bias, float *y, int64_t ldy, int64_t rows,
+                                 int64_t in, int64_t out, int threads) {
+    if (bad(rows, in, out, in, ldy) || kp != (in + KB - 1) / KB * KB) return -1;
+    if (!amx_permitted()) return -3;
+    linear_run(xa, kp, p, bias, y, ldy, rows, out, threads, 0);
     return 0;
 }
 
@@ -581,6 +590,31 @@ int pagedkv_bf16dot_nt(const float *x, int64_t ldx, const uint16_t *e, int64_t l
     return 0;
 }
 
+#if BD_AMX
+/* pagedkv_bf16dot_mlp from its packed input xa (k kp): gate/up and SiLU into the down
+ * projection's A tiles, then down. 0, or -2 (no memory). */
+static int mlp_run(const uint16_t *xa, int64_t kp, const uint16_t *gate_up, const uint16_t *down,
+                   float *y, int64_t ldy, int64_t rows, int64_t hidden, int64_t inter,
+                   int threads) {
+    const int64_t kd = (inter + KB - 1) / KB * KB, rows_pad = (rows + TILE - 1) / TILE * TILE;
+    uint16_t *xd = malloc((size_t)(rows_pad * kd) * sizeof *xd);
+    if (!xd) return -2;
+    if (kd != inter || rows != rows_pad) /* padding, which swiglu_put never writes */
+        memset(xd, 0, (size_t)(rows_pad * kd) * sizeof *xd);
+    int64_t cuts[BD_PAR_MAX + 1];
+    int parts = cut_tiles(rows * kp * 2 * inter, inter / TILE, threads, cuts);
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+    for (int q = 0; q < parts; q++)
+        swiglu_amx(xa, kp, gate_up, inter / TILE, xd, kd, rows, cuts[q], cuts[q + 1]);
+    parts = cut_tiles(rows * kd * hidden, (hidden + TILE - 1) / TILE, threads, cuts);
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+    for (int q = 0; q < parts; q++)
+        linear_amx(xd, kd, down, NULL, y, ldy, rows, hidden, cuts[q], cuts[q + 1]);
+    free(xd);
+    return 0;
+}
+#endif
+
 /* Hands the MLP its exponential (torch's Sleef_expf16_u10, as layer_ops' SiLU takes it): 0,
  * or -1 where this build has no AMX path. */
 int pagedkv_bf16dot_silu_init(const void *expf16) {
@@ -608,27 +642,32 @@ int pagedkv_bf16dot_mlp(const float *x, int64_t ldx, const uint16_t *gate_up,
     if (!amx_permitted()) return -3;
 #if BD_AMX
     if (!mlp_exp16) return -4;
-    const int64_t kp = (hidden + KB - 1) / KB * KB, kd = (inter + KB - 1) / KB * KB;
-    const int64_t rows_pad = (rows + TILE - 1) / TILE * TILE;
-    uint16_t *xa = malloc((size_t)(rows_pad * (kp + kd)) * sizeof *xa);
+    const int64_t kp = (hidden + KB - 1) / KB * KB, rows_pad = (rows + TILE - 1) / TILE * TILE;
+    uint16_t *xa = malloc((size_t)(rows_pad * kp) * sizeof *xa);
     if (!xa) return -2;
-    uint16_t *xd = xa + rows_pad * kp;
-    if (kd != inter || rows != rows_pad) /* padding, which swiglu_put never writes */
-        memset(xd, 0, (size_t)(rows_pad * kd) * sizeof *xd);
     pack_tiles(x, NULL, ldx, rows, rows_pad, hidden, kp, xa, threads);
-    int64_t cuts[BD_PAR_MAX + 1];
-    int parts = cut_tiles(rows * kp * 2 * inter, inter / TILE, threads, cuts);
-#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
-    for (int q = 0; q < parts; q++)
-        swiglu_amx(xa, kp, gate_up, inter / TILE, xd, kd, rows, cuts[q], cuts[q + 1]);
-    parts = cut_tiles(rows * kd * hidden, (hidden + TILE - 1) / TILE, threads, cuts);
-#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
-    for (int q = 0; q < parts; q++)
-        linear_amx(xd, kd, down, NULL, y, ldy, rows, hidden, cuts[q], cuts[q + 1]);
+    const int rc = mlp_run(xa, kp, gate_up, down, y, ldy, rows, hidden, inter, threads);
     free(xa);
-    return 0;
+    return rc;
 #else
     (void)x, (void)gate_up, (void)down, (void)y, (void)threads;
+    return -3;
+#endif
+}
+
+/* pagedkv_bf16dot_mlp from A tiles already packed (as pagedkv_bf16dot_linear_tiles). */
+int pagedkv_bf16dot_mlp_tiles(const uint16_t *xa, int64_t kp, const uint16_t *gate_up,
+                              const uint16_t *down, float *y, int64_t ldy, int64_t rows,
+                              int64_t hidden, int64_t inter, int threads) {
+    if (bad(rows, hidden, hidden, hidden, ldy) || inter < TILE || inter % TILE ||
+        kp != (hidden + KB - 1) / KB * KB)
+        return -1;
+    if (!amx_permitted()) return -3;
+#if BD_AMX
+    if (!mlp_exp16) return -4;
+    return mlp_run(xa, kp, gate_up, down, y, ldy, rows, hidden, inter, threads);
+#else
+    (void)xa, (void)gate_up, (void)down, (void)y, (void)threads;
     return -3;
 #endif
 }

@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_tiles.h" /* the AMX linears' A tiles (pagedkv_add_rms_norm_tiles) */
+
 /* Steps of at least PAR_ROWS rows (prefill chunks) split their rows among the process's
  * OpenMP threads (torch's; the library is built with -fopenmp where the compiler has it).
  * Every row is computed alone, the same operations in the same order, so the split changes
@@ -147,6 +149,32 @@ int pagedkv_add_rms_norm_f32(float *h, const float *delta, int64_t delta_stride,
     return 0;
 }
 
+
+/* pagedkv_add_rms_norm_f32 with the normed rows written as bf16 A tiles (bf16_tiles.h: k kp, a
+ * multiple of 32 and at least d; rows rounded up to 16, the padding zeroed) instead of float32:
+ * each value is the float32 norm's, rounded as bf16_dot's packing rounds it, so an AMX linear
+ * over these tiles gives the bits of the same linear over the float32 rows. d at most 16384. */
+int pagedkv_add_rms_norm_tiles(float *h, const float *delta, int64_t delta_stride,
+                               const float *w, uint16_t *xa, int64_t kp, int64_t rows, int64_t d,
+                               float eps, int64_t vw) {
+    if (bad_shape(rows, d, vw) || delta_stride < d || kp < d || kp % 32 || d > 16384) return -1;
+    const int64_t rows_pad = (rows + 15) / 16 * 16;
+#pragma omp parallel for schedule(static) if (rows >= PAR_ROWS)
+    for (int64_t r = 0; r < rows_pad; ++r) {
+        if (r >= rows) {
+            xa_put_row(xa, kp, r, NULL, 0);
+            continue;
+        }
+        float normed[d];
+        float *hr = h + r * d;
+        const float *dr = delta + r * delta_stride;
+        for (int64_t e = 0; e < d; ++e) hr[e] = hr[e] + dr[e];
+        norm_row(hr, w, normed, d, eps, vw);
+        xa_put_row(xa, kp, r, normed, d);
+    }
+    return 0;
+}
+
 /* ---- SiLU, as torch's CPU kernel computes it ----
  *
  * torch's silu (aten/src/ATen/native/cpu/Activation.cpp) is x / (1 + exp(-x)), through
@@ -219,7 +247,7 @@ static inline void rope_head(const float *restrict x, const float *restrict c,
 
 /* dst[i] = src[i] rounded to bfloat16, to nearest even (NaN: a quiet NaN), as torch's
  * float -> bfloat16 conversion (c10::BFloat16's round_to_nearest_even) does. */
-static inline void to_bf16(const float *restrict src, uint16_t *restrict dst, int64_t n) {
+static inline void to_bf16_rows(const float *restrict src, uint16_t *restrict dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
         uint32_t u;
         memcpy(&u, src + i, sizeof u);
@@ -273,8 +301,8 @@ static int rope_write(const float *qkv, const float *cos_, const float *sin_,
             const float *v = row + (nh + nkv + h) * hd;
             if (bf16) {
                 rope_head(x, c, s, roped, hd);
-                to_bf16(roped, (uint16_t *)k_pool + at, hd);
-                to_bf16(v, (uint16_t *)v_pool + at, hd);
+                to_bf16_rows(roped, (uint16_t *)k_pool + at, hd);
+                to_bf16_rows(v, (uint16_t *)v_pool + at, hd);
             } else {
                 rope_head(x, c, s, (float *)k_pool + at, hd);
                 memcpy((float *)v_pool + at, v, sizeof(float) * hd);

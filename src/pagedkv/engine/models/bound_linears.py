@@ -33,6 +33,7 @@ from functools import partial
 import torch
 
 from pagedkv.engine import bf16_dot, bf16_linear, fewrow
+from pagedkv.engine.bound_call import BoundKernel
 from pagedkv.engine.gguf_qlinear import GGUFProjection
 from pagedkv.engine.layer_op_buffers import StepBuffers
 from pagedkv.engine.models.projection import (
@@ -42,6 +43,7 @@ from pagedkv.engine.models.projection import (
     Projection,
     linear_into,
 )
+from pagedkv.engine.models.tiled_layers import TiledLayers
 from pagedkv.engine.qlinear import QuantizedProjection
 
 Call = Callable[[], torch.Tensor]
@@ -98,7 +100,8 @@ class BoundLinears:
     ``buf.gate`` by ``buf.up`` itself (the caller applies SiLU to ``buf.gate`` in place and
     skips ``buf.act``). ``mlp[i]``, where not None, computes layer ``i``'s gate/up, SiLU and
     down into ``buf.down`` in one call, with the bits of those three (the Python layer loop
-    takes it; the decode programs keep the three calls).
+    takes it; the decode programs keep the three calls). ``tiled``, where not None, is the
+    same loop with the norms writing bf16 A tiles (:class:`TiledLayers`: the same bits).
 
     Invariants: ``calls[i]`` computes layer ``i``'s projections of ``buf``'s inputs into
     ``buf``'s outputs with the layer objects in ``linears`` (held, so their weights outlive
@@ -126,6 +129,8 @@ class BoundLinears:
             )
             for i in range(len(qkv))
         ]
+        o_into_buf = all(type(c[1]) is BoundKernel and c[1].out is buf.o for c in self.calls)
+        self.tiled = TiledLayers.build(buf, self.linears) if o_into_buf else None
 
     def fits(self, groups: Sequence[Sequence[Linear]]) -> bool:
         """Whether these calls still compute the model's layers ``groups``."""

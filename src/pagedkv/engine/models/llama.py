@@ -497,6 +497,9 @@ class LlamaModel:
             program.run_step(buf)
             return buf.out
         buf.input_norm()
+        if bound_linears.tiled is not None:  # the norms write bf16 A tiles: the same bits
+            self._layers_tiled(buf, bound_linears, views, bound, cache)
+            return buf.out
         k_pools, v_pools = cache.k, cache.v
         silu_ = torch._C._nn.silu_  # F.silu(inplace=True)'s call, without its Python wrapper
         for i, (view, (qkv, o, gate_up, down), gated) in enumerate(
@@ -523,6 +526,35 @@ class LlamaModel:
                 torch.mul(silu_(g), u, out=buf.act)
             buf.add_next_norm(i, down())
         return buf.out
+
+    def _layers_tiled(
+        self,
+        buf: layer_op_buffers.StepBuffers,
+        linears: BoundLinears,
+        views: list[AttentionMetadata],
+        bound: dict[int, Callable[[torch.Tensor, torch.Tensor], None] | None],
+        cache: PagedKVCache,
+    ) -> None:
+        """``_forward_fused``'s layer loop over ``linears.tiled`` (``models.tiled_layers``):
+        after layer 0's q/k/v, every q/k/v and MLP reads the norm's bf16 A tiles."""
+        tiled = linears.tiled
+        assert tiled is not None
+        last = len(views) - 1
+        for i, (view, calls) in enumerate(zip(views, linears.calls, strict=True)):
+            qkv = tiled.qkv[i]
+            buf.rope_write(i, calls[0]() if qkv is None else qkv())
+            call = bound[id(view)]
+            if call is not None:  # a decode-only step: one ctypes call
+                call(cache.k[i], cache.v[i])
+            else:
+                attend(i, buf.q, cache, view, self.scale, buf.att, sdpa_dtype=self.sdpa_dtype)
+            calls[1]()  # o, into buf.o
+            tiled.post_norm[i]()
+            tiled.mlp[i]()  # into buf.down
+            if i == last:
+                buf.add_next_norm(i, buf.down)  # the final norm, float32 rows
+            else:
+                tiled.next_norm[i]()
 
     def _bound_linears(self, buf: layer_op_buffers.StepBuffers) -> BoundLinears:
         """Every layer's linear calls bound to ``buf`` (:mod:`.bound_linears`), kept with
