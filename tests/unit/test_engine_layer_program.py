@@ -64,10 +64,12 @@ def _programs_used(engine: LLMEngine) -> int:
     return sum(p is not None for _, p in engine.model._programs.values())
 
 
-def _same_with_and_without(path: Path, cfg: EngineConfig) -> None:
+def _same_with_and_without(path: Path, cfg: EngineConfig, fused_mlp: bool = False) -> None:
     ours = LLMEngine.from_model_dir(str(path), cfg)
     got = _run(ours)
     assert _programs_used(ours) > 0  # the program ran
+    if fused_mlp:  # with the one-call MLP in place of gate/up, SiLU and down
+        assert all(p is None or p.fused_mlp for _, p in ours.model._programs.values())
     if layer_ops._silu_ready():  # and SiLU inside it, where it gives torch's bits
         assert any(p and p.native_silu for _, p in ours.model._programs.values())
     python = LLMEngine.from_model_dir(str(path), cfg)
@@ -90,7 +92,7 @@ def test_a_decode_run_is_the_same_with_and_without_the_program(
     cfg = EngineConfig(
         num_blocks=64, dtype=dtype, quantization=quantization, matmul_precision=precision
     )
-    _same_with_and_without(model_dir, cfg)
+    _same_with_and_without(model_dir, cfg, precision == "medium" and bf16_dot.mlp_ready())
 
 
 def test_an_intermediate_size_off_the_vector_width_is_the_same(

@@ -50,6 +50,7 @@ KINDS = {
     "pagedkv_decode_f32_par": 16,
     "pagedkv_decode_bf16kv_par": 17,
     "pagedkv_silu_f32": 18,
+    "pagedkv_bf16dot_mlp": 19,
 }
 MAX_WORDS = 16  # integer/pointer arguments of any kind, at most
 _FLOAT_TYPES = (ctypes.c_float, ctypes.c_double)

@@ -43,7 +43,8 @@ enum {
     PK_DECODE_BF16,    /* paged_decode.c pagedkv_decode_bf16kv */
     PK_DECODE_F32_PAR, /* paged_decode.c pagedkv_decode_f32_par */
     PK_DECODE_BF16_PAR, /* paged_decode.c pagedkv_decode_bf16kv_par */
-    PK_SILU            /* layer_ops.c   pagedkv_silu_f32 */
+    PK_SILU,           /* layer_ops.c   pagedkv_silu_f32 */
+    PK_BF16DOT_MLP     /* bf16_dot.c    pagedkv_bf16dot_mlp */
 };
 
 typedef int64_t I;
@@ -71,6 +72,7 @@ typedef int (*dec_bf16_t)(CF, float *, CH, CH, CI, CI, CI, I, I, I, I, I, I, I, 
 typedef int (*dec_f32_par_t)(CF, float *, CF, CF, CI, CI, CI, I, I, I, I, I, I, I, float, int);
 typedef int (*dec_bf16_par_t)(CF, float *, CH, CH, CI, CI, CI, I, I, I, I, I, I, I, float, int);
 typedef int (*silu_t)(float *, I, CF, I, float *, I, I, I);
+typedef int (*bf16dot_mlp_t)(CF, I, CH, CH, float *, I, I, I, I, int);
 
 #define P(t, i) ((t)(intptr_t)w[i])
 
@@ -138,6 +140,9 @@ static int run_one(const pk_call *c) {
     case PK_SILU:
         return ((silu_t)c->fn)(P(float *, 0), w[1], P(CF, 2), w[3], P(float *, 4), w[5], w[6],
                                w[7]);
+    case PK_BF16DOT_MLP:
+        return ((bf16dot_mlp_t)c->fn)(P(CF, 0), w[1], P(CH, 2), P(CH, 3), P(float *, 4), w[5],
+                                      w[6], w[7], w[8], (int)w[9]);
     default:
         return -1;
     }
@@ -147,9 +152,9 @@ static int run_one(const pk_call *c) {
  * Python side checks each recorded call against the prototype it will be made through. */
 int pagedkv_program_arity(int64_t kind, int64_t *num_words, int64_t *num_floats) {
     static const int64_t words[] = {0, 12, 11, 12, 11, 10, 13, 11, 12, 11, 7, 8, 15, 15, 14,
-                                    14, 15, 15, 8};
-    static const int64_t floats[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0};
-    if (kind < PK_Q8_PAR || kind > PK_SILU) return -1;
+                                    14, 15, 15, 8, 10};
+    static const int64_t floats[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0};
+    if (kind < PK_Q8_PAR || kind > PK_BF16DOT_MLP) return -1;
     *num_words = words[kind];
     *num_floats = floats[kind];
     return 0;

@@ -12,8 +12,10 @@ calls between two SiLUs run as one :class:`step_program.StepProgram` segment:
 
 and SiLU (torch's op, so its bits) runs between segments, as before. Where ``layer_ops``'
 SiLU gives torch's bits for the step's shape and thread count (checked once per shape), it
-runs inside instead, and the whole loop is one segment. The same kernels run in
-the same order on the same buffers, so the step's bits do not change. Per step only the
+runs inside instead, and the whole loop is one segment. Where every layer has the one-call
+MLP of the AMX path (``BoundLinears.mlp``: gate/up, SiLU and down, the bits of the three), it
+replaces those calls and the loop is one segment too. The same kernels run in the same order
+on the same buffers, so the step's bits do not change. Per step only the
 attention's tables/lengths/starts/sequence count and the final norm's output pointer change;
 ``set_step`` patches them.
 """
@@ -75,7 +77,11 @@ class LayerProgram:
     ) -> None:
         rope_fail = f"rope_write: a slot is outside [0, {buf.num_slots}) (the cache's slots)"
         norm_fail = "add_rms_norm rejected its inputs"
-        self.native_silu = _silu_matches(buf, linears)  # then one segment: the whole loop
+        mlps = [m if isinstance(m, BoundKernel) and m.out is buf.down else None
+                for m in linears.mlp]  # fmt: skip
+        self.fused_mlp = all(m is not None for m in mlps)  # gate/up, SiLU, down in one call
+        # either way one segment: the whole loop
+        self.native_silu = self.fused_mlp or _silu_matches(buf, linears)
         segments: list[list[tuple[Recorded, str]]] = []
         segment = [
             (_native(record(buf.ops.raw_norm, buf.norm0_args)), "rms_norm rejected its inputs")
@@ -92,17 +98,19 @@ class LayerProgram:
                 (decode, native.DECODE_FAILURE),
                 _linear(o, buf.o),
                 (_native(record(buf.ops.raw_add_norm, buf.post_args[i])), norm_fail),
-                _linear(gate_up, buf.gate_up),
             ]
-            if self.native_silu:
-                segment.append((_silu(buf, linears.gated[i]), "SiLU rejected its inputs"))
+            mlp = mlps[i]
+            if mlp is not None:
+                segment.append(_linear(mlp, buf.down))
             else:
-                segments.append(segment)  # then torch's SiLU, from Python
-                segment = []
-            segment += [
-                _linear(down, buf.down),
-                (_native(record(buf.ops.raw_add_norm, buf.next_args(i))), norm_fail),
-            ]
+                segment.append(_linear(gate_up, buf.gate_up))
+                if self.native_silu:
+                    segment.append((_silu(buf, linears.gated[i]), "SiLU rejected its inputs"))
+                else:
+                    segments.append(segment)  # then torch's SiLU, from Python
+                    segment = []
+                segment.append(_linear(down, buf.down))
+            segment.append((_native(record(buf.ops.raw_add_norm, buf.next_args(i))), norm_fail))
         segments.append(segment)
         self.messages = [message for seg in segments for _, message in seg]
         self._final_row = len(self.messages) - 1  # the last norm, into the step's ``out``
