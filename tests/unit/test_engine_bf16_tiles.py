@@ -47,7 +47,7 @@ def _norm_tiles(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor) -> torch.
     return tiles
 
 
-@pytest.mark.parametrize(("rows", "d"), [(1, 64), (17, 64), (40, 96), (100, 576)])
+@pytest.mark.parametrize(("rows", "d"), [(1, 64), (17, 80), (40, 96), (100, 576)])
 def test_the_tiled_norm_is_the_float_norm_rounded_and_laid_out(rows: int, d: int) -> None:
     """``h += delta`` as the float32 norm does it, and tiles equal to the float32 norm's rows
     rounded to bf16 (torch's rounding: nearest even) in the A-tile layout, padding zero."""
@@ -64,7 +64,7 @@ def test_the_tiled_norm_is_the_float_norm_rounded_and_laid_out(rows: int, d: int
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
-    ("rows", "in_dim", "out_dim"), [(1, 64, 48), (33, 96, 160), (70, 576, 960)]
+    ("rows", "in_dim", "out_dim"), [(1, 64, 48), (33, 80, 160), (70, 576, 960)]
 )
 def test_a_linear_over_tiles_gives_the_bits_of_the_float_input(
     rows: int, in_dim: int, out_dim: int, threads: int
@@ -106,21 +106,18 @@ def test_an_mlp_over_tiles_gives_the_bits_of_the_float_input(
     assert torch.equal(out, bf16_dot.mlp(x, gate_up, down))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(
-        tmp_path_factory.mktemp("bf16tiles") / "m", hidden_size=64, intermediate_size=96,
-        num_hidden_layers=3, eos_token_id=None,
-    )  # fmt: skip
-
-
 @needs_mlp
+@pytest.mark.parametrize(("hidden", "inter"), [(64, 96), (80, 112)], ids=["64", "80-padded"])
 def test_a_medium_engine_gives_the_same_outputs_with_and_without_the_tiles(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hidden: int, inter: int
 ) -> None:
     """Prompts prefilled whole and in chunks, then decoded: the same greedy tokens and
     log-probabilities, bit for bit, when the layer loop passes the norms' outputs as tiles as
-    when it passes float32 rows."""
+    when it passes float32 rows (a hidden size of 80: tiles padded to 96)."""
+    model_dir = write_tiny_model(
+        tmp_path / "m", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=3,
+        eos_token_id=None,
+    )  # fmt: skip
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (1, 9, 70, 150)]
     built: list[bool] = []
