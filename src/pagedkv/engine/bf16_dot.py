@@ -375,13 +375,35 @@ def mlp_ready() -> bool:
     return amx() and exp16 is not None and _library().pagedkv_bf16dot_silu_init(exp16) == 0
 
 
+def _mlp_fits(gate_up: PairedWeight, down: PairedWeight) -> bool:
+    """Whether ``gate_up`` ``[h, 2i]`` and ``down`` ``[i, h]`` make a SwiGLU MLP the kernel
+    takes (``i`` a multiple of 16)."""
+    inter = down.in_features
+    return (
+        gate_up.out_features == 2 * inter
+        and down.out_features == gate_up.in_features
+        and inter % TILE == 0
+    )
+
+
+def _float_out_fits(out: torch.Tensor, rows: int, cols: int) -> bool:
+    return out.dtype is torch.float32 and out.is_contiguous() and out.shape == (rows, cols)
+
+
+def _tiles_fit(tiles: torch.Tensor, rows: int, in_features: int) -> bool:
+    """Whether ``tiles`` is an A-tile buffer for ``rows`` rows of ``in_features`` values."""
+    return (
+        tiles.dtype is torch.bfloat16
+        and tiles.is_contiguous()
+        and tiles.numel() == -(-rows // TILE) * TILE * tiles_k(in_features)
+    )
+
+
 def _check_mlp(x: torch.Tensor, gate_up: PairedWeight, down: PairedWeight) -> int:
     """The intermediate size of a SwiGLU MLP over these weights; raises InvalidRequestError
     naming what does not fit (:func:`mlp`'s shapes)."""
     hidden, inter = gate_up.in_features, down.in_features
-    if not (
-        gate_up.out_features == 2 * inter and down.out_features == hidden and inter % TILE == 0
-    ):
+    if not _mlp_fits(gate_up, down):
         raise InvalidRequestError(
             f"bf16 AMX mlp: gate/up [{hidden}, {gate_up.out_features}] and down [{inter}, "
             f"{down.out_features}] (needs [h, 2i] and [i, h], i a multiple of {TILE})"
@@ -424,17 +446,11 @@ def bind_mlp(
     """``mlp(x, gate_up, down, out)`` with its arguments converted once, at torch's intra-op
     thread count now; None where it does not run here or the buffers or shapes do not fit
     (contiguous float32 ``x`` and ``out``)."""
-    hidden, inter = gate_up.in_features, down.in_features
+    hidden = gate_up.in_features
     rows = x.shape[0] if x.dim() == 2 else 0
-    if not (
-        rows and gate_up.out_features == 2 * inter and down.out_features == hidden
-        and inter % TILE == 0 and fits(x, out, hidden, hidden, 1 << 30) and mlp_ready()
-    ):  # fmt: skip
+    if not (rows and _mlp_fits(gate_up, down) and fits(x, out, hidden, hidden, 1 << 30)):
         return None
-    args = (x.data_ptr(), hidden, gate_up.tiles.data_ptr(), down.tiles.data_ptr(),
-            out.data_ptr(), hidden, rows, hidden, inter, torch.get_num_threads())  # fmt: skip
-    return BoundKernel(_library(), "pagedkv_bf16dot_mlp", [args], out,
-                       (x, gate_up.tiles, down.tiles), "bf16 AMX mlp kernel")  # fmt: skip
+    return _bound_mlp("pagedkv_bf16dot_mlp", x, hidden, gate_up, down, out)
 
 
 def tiles_k(in_features: int) -> int:
@@ -460,12 +476,12 @@ def bind_linear_tiles(
     in_dim, cols = weight.in_features, weight.out_features
     kp = tiles_k(in_dim)
     if not (
-        amx() and rows > 0 and tiles.dtype is torch.bfloat16 and tiles.is_contiguous()
-        and tiles.numel() == -(-rows // TILE) * TILE * kp and out.dtype is torch.float32
-        and out.is_contiguous() and out.shape == (rows, cols)
+        rows > 0 and _tiles_fit(tiles, rows, in_dim) and _float_out_fits(out, rows, cols)
         and (bias is None or (bias.shape == (cols,) and bias.dtype is torch.float32
                               and bias.is_contiguous()))
     ):  # fmt: skip
+        return None
+    if not amx():
         return None
     b = None if bias is None else bias.data_ptr()
     args = (tiles.data_ptr(), kp, weight.tiles.data_ptr(), b, out.data_ptr(), cols, rows, in_dim,
@@ -478,16 +494,25 @@ def bind_mlp_tiles(
     tiles: torch.Tensor, rows: int, gate_up: PairedWeight, down: PairedWeight, out: torch.Tensor
 ) -> BoundKernel | None:
     """:func:`bind_mlp` over rows already packed as A tiles (as :func:`bind_linear_tiles`)."""
-    hidden, inter = gate_up.in_features, down.in_features
-    kp = tiles_k(hidden)
+    hidden = gate_up.in_features
     if not (
-        rows > 0 and gate_up.out_features == 2 * inter and down.out_features == hidden
-        and inter % TILE == 0 and tiles.dtype is torch.bfloat16 and tiles.is_contiguous()
-        and tiles.numel() == -(-rows // TILE) * TILE * kp and out.dtype is torch.float32
-        and out.is_contiguous() and out.shape == (rows, hidden) and mlp_ready()
+        rows > 0 and _mlp_fits(gate_up, down) and _tiles_fit(tiles, rows, hidden)
+        and _float_out_fits(out, rows, hidden)
     ):  # fmt: skip
         return None
-    args = (tiles.data_ptr(), kp, gate_up.tiles.data_ptr(), down.tiles.data_ptr(),
-            out.data_ptr(), hidden, rows, hidden, inter, torch.get_num_threads())  # fmt: skip
-    return BoundKernel(_library(), "pagedkv_bf16dot_mlp_tiles", [args], out,
-                       (tiles, gate_up.tiles, down.tiles), "bf16 AMX mlp kernel")  # fmt: skip
+    return _bound_mlp("pagedkv_bf16dot_mlp_tiles", tiles, tiles_k(hidden), gate_up, down, out)
+
+
+def _bound_mlp(
+    symbol: str, x: torch.Tensor, ldx: int, gate_up: PairedWeight, down: PairedWeight,
+    out: torch.Tensor,
+) -> BoundKernel | None:  # fmt: skip
+    """``symbol`` (the MLP from float32 rows ``x`` with row stride ``ldx``, or from A tiles
+    ``x`` with their k) bound at torch's thread count now; None where it cannot run here."""
+    if not mlp_ready():
+        return None
+    rows, hidden = out.shape
+    args = (x.data_ptr(), ldx, gate_up.tiles.data_ptr(), down.tiles.data_ptr(), out.data_ptr(),
+            hidden, rows, hidden, down.in_features, torch.get_num_threads())  # fmt: skip
+    return BoundKernel(_library(), symbol, [args], out, (x, gate_up.tiles, down.tiles),
+                       "bf16 AMX mlp kernel")  # fmt: skip
