@@ -16,7 +16,7 @@ from pagedkv.engine import bf16_dot, layer_ops
 from pagedkv.engine.bf16_dot import PairedWeight
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.models import tiled_layers
+from pagedkv.engine.models import llama, tiled_layers
 from pagedkv.engine.tiny import write_tiny_model
 
 needs_amx = pytest.mark.skipif(not bf16_dot.amx(), reason="this CPU has no AMX-BF16")
@@ -107,17 +107,31 @@ def test_an_mlp_over_tiles_gives_the_bits_of_the_float_input(
 
 
 @needs_mlp
-@pytest.mark.parametrize(("hidden", "inter"), [(64, 96), (80, 112)], ids=["64", "80-padded"])
+@pytest.mark.parametrize(
+    ("hidden", "inter", "heads", "kv_heads"),
+    [(128, 96, 4, 2), (64, 96, 4, 4), (80, 112, 4, 4)],
+    ids=["head-dim-32", "head-dim-16", "80-padded"],
+)
 def test_a_medium_engine_gives_the_same_outputs_with_and_without_the_tiles(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hidden: int, inter: int
-) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hidden: int, inter: int, heads: int,
+    kv_heads: int,
+) -> None:  # fmt: skip
     """Prompts prefilled whole and in chunks, then decoded: the same greedy tokens and
-    log-probabilities, bit for bit, when the layer loop passes the norms' outputs as tiles as
-    when it passes float32 rows (a hidden size of 80: tiles padded to 96)."""
+    log-probabilities, bit for bit, when the layer loop passes the norms' outputs as tiles
+    as when it passes float32 rows; with a head_dim of 32 the AMX prompt kernel writes the o
+    projection's tiles too (checked: ``attend_tiles`` serves layers), with 16 it cannot (the
+    o projection reads float32 rows); a hidden size of 80 pads the tiles to 96."""
     model_dir = write_tiny_model(
         tmp_path / "m", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=3,
-        eos_token_id=None,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, eos_token_id=None,
     )  # fmt: skip
+    served: list[bool] = []
+    attend_tiles = llama.attend_tiles
+
+    def spy_attend(*args: object) -> bool:
+        served.append(attend_tiles(*args))  # type: ignore[arg-type]
+        return served[-1]
+
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (1, 9, 70, 150)]
     built: list[bool] = []
@@ -130,6 +144,7 @@ def test_a_medium_engine_gives_the_same_outputs_with_and_without_the_tiles(
             return made
 
         monkeypatch.setattr(tiled_layers.TiledLayers, "build", spy)
+        monkeypatch.setattr(llama, "attend_tiles", spy_attend)
         cfg = EngineConfig(num_blocks=128, dtype="bfloat16", matmul_precision="medium",
                            max_num_batched_tokens=chunk, max_num_seqs=8,
                            enable_prefix_caching=False)  # fmt: skip
@@ -146,3 +161,4 @@ def test_a_medium_engine_gives_the_same_outputs_with_and_without_the_tiles(
         assert run(True, chunk) == want
         assert built
         assert all(built)
+    assert any(served) == (hidden // heads == 32)

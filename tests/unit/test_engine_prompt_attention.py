@@ -364,3 +364,28 @@ def test_bf16_caching_and_chunking_keep_the_bits_of_long_prompts(
     assert cached == uncached
     assert chunked == uncached
     assert not sdpa_calls
+
+
+@needs_amx
+@pytest.mark.parametrize(("start", "n", "row0"), [(0, 200, 0), (150, 50, 7), (199, 1, 30)])
+def test_outputs_written_as_tiles_are_the_float_outputs_rounded(
+    start: int, n: int, row0: int
+) -> None:
+    """``prompt_attention_tiles`` writes rows ``row0 ..`` of the o projection's A tiles with
+    the float32 outputs rounded to bf16 (as torch rounds them: nearest even) in the tile
+    layout, and leaves every other row of the tiles as it was."""
+    case = Case(200, 9, 3, 64, 16, seed=row0 + n)
+    want = case.run(start, n).reshape(n, 9 * 64)
+    total = row0 + n + 5
+    tiles = torch.full((-(-total // 16) * 16 * 576,), float("nan"), dtype=torch.bfloat16)
+    prompt_attention.prompt_attention_tiles(
+        case.q[start : start + n], tiles, row0, case.k, case.v, case.table, start, case.scale
+    )
+    rows = tiles.view(-1, 18, 16, 32).permute(0, 2, 1, 3).reshape(-1, 576)  # row-major again
+    assert torch.equal(rows[row0 : row0 + n], want.to(torch.bfloat16))
+    others = torch.cat((rows[:row0], rows[row0 + n :]))
+    assert bool(others.isnan().all())
+    with pytest.raises(InvalidRequestError, match="tiles"):
+        prompt_attention.prompt_attention_tiles(
+            case.q[:n], tiles[: 16 * 576], row0 + 16, case.k, case.v, case.table, 0, case.scale
+        )

@@ -144,6 +144,40 @@ def attend(
     return out
 
 
+def attend_tiles(
+    layer: int,
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    tiles: torch.Tensor,
+    sdpa_dtype: torch.dtype | None,
+) -> bool:
+    """``attend`` with the outputs written as the o projection's bf16 A tiles
+    (``prompt_attention.prompt_attention_tiles``: the bits the o projection would pack from
+    ``attend``'s float32 output), where the AMX prompt kernel serves every row of the step (a
+    step of prompt chunks only, under ``medium``). Returns False, having done nothing, where
+    it does not: then call ``attend``."""
+    if (
+        sdpa_dtype is not torch.bfloat16
+        or not meta.seqs
+        or meta.native is not None
+        or meta.decode
+        or sum(s.num_tokens for s in meta.seqs) != q.shape[0]
+        or any(s.block_ids is None for s in meta.seqs)
+        or _prompt_kernel(q, q, cache, sdpa_dtype) is not prompt_kernel.prompt_attention
+    ):
+        return False
+    k, v, window = cache.k[layer], cache.v[layer], meta.window or 0
+    for s in meta.seqs:
+        rows = slice(s.token_offset, s.token_offset + s.num_tokens)
+        assert s.block_ids is not None
+        prompt_kernel.prompt_attention_tiles(
+            q[rows], tiles, s.token_offset, k, v, s.block_ids, s.start_position, scale, window
+        )
+    return True
+
+
 def _prompt_kernel(
     q: torch.Tensor, out: torch.Tensor, cache: PagedKVCache, dtype: torch.dtype
 ) -> PromptKernel | None:

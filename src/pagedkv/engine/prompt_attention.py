@@ -65,6 +65,9 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
 def _bind(lib: ctypes.CDLL) -> bool:
     lib.pagedkv_prompt_attention.argtypes = _ARGTYPES
     lib.pagedkv_prompt_attention.restype = ctypes.c_int
+    lib.pagedkv_prompt_attention_tiles.argtypes = [_P, _I, _P, _I, _I, _I, *_ARGTYPES[5:7],
+                                                   *_ARGTYPES[8:]]  # fmt: skip
+    lib.pagedkv_prompt_attention_tiles.restype = ctypes.c_int
     lib.pagedkv_prompt_attention_amx.restype = ctypes.c_int
     return bool(lib.pagedkv_prompt_attention_amx())
 
@@ -260,3 +263,45 @@ def _launch(
     if rc:
         raise InvalidRequestError(f"prompt attention kernel failed: {_ERRORS.get(rc, rc)}")
     return out
+
+
+def prompt_attention_tiles(
+    q: torch.Tensor,
+    tiles: torch.Tensor,
+    row0: int,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    start: int,
+    scale: float,
+    window: int = 0,
+    threads: int | None = None,
+) -> None:
+    """:func:`prompt_attention` with its outputs written as the o projection's bf16 A tiles
+    (``csrc/bf16_tiles.h``; ``bf16_dot.tiles_for(rows, heads * head_dim)``): row ``row0 + i``
+    for query row ``i``, each value the float32 output rounded as the o projection's packing
+    rounds it, so the projection over the tiles gives the bits of the float32 path. The
+    tiles' other rows are not touched."""
+    _check_ranks(q, k_pool)
+    heads, (kv_heads, blocks, block_size, head_dim) = q.shape[1], k_pool.shape
+    fits = k_pool.dtype is torch.bfloat16 and supports(heads, kv_heads, block_size, head_dim)
+    ldq, _, n = _call_args(q, q, k_pool, v_pool, table, start, fits)
+    kp = heads * head_dim  # a multiple of 32 where the kernel applies
+    if not (
+        tiles.dtype is torch.bfloat16 and tiles.is_contiguous() and row0 >= 0
+        and tiles.numel() % (16 * kp) == 0 and tiles.numel() >= -(-(row0 + n) // 16) * 16 * kp
+    ):  # fmt: skip
+        raise InvalidRequestError(
+            f"prompt attention kernel: tiles {tiles.dtype} of {tiles.numel()} values for rows "
+            f"{row0}..{row0 + n - 1} of {kp} (needs contiguous bf16 A tiles)"
+        )
+    lib = _native.load()
+    if lib is None or not _native.bound:
+        raise InvalidRequestError("the bf16 AMX prompt attention kernel is unavailable here")
+    rc = lib.pagedkv_prompt_attention_tiles(
+        q.data_ptr(), ldq, tiles.data_ptr(), kp, row0, n, k_pool.data_ptr(), v_pool.data_ptr(),
+        table.data_ptr(), start, heads, kv_heads, blocks, block_size, head_dim, scale, window,
+        threads if threads is not None else torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise InvalidRequestError(f"prompt attention kernel failed: {_ERRORS.get(rc, rc)}")

@@ -39,4 +39,25 @@ static inline void xa_put_row(uint16_t *xa, int64_t kp, int64_t r, const float *
     }
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* to_bf16 of 16 lanes (the same function: nearest even, a NaN quieted, a result below the
+ * smallest normal a signed zero), as 16 bf16 values. */
+static inline __m256i to_bf16_16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), e = _mm512_set1_epi32(0x7f800000);
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), e);
+    __m512i r = _mm512_add_epi32(
+        u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    const __mmask16 tiny = _mm512_testn_epi32_mask(r, e);
+    r = _mm512_mask_and_epi32(r, tiny, r, _mm512_set1_epi32((int)0x80000000u));
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+#endif
+
 #endif

@@ -46,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_tiles.h"
 #include "prompt_args.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
@@ -61,6 +62,15 @@
 #endif
 
 #define RES_D 64 /* up to this head_dim, O^T stays in tiles 4-7 across the walk */
+
+/* Where a call's outputs go: float32 rows out (row stride ldo), or, with xa, bf16 A tiles for
+ * the o projection (bf16_tiles.h: row r0 + i, k = head * d + x; k kp). */
+typedef struct {
+    float *out;
+    int64_t ldo;
+    uint16_t *xa;
+    int64_t kp, r0;
+} pa_out;
 
 #if PA_AMX
 /* Tiles 0 and 3: S^T (16 positions x 16 queries each, float32); 1: A operand, K (16
@@ -214,13 +224,31 @@ static inline void step_values(const uint16_t *vs, int64_t d, int resident, floa
     }
 }
 
+/* write_out into A tiles: the same float32 products out = acc * (1 / l), each rounded as the
+ * o projection's packing rounds its input (to_bf16), 16 values of a query at a time. */
+static void write_tiles(const float *obuf, __m512 l, const qtile *t, int64_t d, int64_t h,
+                        int64_t group, const pa_out *o) {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+    for (int64_t x0 = 0; x0 < d; x0 += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = _mm512_mul_ps(_mm512_load_ps(obuf + (x0 + i) * QT), inv);
+        transpose16(r);
+        for (int64_t col = 0; col < t->cols; col++) {
+            const int64_t u = t->u0 + col, k = (h * group + u % group) * d + x0;
+            _mm256_storeu_si256((__m256i *)&XA(o->xa, o->kp, o->r0 + u / group, k),
+                                to_bf16_16(r[col]));
+        }
+    }
+}
+
 /* One query tile of KV head h: the walk over its steps, then its outputs. Software-pipelined:
  * step t + 1's scores are issued on the tiles before step t's softmax runs on the vector
  * units, and stored after it, so the two overlap (the same operations per step). */
 static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *vt,
                        const int64_t *table, int64_t block_size, int64_t d, int64_t h,
                        int64_t group, int64_t pos0, int64_t nq, int64_t tile, int64_t window,
-                       float scale, float *out, int64_t ldo) {
+                       float scale, const pa_out *o) {
     float scores[2][PT * QT] __attribute__((aligned(64)));
     uint32_t pt[PT / 2 * QT] __attribute__((aligned(64)));
     float obuf[MAX_D * QT] __attribute__((aligned(64)));
@@ -252,7 +280,10 @@ static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *v
         next = done;
     }
     if (resident) O_TILES(_tile_stored);
-    write_out(obuf, l, &tq, d, h, group, out, ldo);
+    if (o->xa)
+        write_tiles(obuf, l, &tq, d, h, group, o);
+    else
+        write_out(obuf, l, &tq, d, h, group, o->out, o->ldo);
 }
 #endif
 
@@ -264,11 +295,12 @@ int pagedkv_prompt_attention_amx(void) {
 #endif
 }
 
-int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ldo, int64_t n,
-                             const uint16_t *k_pool, const uint16_t *v_pool, int64_t elem,
-                             const int64_t *table, int64_t pos0, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                             int64_t head_dim, float scale, int64_t window, int threads) {
+static int attention(const float *q, int64_t ldq, const pa_out *o, int64_t n,
+                     const uint16_t *k_pool, const uint16_t *v_pool, int64_t elem,
+                     const int64_t *table, int64_t pos0, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t num_blocks, int64_t block_size, int64_t head_dim, float scale,
+                     int64_t window, int threads) {
+    const int64_t ldo = o->xa ? num_heads * head_dim : o->ldo;
     const int64_t d = head_dim, ctx = pos0 + n, from = window_start(pos0, window);
     if (elem != 2 || block_size % 16 ||
         prompt_args(n, pos0, window, num_heads, num_kv_heads, d, 32, ldq, ldo, table,
@@ -299,14 +331,39 @@ int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ld
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < qtiles; it++) /* the longest (last) query tiles first */
                 query_tile(kh, qt, vt, table, block_size, d, h, group, pos0, nq, qtiles - 1 - it,
-                           window, scale, out, ldo);
+                           window, scale, o);
             _tile_release();
         }
     }
     free(qt);
     return 0;
 #else
-    (void)q, (void)out, (void)k_pool, (void)v_pool, (void)scale, (void)threads, (void)from, (void)ctx;
+    (void)q, (void)o, (void)k_pool, (void)v_pool, (void)scale, (void)threads, (void)from, (void)ctx;
     return -3;
 #endif
+}
+
+int pagedkv_prompt_attention(const float *q, int64_t ldq, float *out, int64_t ldo, int64_t n,
+                             const uint16_t *k_pool, const uint16_t *v_pool, int64_t elem,
+                             const int64_t *table, int64_t pos0, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                             int64_t head_dim, float scale, int64_t window, int threads) {
+    const pa_out o = {out, ldo, NULL, 0, 0};
+    return attention(q, ldq, &o, n, k_pool, v_pool, elem, table, pos0, num_heads, num_kv_heads,
+                     num_blocks, block_size, head_dim, scale, window, threads);
+}
+
+/* pagedkv_prompt_attention with the outputs written as the o projection's bf16 A tiles
+ * (pa_out): rows r0 .. r0 + n - 1 of xa, whose k is kp = num_heads * head_dim (a multiple of
+ * 32 here). The tiles' other rows are not touched. */
+int pagedkv_prompt_attention_tiles(const float *q, int64_t ldq, uint16_t *xa, int64_t kp,
+                                   int64_t r0, int64_t n, const uint16_t *k_pool,
+                                   const uint16_t *v_pool, const int64_t *table, int64_t pos0,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                                   int64_t block_size, int64_t head_dim, float scale,
+                                   int64_t window, int threads) {
+    if (!xa || r0 < 0 || kp != num_heads * head_dim) return -1;
+    const pa_out o = {NULL, 0, xa, kp, r0};
+    return attention(q, ldq, &o, n, k_pool, v_pool, 2, table, pos0, num_heads, num_kv_heads,
+                     num_blocks, block_size, head_dim, scale, window, threads);
 }

@@ -46,6 +46,7 @@ from pagedkv.engine import bf16_dot, bf16_linear, fewrow, layer_op_buffers, laye
 from pagedkv.engine.attention import (
     AttentionMetadata,
     attend,
+    attend_tiles,
     bind_native_decode,
     paged_attention,
 )
@@ -544,11 +545,16 @@ class LlamaModel:
             qkv = tiled.qkv[i]
             buf.rope_write(i, calls[0]() if qkv is None else qkv())
             call = bound[id(view)]
-            if call is not None:  # a decode-only step: one ctypes call
-                call(cache.k[i], cache.v[i])
+            o = tiled.o
+            if o is not None and attend_tiles(i, buf.q, cache, view, self.scale, o[1],
+                                              self.sdpa_dtype):  # fmt: skip
+                o[0][i]()  # o from the attention's tiles, into buf.o
             else:
-                attend(i, buf.q, cache, view, self.scale, buf.att, sdpa_dtype=self.sdpa_dtype)
-            calls[1]()  # o, into buf.o
+                if call is not None:  # a decode-only step: one ctypes call
+                    call(cache.k[i], cache.v[i])
+                else:
+                    attend(i, buf.q, cache, view, self.scale, buf.att, sdpa_dtype=self.sdpa_dtype)
+                calls[1]()  # o, into buf.o
             tiled.post_norm[i]()
             tiled.mlp[i]()  # into buf.down
             if i == last:

@@ -8,7 +8,8 @@ of tiles, twice per layer. Here the norm (``layer_ops``' ``pagedkv_add_rms_norm_
 the tiles itself and the q/k/v and MLP calls read them (``bf16_dot.bind_linear_tiles``,
 ``bind_mlp_tiles``). Each tile value is the float32 norm's value rounded as the packing rounds
 it, so every output has the bits of the float32 path. Layer 0's q/k/v (after the step's input
-norm) and the final norm keep their float32 rows.
+norm) and the final norm keep their float32 rows. Where the AMX prompt kernel serves every
+row of a step, the attention writes the o projection's input as tiles too.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ class TiledLayers:
     """Per layer: ``qkv[i]`` (None for layer 0) and ``mlp[i]`` read ``tiles``;
     ``post_norm[i]`` does ``h += buf.o`` and writes layer ``i``'s post-attention norm as tiles;
     ``next_norm[i]`` (``i`` < the last layer) ``h += buf.down`` and layer ``i + 1``'s input
-    norm as tiles. ``qkv[i]`` writes ``buf.qkv``, ``mlp[i]`` ``buf.down``.
+    norm as tiles. ``qkv[i]`` writes ``buf.qkv``, ``mlp[i]`` ``buf.down``. ``o``, where not
+    None, is each layer's o projection into ``buf.o`` from the attention's outputs written as
+    tiles (``attention.attend_tiles``, for steps of prompt chunks), and those tiles.
 
     Invariants: built only when every layer's q/k/v, gate/up and down are bf16 AMX layers
     (``Bf16DotProjection``; gate/up and down without a bias) and the kernels run here; the
@@ -45,6 +48,7 @@ class TiledLayers:
     ) -> None:
         self.qkv, self.mlp, self.tiles = qkv, mlp, tiles
         self.post_norm, self.next_norm = norms
+        self.o: tuple[list[Call], torch.Tensor] | None = None
         self._buf = buf
 
     @classmethod
@@ -69,9 +73,29 @@ class TiledLayers:
         bound_mlp = [c for c in mlp if c is not None]
         if len(bound_qkv) != len(qkv) or len(bound_mlp) != len(mlp):
             return None
+        o = cls._o_calls(buf, linears[1])
         post = [_norm(buf, buf.o, w, tiles) for w in buf.ops.post_ptrs]
         nxt = [_norm(buf, buf.down, w, tiles) for w in buf.ops.next_ptrs[:-1]]
-        return cls(buf, [None, *bound_qkv], bound_mlp, (post, nxt), tiles)
+        made = cls(buf, [None, *bound_qkv], bound_mlp, (post, nxt), tiles)
+        made.o = o
+        return made
+
+    @staticmethod
+    def _o_calls(
+        buf: StepBuffers, layers: Sequence[Linear]
+    ) -> tuple[list[Call], torch.Tensor] | None:
+        """Each layer's o projection over attention outputs written as tiles (``o``), and
+        those tiles; None where a layer is not a bf16 AMX layer."""
+        rows, width = buf.att_rows.shape
+        att = bf16_dot.tiles_for(rows, width)
+        calls = [
+            bf16_dot.bind_linear_tiles(att, rows, p.weight, p.bias, buf.o)
+            if type(p) is Bf16DotProjection
+            else None
+            for p in layers
+        ]
+        bound = [c for c in calls if c is not None]
+        return (bound, att) if len(bound) == len(calls) else None
 
 
 def _norm(buf: StepBuffers, delta: torch.Tensor, weight: int, tiles: torch.Tensor) -> Call:
