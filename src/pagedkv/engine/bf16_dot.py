@@ -51,10 +51,11 @@ benchmarks/RESULTS.md, "bf16 arithmetic on AMX"): the kernel alone at 16 rows 1.
 float32-compute kernel on SmolLM2's shapes and head, one row within 5%, 1,024 rows 400-530 G
 multiply-adds/s (0.62-0.83x torch's oneDNN bf16 matmul, which is neither batch invariant nor
 float32 out). In the engine: 16 concurrent requests decode 1.6x faster than ``highest`` bf16
-(55% of the weights' bandwidth limit at one thread, 68% counting the KV read); prefill, with
-the prompt's attention in bf16 too, 3.2-3.7x at 1,024 tokens and 3.3-4.1x at 256; batch 1 is
-~6% slower than ``highest``. Quality on SmolLM2 against float32: 128 of 128 greedy tokens
-equal, mean log-likelihood -1.6e-3 nats (``highest`` bf16: -1.7e-4).
+(55% of the weights' bandwidth limit at one thread, 68% counting the KV read; 64% and 79% at
+two threads); prefill, with the prompt's attention in bf16 too and the MLP and tiles above,
+5.3-5.6x at 1,024 tokens and 4.4-4.9x at 256 (1 and 2 threads, session 18); batch 1 is ~6%
+slower than ``highest``. Quality on SmolLM2 against float32: 128 of 128 greedy tokens equal,
+mean log-likelihood -4.1e-4 nats (``highest`` bf16: -3.2e-4).
 """
 
 from __future__ import annotations
