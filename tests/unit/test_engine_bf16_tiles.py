@@ -6,6 +6,7 @@ engine whose layer loop takes them gives the tokens and log-probabilities it gav
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from pagedkv.engine.bf16_dot import PairedWeight
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.models import llama, tiled_layers
+from pagedkv.engine.sampler import SamplingParams
 from pagedkv.engine.tiny import write_tiny_model
 
 needs_amx = pytest.mark.skipif(not bf16_dot.amx(), reason="this CPU has no AMX-BF16")
@@ -162,3 +164,37 @@ def test_a_medium_engine_gives_the_same_outputs_with_and_without_the_tiles(
         assert built
         assert all(built)
     assert any(served) == (hidden // heads == 32)
+
+
+@needs_mlp
+def test_a_prefills_tiled_calls_do_not_outlive_its_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model keeps each step's bound calls in a dictionary keyed weakly by the step's
+    buffers: prefills of many sizes (buffers not kept) leave no entry behind, so nothing in
+    the tiled calls holds the buffers (each such entry held tens of MB at 1,024 tokens)."""
+    model_dir = write_tiny_model(
+        tmp_path / "m", hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
+    )  # fmt: skip
+    engine = LLMEngine.from_model_dir(str(model_dir), EngineConfig(
+        num_blocks=256, dtype="bfloat16", matmul_precision="medium", enable_prefix_caching=False,
+    ))  # fmt: skip
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    built: list[bool] = []
+    build = tiled_layers.TiledLayers.build
+
+    def spy(buf: object, linears: object) -> object:
+        made = build(buf, linears)  # type: ignore[arg-type]
+        built.append(made is not None)
+        return made
+
+    monkeypatch.setattr(tiled_layers.TiledLayers, "build", spy)
+    for n in range(100, 300, 40):  # prefill steps of more rows than the kept buffers'
+        engine.add_request(f"r{n}", [3 + i % 250 for i in range(n)], one)
+        while engine.has_unfinished_requests():
+            engine.step()
+    gc.collect()
+    assert len(built) == 5
+    assert all(built)
+    assert len(engine.model._bound) == 0

@@ -36,11 +36,12 @@ class TiledLayers:
 
     Invariants: built only when every layer's q/k/v, gate/up and down are bf16 AMX layers
     (``Bf16DotProjection``; gate/up and down without a bias) and the kernels run here; the
-    calls' buffers are ``buf``'s and ``tiles`` (held), the weights those of ``linears``."""
+    calls' buffers are ``buf``'s and ``tiles`` (held), the weights those of ``linears``.
+    Nothing here holds ``buf`` itself (only its tensors): the model keeps these calls in a
+    dictionary keyed weakly by ``buf``, which a reference to it would never let go."""
 
     def __init__(
         self,
-        buf: StepBuffers,
         qkv: list[Call | None],
         mlp: list[Call],
         norms: tuple[list[Call], list[Call]],
@@ -49,7 +50,6 @@ class TiledLayers:
         self.qkv, self.mlp, self.tiles = qkv, mlp, tiles
         self.post_norm, self.next_norm = norms
         self.o: tuple[list[Call], torch.Tensor] | None = None
-        self._buf = buf
 
     @classmethod
     def build(cls, buf: StepBuffers, linears: Sequence[Sequence[Linear]]) -> TiledLayers | None:
@@ -76,7 +76,7 @@ class TiledLayers:
         o = cls._o_calls(buf, linears[1])
         post = [_norm(buf, buf.o, w, tiles) for w in buf.ops.post_ptrs]
         nxt = [_norm(buf, buf.down, w, tiles) for w in buf.ops.next_ptrs[:-1]]
-        made = cls(buf, [None, *bound_qkv], bound_mlp, (post, nxt), tiles)
+        made = cls([None, *bound_qkv], bound_mlp, (post, nxt), tiles)
         made.o = o
         return made
 
