@@ -53,7 +53,7 @@ multiply-adds/s (0.62-0.83x torch's oneDNN bf16 matmul, which is neither batch i
 float32 out). In the engine: 16 concurrent requests decode 1.6x faster than ``highest`` bf16
 (55% of the weights' bandwidth limit at one thread, 68% counting the KV read; 64% and 79% at
 two threads); prefill, with the prompt's attention in bf16 too and the MLP and tiles above,
-5.3-5.6x at 1,024 tokens and 4.4-4.9x at 256 (1 and 2 threads, session 18); batch 1 is ~6%
+5.3-5.7x at 1,024 tokens and 4.4-4.9x at 256 (1 and 2 threads, session 18); batch 1 is ~6%
 slower than ``highest``. Quality on SmolLM2 against float32: 128 of 128 greedy tokens equal,
 mean log-likelihood -4.1e-4 nats (``highest`` bf16: -3.2e-4).
 """
