@@ -28,12 +28,16 @@
  *   row stride; nt_amx says which rows share a tile) and xb^T, packed per call in the B
  *   layout, the B operand; each C tile is 16 columns x up to 16 rows, written transposed. A
  *   partial last block of e's rows is copied into a zeroed buffer first.
+ * pagedkv_bf16dot_mlp: a SwiGLU MLP in one call, gate/up products straight into the down
+ *   projection's A tiles (its comment); pagedkv_bf16dot_linear_tiles and _mlp_tiles take the
+ *   A tiles already packed (bf16_tiles.h; layer_ops.c's tiled norm writes them).
  *
  * Threads: a call's columns are cut into parts on whole tiles (16 columns) of at least
  * BD_PAR_MIN_MACS multiply-adds, run on the process's OpenMP threads (torch's; see
  * bf16_linear.c); each part configures its own tiles and releases them. Returns 0; -1 for a
  * bad shape or stride; -2 when a buffer cannot be allocated; -3 when the AMX path was asked
- * for and cannot run (not built, or the kernel refused the tile-data permission).
+ * for and cannot run (not built, or the kernel refused the tile-data permission); -4 when the
+ * MLP has no exponential yet (pagedkv_bf16dot_silu_init).
  */
 #include <math.h>
 #include <stddef.h>
