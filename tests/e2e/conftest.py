@@ -155,6 +155,26 @@ class RedisCluster:
             if time.monotonic() > deadline:
                 pytest.fail("the Redis cluster did not reach cluster_state:ok within 20 s")
             time.sleep(0.1)
+        while self.replicas and not self._replication_settled(cli):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the Redis cluster's replicas did not settle at {self.replicas} "
+                            "per master with their links up within 20 s")  # fmt: skip
+            time.sleep(0.1)
+
+    def _replication_settled(self, cli: str) -> bool:
+        """Whether every master has exactly ``replicas`` connected replicas and every replica
+        its link up: right after ``--cluster create`` a replica can still be switching masters,
+        and ``WAIT`` then counts it on the wrong one."""
+        for node in self.nodes:
+            out = subprocess.run(
+                [cli, "-p", str(node.port), "info", "replication"],
+                capture_output=True, text=True, check=False,
+            ).stdout  # fmt: skip
+            if "role:master" in out and f"connected_slaves:{self.replicas}" not in out:
+                return False
+            if "role:slave" in out and "master_link_status:up" not in out:
+                return False
+        return True
 
     @staticmethod
     def _state_ok(cli: str, port: int) -> bool:
