@@ -15,7 +15,7 @@ from pagedkv.engine import bf16_dot
 from pagedkv.engine.bf16_dot import PairedWeight
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.models import bound_linears
+from pagedkv.engine.models import bound_linears, tiled_layers
 from pagedkv.engine.tiny import write_tiny_model
 from pagedkv.errors import InvalidRequestError
 
@@ -117,12 +117,14 @@ def test_a_medium_engine_gives_the_same_outputs_with_and_without_the_mlp_call(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prompts prefilled whole and in chunks, then decoded: the same greedy tokens and
-    log-probabilities, bit for bit, when the layer loop takes the one-call MLP as when it
-    makes the three calls."""
+    log-probabilities, bit for bit, when the layer loop (and the decode programs) take the
+    one-call MLP as when they make the three calls. The loop's tiled form is switched off in
+    both runs, so that the prefill steps take the float32-input MLP call too."""
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (1, 7, 40, 130)]
 
     def run(with_mlp: bool, chunk: int) -> list[list[tuple[int, float]]]:
+        monkeypatch.setattr(tiled_layers.TiledLayers, "build", lambda *a: None)
         if not with_mlp:
             monkeypatch.setattr(bound_linears, "_bind_mlp", lambda *a: None)
         cfg = EngineConfig(num_blocks=128, dtype="bfloat16", matmul_precision="medium",

@@ -26,6 +26,7 @@ do not change.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -73,7 +74,7 @@ def bind_into(p: Linear, x: torch.Tensor, out: torch.Tensor) -> Call:
     return partial(linear_into, p, x, out)
 
 
-def _bind_mlp(gate_up: Linear, down: Linear, buf: StepBuffers) -> Call | None:
+def _bind_mlp(gate_up: Linear, down: Linear, x: torch.Tensor, out: torch.Tensor) -> Call | None:
     """Layer ``gate_up``/``down``'s SwiGLU in one call (:func:`bf16_dot.mlp`: the same bits
     as gate/up, SiLU and the gated down, without the gate/up output), or None where it
     cannot run (other layer types, a bias, AMX or torch's exp unavailable)."""
@@ -82,7 +83,7 @@ def _bind_mlp(gate_up: Linear, down: Linear, buf: StepBuffers) -> Call | None:
         and gate_up.bias is None and down.bias is None
     ):  # fmt: skip
         return None
-    return bf16_dot.bind_mlp(buf.x, gate_up.weight, down.weight, buf.down)
+    return bf16_dot.bind_mlp(x, gate_up.weight, down.weight, out)
 
 
 def _bind_gated(p: Linear, buf: StepBuffers) -> Call | None:
@@ -119,7 +120,7 @@ class BoundLinears:
             bind_into(p, buf.act, buf.down) if d is None else d
             for p, d in zip(down, downs, strict=True)
         ]
-        self.mlp = [_bind_mlp(g, d, buf) for g, d in zip(gate_up, down, strict=True)]
+        self._mlp_io = (buf.x, buf.down)  # the tensors, not buf: a weak dict is keyed by it
         self.calls: list[LayerCalls] = [
             (
                 bind_into(qkv[i], buf.x, buf.qkv),
@@ -131,6 +132,13 @@ class BoundLinears:
         ]
         o_into_buf = all(type(c[1]) is BoundKernel and c[1].out is buf.o for c in self.calls)
         self.tiled = TiledLayers.build(buf, self.linears) if o_into_buf else None
+
+    @functools.cached_property
+    def mlp(self) -> list[Call | None]:
+        """Each layer's one-call MLP (or None), bound on first use: a prefill step whose
+        loop takes ``tiled`` never needs them, and its buffers are not kept."""
+        _, _, gate_up, down = self.linears
+        return [_bind_mlp(g, d, *self._mlp_io) for g, d in zip(gate_up, down, strict=True)]
 
     def fits(self, groups: Sequence[Sequence[Linear]]) -> bool:
         """Whether these calls still compute the model's layers ``groups``."""

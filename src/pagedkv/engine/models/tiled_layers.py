@@ -46,10 +46,10 @@ class TiledLayers:
         mlp: list[Call],
         norms: tuple[list[Call], list[Call]],
         tiles: torch.Tensor,
+        o: tuple[list[Call], torch.Tensor] | None,
     ) -> None:
-        self.qkv, self.mlp, self.tiles = qkv, mlp, tiles
+        self.qkv, self.mlp, self.tiles, self.o = qkv, mlp, tiles, o
         self.post_norm, self.next_norm = norms
-        self.o: tuple[list[Call], torch.Tensor] | None = None
 
     @classmethod
     def build(cls, buf: StepBuffers, linears: Sequence[Sequence[Linear]]) -> TiledLayers | None:
@@ -76,9 +76,7 @@ class TiledLayers:
         o = cls._o_calls(buf, linears[1])
         post = [_norm(buf, buf.o, w, tiles) for w in buf.ops.post_ptrs]
         nxt = [_norm(buf, buf.down, w, tiles) for w in buf.ops.next_ptrs[:-1]]
-        made = cls([None, *bound_qkv], bound_mlp, (post, nxt), tiles)
-        made.o = o
-        return made
+        return cls([None, *bound_qkv], bound_mlp, (post, nxt), tiles, o)
 
     @staticmethod
     def _o_calls(
