@@ -261,9 +261,7 @@ def linear(
             f"bf16 AMX linear: up {tuple(up.shape)} {up.dtype} with row stride {up.stride(0)} "
             f"(needs x's shape {tuple(x.shape)} and row stride {x.stride(0)}, float32)"
         )
-    if bias is not None and (
-        bias.shape != (cols,) or bias.dtype is not torch.float32 or not bias.is_contiguous()
-    ):
+    if bias is not None and not _bias_fits(bias, cols):
         raise InvalidRequestError(
             f"bf16 AMX linear: bias {tuple(bias.shape)} {bias.dtype} (needs a contiguous "
             f"float32 [{cols}])"
@@ -280,6 +278,13 @@ def linear(
         rc = lib.pagedkv_bf16dot_linear_gated(x.data_ptr(), up.data_ptr(), x.stride(0), *rest)
     _check_rc(rc)
     return y
+
+
+def _bias_fits(bias: torch.Tensor | None, cols: int) -> bool:
+    """No bias, or a contiguous float32 ``[cols]`` one."""
+    return bias is None or (
+        bias.shape == (cols,) and bias.dtype is torch.float32 and bias.is_contiguous()
+    )
 
 
 def _pairs(x: torch.Tensor, up: torch.Tensor) -> bool:
@@ -354,9 +359,7 @@ def bind_into(
         and out.dtype is torch.float32 and out.is_contiguous() and out.shape == (rows, cols)
     ):  # fmt: skip
         return None
-    if bias is not None and not (
-        bias.shape == (cols,) and bias.dtype is torch.float32 and bias.is_contiguous()
-    ):
+    if not _bias_fits(bias, cols):
         return None
     b = None if bias is None else bias.data_ptr()
     rest = (weight.tiles.data_ptr(), b, out.data_ptr(), cols, rows, in_dim, cols,
@@ -425,8 +428,10 @@ def mlp(
     linear(x, gate_up).chunk(2, -1)`` (gate columns first), with SiLU as torch's AVX-512
     kernel computes it; the same bits as those three calls wherever torch's SiLU runs its
     16-lane path on every element (rows whose width is a multiple of 32, not cut by its
-    thread split), without storing the gate/up output (``csrc/bf16_dot.c``). Needs
-    :func:`mlp_ready`; no biases."""
+    thread split), without storing the gate/up output (``csrc/bf16_dot.c``). Its own SiLU is
+    that 16-lane function on every element at any row count and thread count, so a row's bits
+    never depend on its batch (torch's can fall back to its scalar exp for a row's tail with
+    the shape and its thread split). Needs :func:`mlp_ready`; no biases."""
     inter = _check_mlp(x, gate_up, down)
     if not mlp_ready():
         raise InvalidRequestError("bf16 AMX mlp: unavailable here (no AMX or no torch exp)")
@@ -478,8 +483,7 @@ def bind_linear_tiles(
     kp = tiles_k(in_dim)
     if not (
         rows > 0 and _tiles_fit(tiles, rows, in_dim) and _float_out_fits(out, rows, cols)
-        and (bias is None or (bias.shape == (cols,) and bias.dtype is torch.float32
-                              and bias.is_contiguous()))
+        and _bias_fits(bias, cols)
     ):  # fmt: skip
         return None
     if not amx():
