@@ -4,15 +4,17 @@
  * Contract. The chunk's query rows i = 0..n-1 sit at positions pos0 + i of one sequence and
  * attend to positions 0..pos0 + i (causal), or with a sliding window W > 0 to positions
  * pos0 + i - W + 1 .. pos0 + i. For every query vector (row, head):
- *   q is rounded to bf16 (nearest even); each score s_p = (scale * log2(e)) * (q . k_p), the
- *   dot product of bf16 values summed in float32 on AMX (TDPBF16PS), then one float32
- *   multiplication (a base-2 score); positions are walked in steps of 32 from position 0
- *   with an online softmax in float32: per step, with M = max_p s_p, the reference max
+ *   q is rounded to bf16 (nearest even); each score d_p = q . k_p is the dot product of bf16
+ *   values summed in float32 on AMX (TDPBF16PS); with a = scale * log2(e) (float32, > 0),
+ *   positions are walked in steps of 32 from position 0 with an online softmax in float32,
+ *   in base 2 (prompt_softmax.h's softmax2_in): per step, with M = a * max_p d_p (one float32
+ *   multiplication: the max of the products a * d_p, exactly), the reference max
  *   m' = max(m, M) where M > m + 8, else m' = m (lazy, prompt_softmax.h's LAZY_MAX),
- *   c = 2^(m - m'), l = l * c + sum_p e_p (in p order), acc = acc * c + sum_p bf16(e_p) * v_p
- *   (AMX, float32 sums), with e_p = 2^(s_p - m') by softmax_exp2 (prompt_softmax.h: within
- *   2.9e-6 relative); finally out = acc * (1 / l) (float32). Mathematically exp(natural
- *   score - max) as torch's SDPA; the roundings differ.
+ *   e_p = 2^t_p with t_p = fma(d_p, a, -m') (one rounding) by softmax_exp2 (within 2.9e-6
+ *   relative), c = 2^(m - m'), l = l * c + (sum of the even p's e_p + sum of the odd p's,
+ *   each in p order), acc = acc * c + sum_p bf16(e_p) * v_p (AMX, float32 sums); finally
+ *   out = acc * (1 / l) (float32). Mathematically exp(natural score - max) as torch's SDPA;
+ *   the roundings differ.
  * Positions outside a query's range are excluded exactly (e_p = 0; a step wholly outside it
  * leaves m, l and acc unchanged, bit for bit), and V is read only within the chunk's span
  * (zeros outside it). So a query's result depends on its own q and the K/V of its own range,
@@ -88,25 +90,38 @@ static void tiles_on(void) {
     _tile_loadconfig(&c);
 }
 
-/* Q^T tile t of one KV head: qt[d / 32][16 pairs][16 queries][2] bf16 (zero past nq). */
+/* The 32 values of a pair layout's one row from two vectors of rounded values (round_bf16:
+ * each in the low half of its lane): lane k = lo's word 2k | lo's word 2k + 2 << 16 .. i.e.
+ * word j of the result is value j (j < 16 from lo, else from hi). */
+static inline __m512i pair_words(__m512i lo, __m512i hi) {
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36,
+                                          34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8,
+                                          6, 4, 2, 0);
+    return _mm512_permutex2var_epi16(lo, even, hi);
+}
+
+/* Q^T tile t of one KV head: qt[d / 32][16 pairs][16 queries][2] bf16 (zero past nq). Each
+ * query's 32 values of a chunk become one vector of 16 pairs; 16 queries' vectors are
+ * transposed (transpose16) into the tile's 16 rows. */
 static void pack_query_tile(const float *q, int64_t ldq, int64_t h, int64_t group, int64_t d,
                             int64_t nq, int64_t t, uint16_t *qt) {
     const int64_t chunks = d / 32;
     uint32_t *dst = (uint32_t *)qt + t * chunks * 16 * QT;
-    for (int64_t c = 0; c < chunks; c++)
+    for (int64_t c = 0; c < chunks; c++) {
+        __m512 r[QT];
         for (int64_t col = 0; col < QT; col++) {
             const int64_t u = t * QT + col;
-            uint32_t *o = dst + c * 16 * QT + col;
             if (u >= nq) {
-                for (int64_t k = 0; k < 16; k++) o[k * QT] = 0;
+                r[col] = _mm512_setzero_ps();
                 continue;
             }
             const float *src = q + (u / group) * ldq + (h * group + u % group) * d + c * 32;
-            uint32_t lanes[32];
-            _mm512_storeu_si512(lanes, round_bf16(_mm512_loadu_ps(src)));
-            _mm512_storeu_si512(lanes + 16, round_bf16(_mm512_loadu_ps(src + 16)));
-            for (int64_t k = 0; k < 16; k++) o[k * QT] = lanes[2 * k] | (lanes[2 * k + 1] << 16);
+            r[col] = _mm512_castsi512_ps(pair_words(round_bf16(_mm512_loadu_ps(src)),
+                                                    round_bf16(_mm512_loadu_ps(src + 16))));
         }
+        transpose16(r);
+        for (int64_t k = 0; k < 16; k++) _mm512_store_ps((float *)(dst + (c * 16 + k) * QT), r[k]);
+    }
 }
 
 /* V^T tiles of step t of one KV head (positions 32t .. 32t + 31, zero outside [from, ctx)):
@@ -266,7 +281,7 @@ static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *v
         const int64_t p0 = t * PT;
         const int more = t + 1 < end;
         const int two = more ? scores_issue(kh, table, block_size, d, q0, p0 + PT, hi) : 0;
-        const __m512 corr = step_softmax(sc, scale2, p0, &tq, &m, &l, NULL, pt, 1);
+        const __m512 corr = step_softmax2(sc, scale2, p0, &tq, &m, &l, pt);
         if (more) scores_store(next, two);
         if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) { /* the max moved */
             if (resident) O_TILES(_tile_stored);

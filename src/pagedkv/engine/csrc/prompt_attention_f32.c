@@ -125,7 +125,7 @@ static void query_tile(const float *kf, const float *vf, const float *qt, int64_
     for (int64_t t = tq.first / PT; t * PT < tq.hi; t++) {
         const int64_t p0 = t * PT;
         step_scores(kf, q0, d, p0, tq.hi, sc);
-        const __m512 corr = step_softmax(sc, scale, p0, &tq, &m, &l, pe, NULL, 0);
+        const __m512 corr = step_softmax(sc, scale, p0, &tq, &m, &l, pe);
         if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) rescale(obuf, d, corr);
         step_values(vf + p0 * d, pe, d, obuf);
     }

@@ -8,6 +8,7 @@
 
 #include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -99,59 +100,108 @@ static inline __m512i pair_bf16(__m512 even, __m512 odd) {
 #endif
 }
 
-/* The online softmax of one step (scores sc[32 positions][16 queries], scaled here) for the
- * tile's queries (each over its own range, tq); the step starts at position p0.
- * Writes the probabilities as float32 rows (pe) or as bf16 in the pair layout (pt), whichever
- * is given, and returns the factor the accumulator must take. */
+/* Which of the tile's columns take position `at` (within [low, lim)). */
+static inline __mmask16 step_valid(const qtile *tq, int64_t at) {
+    const __m512i a = _mm512_set1_epi32((int)at);
+    return _mm512_cmpgt_epi32_mask(tq->lim, a) & _mm512_cmple_epi32_mask(tq->low, a);
+}
+
+/* The float32 kernel's online softmax of one step (scores sc[32 positions][16 queries],
+ * scaled here: s_p = scale * sc_p, one float32 multiplication) for the tile's queries (each
+ * over its own range, tq); the step starts at position p0. Writes the probabilities as
+ * float32 rows pe and returns the factor the accumulator must take. */
 static inline __attribute__((always_inline)) __m512
 softmax_in(const float *sc, float scale, int64_t p0, const qtile *tq, __m512 *m, __m512 *l,
-           float *pe, uint32_t *pt, int base2, int full) {
-#define STEP_EXP(x) (base2 ? softmax_exp2(x) : exp512(x))
+           float *pe, int full) {
     const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
     __m512 s[PT];
     __mmask16 valid[PT];
     __m512 mx4[4] = {lowest, lowest, lowest, lowest}; /* max is exact: a tree, same bits */
     for (int p = 0; p < PT; p++) {
-        const __m512i at = _mm512_set1_epi32((int)(p0 + p));
-        valid[p] = full ? (__mmask16)0xFFFF
-                        : _mm512_cmpgt_epi32_mask(tq->lim, at) & _mm512_cmple_epi32_mask(tq->low, at);
+        valid[p] = full ? (__mmask16)0xFFFF : step_valid(tq, p0 + p);
         s[p] = _mm512_maskz_mul_ps(valid[p], _mm512_loadu_ps(sc + p * QT), _mm512_set1_ps(scale));
         s[p] = _mm512_mask_mov_ps(lowest, valid[p], s[p]);
         mx4[p % 4] = _mm512_max_ps(mx4[p % 4], s[p]);
     }
     const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
-    __m512 top = _mm512_max_ps(*m, mx);
-    if (base2) { /* lazy: the reference max moves only when the step's exceeds it by LAZY_MAX */
-        const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(mx, *m), _mm512_set1_ps(LAZY_MAX),
-                                                _CMP_GT_OQ);
-        top = _mm512_mask_mov_ps(*m, up, top);
-    }
-    const __m512 corr = STEP_EXP(_mm512_sub_ps(*m, top));
+    const __m512 top = _mm512_max_ps(*m, mx);
+    const __m512 corr = exp512(_mm512_sub_ps(*m, top));
     __m512 sum = _mm512_setzero_ps();
     for (int p = 0; p < PT; p += 2) {
-        const __m512 e0 = _mm512_maskz_mov_ps(valid[p], STEP_EXP(_mm512_sub_ps(s[p], top)));
-        const __m512 e1 =
-            _mm512_maskz_mov_ps(valid[p + 1], STEP_EXP(_mm512_sub_ps(s[p + 1], top)));
+        const __m512 e0 = _mm512_maskz_mov_ps(valid[p], exp512(_mm512_sub_ps(s[p], top)));
+        const __m512 e1 = _mm512_maskz_mov_ps(valid[p + 1], exp512(_mm512_sub_ps(s[p + 1], top)));
         sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
-        if (pt) _mm512_store_si512(pt + p / 2 * QT, pair_bf16(e0, e1));
-        if (pe) {
-            _mm512_store_ps(pe + p * QT, e0);
-            _mm512_store_ps(pe + (p + 1) * QT, e1);
-        }
+        _mm512_store_ps(pe + p * QT, e0);
+        _mm512_store_ps(pe + (p + 1) * QT, e1);
     }
     *l = _mm512_add_ps(_mm512_mul_ps(*l, corr), sum);
     *m = top;
     return corr;
-#undef STEP_EXP
 }
 
 /* softmax_in, compiled apart for a step every column takes whole (no masks), the common case. */
 static inline __attribute__((always_inline)) __m512
 step_softmax(const float *sc, float scale, int64_t p0, const qtile *tq, __m512 *m, __m512 *l,
-             float *pe, uint32_t *pt, int base2) {
+             float *pe) {
     if (p0 + PT <= tq->lo && p0 >= tq->low_max) /* every column takes every p */
-        return softmax_in(sc, scale, p0, tq, m, l, pe, pt, base2, 1);
-    return softmax_in(sc, scale, p0, tq, m, l, pe, pt, base2, 0);
+        return softmax_in(sc, scale, p0, tq, m, l, pe, 1);
+    return softmax_in(sc, scale, p0, tq, m, l, pe, 0);
+}
+
+/* The AMX kernel's online softmax of one step, in base 2 (scores sc[32 positions][16
+ * queries] as dot products; scale2 = scale * log2(e) > 0). Per column: M = scale2 * max_p
+ * sc_p (a float32 product is monotone, so this is the max of the rounded products exactly);
+ * the reference max m' = max(m, M) where M > m + LAZY_MAX, else m; t_p = fma(sc_p, scale2,
+ * -m') (one rounding); e_p = softmax_exp2(t_p); l = l * c + (sum of the even p's e_p + sum
+ * of the odd p's, each in p order), c = softmax_exp2(m - m'). Writes the probabilities as
+ * bf16 in the pair layout (pt) and returns c. The max is taken over the raw scores (no
+ * multiplication per score) and the scale rides on the exponential's subtraction: 4% of a
+ * layer at 1,024 tokens. */
+static inline __attribute__((always_inline)) __m512
+softmax2_in(const float *sc, float scale2, int64_t p0, const qtile *tq, __m512 *m, __m512 *l,
+            uint32_t *pt, int full) {
+    /* outside a column's range a score reads as -inf: a step wholly outside it gives M = -inf,
+     * so m stays and c = 2^0 = 1 exactly */
+    const __m512 none = _mm512_set1_ps(-INFINITY), sv = _mm512_set1_ps(scale2);
+    __mmask16 valid[PT];
+    __m512 a[4] = {none, none, none, none}; /* four chains kept in registers */
+    for (int p = 0; p < PT; p += 4)
+        for (int i = 0; i < 4; i++) {
+            valid[p + i] = full ? (__mmask16)0xFFFF : step_valid(tq, p0 + p + i);
+            const __m512 x = full ? _mm512_load_ps(sc + (p + i) * QT)
+                                  : _mm512_mask_load_ps(none, valid[p + i], sc + (p + i) * QT);
+            a[i] = _mm512_max_ps(a[i], x);
+        }
+    const __m512 mx = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(a[0], a[1]), _mm512_max_ps(a[2], a[3])), sv);
+    const __mmask16 up =
+        _mm512_cmp_ps_mask(_mm512_sub_ps(mx, *m), _mm512_set1_ps(LAZY_MAX), _CMP_GT_OQ);
+    const __m512 top = _mm512_mask_mov_ps(*m, up, _mm512_max_ps(*m, mx));
+    const __m512 corr = softmax_exp2(_mm512_sub_ps(*m, top));
+    const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), top);
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    for (int p = 0; p < PT; p += 2) {
+        __m512 e0 = softmax_exp2(_mm512_fmadd_ps(_mm512_load_ps(sc + p * QT), sv, neg));
+        __m512 e1 = softmax_exp2(_mm512_fmadd_ps(_mm512_load_ps(sc + (p + 1) * QT), sv, neg));
+        if (!full) { /* outside a column's range: 0 (its score may be stale or not a number) */
+            e0 = _mm512_maskz_mov_ps(valid[p], e0);
+            e1 = _mm512_maskz_mov_ps(valid[p + 1], e1);
+        }
+        even = _mm512_add_ps(even, e0);
+        odd = _mm512_add_ps(odd, e1);
+        _mm512_store_si512(pt + p / 2 * QT, pair_bf16(e0, e1));
+    }
+    *l = _mm512_add_ps(_mm512_mul_ps(*l, corr), _mm512_add_ps(even, odd));
+    *m = top;
+    return corr;
+}
+
+/* softmax2_in, compiled apart for a step every column takes whole (no masks). */
+static inline __attribute__((always_inline)) __m512
+step_softmax2(const float *sc, float scale2, int64_t p0, const qtile *tq, __m512 *m, __m512 *l,
+              uint32_t *pt) {
+    if (p0 + PT <= tq->lo && p0 >= tq->low_max)
+        return softmax2_in(sc, scale2, p0, tq, m, l, pt, 1);
+    return softmax2_in(sc, scale2, p0, tq, m, l, pt, 0);
 }
 
 /* obuf's first d rows (16 lanes each) times corr. */
