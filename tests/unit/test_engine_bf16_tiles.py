@@ -49,7 +49,7 @@ def _norm_tiles(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor) -> torch.
     return tiles
 
 
-@pytest.mark.parametrize(("rows", "d"), [(1, 64), (17, 80), (40, 96), (100, 576)])
+@pytest.mark.parametrize(("rows", "d"), [(1, 64), (17, 80), (40, 96), (100, 576), (2048, 576)])
 def test_the_tiled_norm_is_the_float_norm_rounded_and_laid_out(rows: int, d: int) -> None:
     """``h += delta`` as the float32 norm does it, and tiles equal to the float32 norm's rows
     rounded to bf16 (torch's rounding: nearest even) in the A-tile layout, padding zero."""
