@@ -270,8 +270,14 @@ static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *v
     const qtile tq = tile_limits(pos0, group, nq, tile, window);
     const int64_t hi = tq.hi, resident = d <= RES_D, end = (hi + PT - 1) / PT;
     const float scale2 = scale * 1.44269504088896341f; /* base-2 scores: softmax_exp2 */
-    memset(obuf, 0, sizeof(float) * d * QT);
-    if (resident) O_TILES(_tile_loadd);
+    if (resident) { /* O^T starts at zero in its tiles; obuf is written before it is read */
+        _tile_zero(4);
+        _tile_zero(5);
+        if (d > 32) _tile_zero(6);
+        if (d > 48) _tile_zero(7);
+    } else {
+        memset(obuf, 0, sizeof(float) * d * QT);
+    }
     __m512 m = _mm512_set1_ps(-FLT_MAX), l = _mm512_setzero_ps();
     const uint16_t *q0 = qt + tile * (d / 32) * 512;
     float *sc = scores[0], *next = scores[1];
