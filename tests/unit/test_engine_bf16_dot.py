@@ -142,6 +142,23 @@ def test_a_rows_bits_depend_neither_on_its_batch_nor_on_the_threads() -> None:
     assert torch.equal(out, full)
 
 
+@needs_amx
+@pytest.mark.parametrize("rows", [256, 300])
+def test_a_prefill_sized_call_cuts_its_rows_among_the_threads_with_the_same_bits(
+    rows: int,
+) -> None:
+    """From 128 rows a thread (``BD_ROWS_LINEAR``) the rows, not the columns, are cut among
+    the threads, in whole 32-row blocks (300: a partial last one): the bits of one thread, and
+    of each row alone."""
+    gen = torch.Generator().manual_seed(rows)
+    p = PairedWeight.from_weight_t(_bf16(96, 203, gen=gen))
+    bias, x = torch.randn(203, generator=gen), torch.randn(rows, 96, generator=gen)
+    one = bf16_dot.linear(x, p, bias, threads=1)
+    assert torch.equal(bf16_dot.linear(x, p, bias, threads=2), one)
+    for r in (0, 31, 32, 127, 128, 150, rows - 1):
+        assert torch.equal(bf16_dot.linear(x[r : r + 1], p, bias, threads=2), one[r : r + 1])
+
+
 @built
 @pytest.mark.parametrize("portable", PATHS)
 @pytest.mark.parametrize(("rows", "in_dim"), [(1, 64), (5, 77), (16, 96), (37, 130), (70, 96)])

@@ -73,6 +73,26 @@ def test_the_mlp_gives_the_bits_of_its_three_calls(hidden: int, inter: int, thre
 
 
 @needs_mlp
+@pytest.mark.parametrize("rows", [768, 800, 777])
+def test_a_prefill_sized_mlp_cuts_its_rows_among_the_threads_with_the_same_bits(
+    rows: int,
+) -> None:
+    """From 384 rows a thread (``BD_ROWS_MLP``) each thread runs its own rows' gate/up, SiLU
+    and down (777: a partial last block): the bits of one thread and of the three calls."""
+    gen = torch.Generator().manual_seed(rows)
+    gate_up, down = _weights(64, 96, gen)
+    x = torch.randn(rows, 64, generator=gen) * 3
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = bf16_dot.mlp(x, gate_up, down)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(bf16_dot.mlp(x, gate_up, down, threads=2), one)
+    assert torch.equal(_three_calls(x, gate_up, down), one)
+
+
+@needs_mlp
 def test_padding_past_the_intermediate_size_stays_zero() -> None:
     """An intermediate size that is an odd multiple of 16 leaves half of the down
     projection's last k step as padding, and a row count that is not a multiple of 16 leaves
