@@ -36,10 +36,9 @@
  * BD_PAR_MIN_MACS multiply-adds, or, for prefill-sized calls on the AMX path (BD_ROWS_LINEAR,
  * BD_ROWS_MLP rows a thread), its rows in whole 32-row blocks; the parts run on the process's
  * OpenMP threads (torch's; see bf16_linear.c); each configures its own tiles and releases
- * them. Returns 0; -1 for a
- * bad shape or stride; -2 when a buffer cannot be allocated; -3 when the AMX path was asked
- * for and cannot run (not built, or the kernel refused the tile-data permission); -4 when the
- * MLP has no exponential yet (pagedkv_bf16dot_silu_init).
+ * them. Returns 0; -1 for a bad shape or stride; -2 when a buffer cannot be allocated; -3 when
+ * the AMX path was asked for and cannot run (not built, or the kernel refused the tile-data
+ * permission); -4 when the MLP has no exponential yet (pagedkv_bf16dot_silu_init).
  */
 #include <math.h>
 #include <stddef.h>
@@ -518,13 +517,13 @@ static void linear_run(const uint16_t *xb, int64_t kp, const uint16_t *p, const 
     int64_t cuts[BD_PAR_MAX + 1];
 #if BD_AMX
     const int by_rows = portable ? 0 : cut_rows(rows, BD_ROWS_LINEAR, threads, cuts);
-#pragma omp parallel for num_threads(by_rows) schedule(static, 1) if (by_rows > 1)
-    for (int q = 0; q < by_rows; q++) { /* rows cut: rows r0.. of xb (16-row blocks) and y */
-        const int64_t r0 = cuts[q];
-        linear_amx(xb + r0 * kp, kp, p, bias, y + r0 * ldy, ldy, cuts[q + 1] - r0, out, 0,
-                   tiles);
+    if (by_rows) { /* rows cut: rows r0.. of xb (whole 16-row blocks of tiles) and of y */
+#pragma omp parallel for num_threads(by_rows) schedule(static, 1)
+        for (int q = 0; q < by_rows; q++)
+            linear_amx(xb + cuts[q] * kp, kp, p, bias, y + cuts[q] * ldy, ldy,
+                       cuts[q + 1] - cuts[q], out, 0, tiles);
+        return;
     }
-    if (by_rows) return;
 #endif
     const int parts = cut_tiles(rows * kp * out, tiles, threads, cuts);
 #pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
@@ -633,15 +632,15 @@ static int mlp_run(const uint16_t *xa, int64_t kp, const uint16_t *gate_up, cons
         memset(xd, 0, (size_t)(rows_pad * kd) * sizeof *xd);
     int64_t cuts[BD_PAR_MAX + 1];
     const int by_rows = cut_rows(rows, BD_ROWS_MLP, threads, cuts);
-#pragma omp parallel for num_threads(by_rows) schedule(static, 1) if (by_rows > 1)
-    for (int q = 0; q < by_rows; q++) { /* rows cut: each part's gate/up, SiLU and down */
-        const int64_t r0 = cuts[q], nr = cuts[q + 1] - r0;
-        swiglu_amx(xa + r0 * kp, kp, gate_up, inter / TILE, xd + r0 * kd, kd, nr, 0,
-                   inter / TILE);
-        linear_amx(xd + r0 * kd, kd, down, NULL, y + r0 * ldy, ldy, nr, hidden, 0,
-                   (hidden + TILE - 1) / TILE);
-    }
-    if (by_rows) {
+    if (by_rows) { /* rows cut: each part's gate/up, SiLU and down, no barrier between */
+#pragma omp parallel for num_threads(by_rows) schedule(static, 1)
+        for (int q = 0; q < by_rows; q++) {
+            const int64_t r0 = cuts[q], nr = cuts[q + 1] - r0;
+            swiglu_amx(xa + r0 * kp, kp, gate_up, inter / TILE, xd + r0 * kd, kd, nr, 0,
+                       inter / TILE);
+            linear_amx(xd + r0 * kd, kd, down, NULL, y + r0 * ldy, ldy, nr, hidden, 0,
+                       (hidden + TILE - 1) / TILE);
+        }
         free(xd);
         return 0;
     }
