@@ -90,9 +90,9 @@ static void tiles_on(void) {
     _tile_loadconfig(&c);
 }
 
-/* The 32 values of a pair layout's one row from two vectors of rounded values (round_bf16:
- * each in the low half of its lane): lane k = lo's word 2k | lo's word 2k + 2 << 16 .. i.e.
- * word j of the result is value j (j < 16 from lo, else from hi). */
+/* 32 consecutive values as 16 bf16 pairs from two vectors of rounded values (round_bf16: value
+ * i in the low half of lane i; lo holds values 0..15, hi 16..31): word j of the result is value
+ * j, so lane k holds the pair (2k, 2k + 1), the B tile's layout. */
 static inline __m512i pair_words(__m512i lo, __m512i hi) {
     const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36,
                                           34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8,
