@@ -53,9 +53,11 @@ multiply-adds/s (0.62-0.83x torch's oneDNN bf16 matmul, which is neither batch i
 float32 out). In the engine: 16 concurrent requests decode 1.6x faster than ``highest`` bf16
 (55% of the weights' bandwidth limit at one thread, 68% counting the KV read; 64% and 79% at
 two threads); prefill, with the prompt's attention in bf16 too and the MLP and tiles above,
-5.3-5.7x at 1,024 tokens and 4.4-4.9x at 256 (1 and 2 threads, session 18); batch 1 is ~6%
+5.5-6.1x at 1,024 tokens and 4.2-5.3x at 256 (1 and 2 threads, session 19); batch 1 is ~6%
 slower than ``highest``. Quality on SmolLM2 against float32: 128 of 128 greedy tokens equal,
-mean log-likelihood -4.1e-4 nats (``highest`` bf16: -3.2e-4).
+mean log-likelihood -1.75e-3 nats (session 19; ``highest`` bf16: -3.2e-4). Prefill-sized calls
+at 2+ threads cut their rows rather than their columns among the threads (``csrc/bf16_dot.c``,
+``BD_ROWS_LINEAR``, ``BD_ROWS_MLP``); no cut changes a bit.
 """
 
 from __future__ import annotations
