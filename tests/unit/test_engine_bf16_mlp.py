@@ -82,12 +82,7 @@ def test_a_prefill_sized_mlp_cuts_its_rows_among_the_threads_with_the_same_bits(
     gen = torch.Generator().manual_seed(rows)
     gate_up, down = _weights(64, 96, gen)
     x = torch.randn(rows, 64, generator=gen) * 3
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        one = bf16_dot.mlp(x, gate_up, down)
-    finally:
-        torch.set_num_threads(before)
+    one = bf16_dot.mlp(x, gate_up, down, threads=1)
     assert torch.equal(bf16_dot.mlp(x, gate_up, down, threads=2), one)
     assert torch.equal(_three_calls(x, gate_up, down), one)
 

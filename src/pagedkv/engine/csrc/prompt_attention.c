@@ -143,14 +143,11 @@ static void pack_value_step(const uint16_t *vh, const int64_t *table, int64_t bl
         }
         const __m512i lo_at = _mm512_loadu_si512(at), hi_at = _mm512_loadu_si512(at + 16);
         const __mmask16 lo_in = (__mmask16)in, hi_in = (__mmask16)(in >> 16);
-        __m512i even, odd;
+        __m512i odd; /* the high words; the low ones are pair_words' */
         {
-            int16_t e[32], f[32];
-            for (int i = 0; i < 16; i++) {
-                e[i] = (int16_t)(2 * i), e[16 + i] = (int16_t)(32 + 2 * i);
+            int16_t f[32];
+            for (int i = 0; i < 16; i++)
                 f[i] = (int16_t)(2 * i + 1), f[16 + i] = (int16_t)(33 + 2 * i);
-            }
-            even = _mm512_loadu_si512(e);
             odd = _mm512_loadu_si512(f);
         }
         const __m512i zero = _mm512_setzero_si512();
@@ -158,7 +155,7 @@ static void pack_value_step(const uint16_t *vh, const int64_t *table, int64_t bl
             const int *base = (const int *)(vh + x);
             const __m512i g0 = _mm512_mask_i32gather_epi32(zero, lo_in, lo_at, base, 4);
             const __m512i g1 = _mm512_mask_i32gather_epi32(zero, hi_in, hi_at, base, 4);
-            _mm512_storeu_si512(o + x * PT, _mm512_permutex2var_epi16(g0, even, g1));
+            _mm512_storeu_si512(o + x * PT, pair_words(g0, g1));
             _mm512_storeu_si512(o + (x + 1) * PT, _mm512_permutex2var_epi16(g0, odd, g1));
         }
         return;

@@ -172,7 +172,8 @@ softmax2_in(const float *sc, float scale2, int64_t p0, const qtile *tq, __m512 *
                                   : _mm512_mask_load_ps(none, valid[p + i], sc + (p + i) * QT);
             a[i] = _mm512_max_ps(a[i], x);
         }
-    const __m512 mx = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(a[0], a[1]), _mm512_max_ps(a[2], a[3])), sv);
+    const __m512 amax = _mm512_max_ps(_mm512_max_ps(a[0], a[1]), _mm512_max_ps(a[2], a[3]));
+    const __m512 mx = _mm512_mul_ps(amax, sv);
     const __mmask16 up =
         _mm512_cmp_ps_mask(_mm512_sub_ps(mx, *m), _mm512_set1_ps(LAZY_MAX), _CMP_GT_OQ);
     const __m512 top = _mm512_mask_mov_ps(*m, up, _mm512_max_ps(*m, mx));
