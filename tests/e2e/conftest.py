@@ -17,10 +17,16 @@ from pathlib import Path
 import pytest
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_port(avoid: frozenset[int] = frozenset()) -> int:
+    """A loopback port free now and not in ``avoid``. Free now only: another process (or a
+    cluster node's outgoing connection) can take it before the server binds it, so a first
+    start that finds it taken picks again (``RedisServer.start``)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
 
 
 class RedisServer:
@@ -35,12 +41,28 @@ class RedisServer:
         self.port = _free_port()
         self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False  # a restart keeps the port; a first start may move off a taken one
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        """Start and wait for ``PING``. The first start retries on fresh ports (the client's,
+        and a cluster bus port in ``extra_args``) when a port was taken between choosing and
+        binding it; later starts keep the port, which tests rely on."""
+        for _ in range(5):
+            if self._start_once():
+                break
+            self.port = _free_port()
+            self.extra_args = _fresh_bus_port(self.extra_args)
+        else:
+            pytest.fail(f"redis-server found its ports taken five times (last {self.port})")
+        self._started = True
+
+    def _start_once(self) -> bool:
+        """One start: True once it answers; False when it exited because a port was taken;
+        fails the test on any other exit or silence."""
         args = [
             self.exe,
             "--port", str(self.port),
@@ -52,17 +74,23 @@ class RedisServer:
             "--logfile", str(self.folder / "redis.log"),
             *self.extra_args,
         ]  # fmt: skip
+        logfile = self.folder / "redis.log"
+        seen = logfile.stat().st_size if logfile.exists() else 0  # this start's lines only
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log = (self.folder / "redis.log").read_text(errors="replace")[-2000:]
-                pytest.fail(f"redis-server exited with {self.proc.returncode}: {log}")
+            code = self.proc.poll()
+            if code is not None:
+                log = logfile.read_bytes()[seen:].decode(errors="replace")[-2000:]
+                self.proc = None
+                if "Address already in use" in log and not self._started:
+                    return False
+                pytest.fail(f"redis-server exited with {code}: {log}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
                     if s.recv(16).startswith(b"+PONG"):
-                        return
+                        return True
             except OSError:
                 pass
             time.sleep(0.02)
@@ -81,11 +109,33 @@ class RedisServer:
         self.proc = None
 
 
+def _fresh_bus_port(args: tuple[str, ...]) -> tuple[str, ...]:
+    """``args`` with a fresh port after ``--cluster-port``, if it has one, and the cluster
+    config file the failed start may have written (with the old ports) removed."""
+    out = list(args)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--cluster-port":
+            out[i + 1] = str(_free_port())
+        elif arg == "--cluster-config-file":
+            Path(out[i + 1]).unlink(missing_ok=True)
+    return tuple(out)
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A fresh redis-server for one test, stopped afterwards."""
     server = RedisServer(tmp_path)
     server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def unstarted_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server with its port chosen, not started (the test starts it); stopped after."""
+    server = RedisServer(tmp_path)
     try:
         yield server
     finally:
@@ -119,17 +169,24 @@ class RedisCluster:
     ) -> None:
         self.nodes = []
         self.replicas = replicas
+        taken: set[int] = set()  # every node's two ports distinct
         for i in range(num_masters * (1 + replicas)):
             node_dir = folder / f"node{i}"
             node_dir.mkdir()
             # the bus port is explicit: the default (port + 10000) overflows for a high port
             conf = str(node_dir / "nodes.conf")
-            bus = str(_free_port())
+            bus_port = _free_port(frozenset(taken))
+            taken.add(bus_port)
+            bus = str(bus_port)
             coverage = "yes" if full_coverage else "no"
             args = ("--cluster-enabled", "yes", "--cluster-config-file", conf,
                     "--cluster-node-timeout", "1000", "--cluster-port", bus,
                     "--cluster-require-full-coverage", coverage)  # fmt: skip
-            self.nodes.append(RedisServer(node_dir, args))
+            node = RedisServer(node_dir, args)
+            while node.port in taken:
+                node.port = _free_port(frozenset(taken))
+            taken.add(node.port)
+            self.nodes.append(node)
 
     @property
     def url(self) -> str:
