@@ -134,12 +134,72 @@ def test_argmax_rows_equals_torch_argmax(
     assert layer_ops.argmax_rows(x) == x.argmax(dim=-1).tolist()
 
 
+def _same_max(got: list[float] | None, want: list[float]) -> bool:
+    """Equal values, NaN where NaN (amax's NaN is a row holding a NaN)."""
+    return got is not None and all(
+        (g != g and w != w) or g == w for g, w in zip(got, want, strict=True)
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    width=st.integers(1, 300),
+    specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(_SPECIAL)), max_size=6),
+    all_minus_inf=st.booleans(),
+    pad=st.integers(0, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_row_max_equals_torch_amax(
+    rows: int,
+    width: int,
+    specials: list[tuple[int, float]],
+    all_minus_inf: bool,
+    pad: int,
+    seed: int,
+) -> None:
+    """amax's value of every row: NaN where the row holds one, +inf, a row of -inf (alone
+    or with a NaN), widths that are not a multiple of the lanes, strided rows."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width + pad, generator=gen)[:, :width]
+    if all_minus_inf:
+        x[0] = float("-inf")
+    for at, value in specials:
+        x[at % rows, (at // rows) % width] = value
+    assert _same_max(layer_ops.row_max(x), x.amax(dim=-1).tolist())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_row_scans_of_vocabulary_rows_are_the_same_on_any_thread_count(threads: int) -> None:
+    """Rows of a vocabulary's width are shared among the threads: each row's argmax and max
+    are still its own (a special value in every row, each at another place)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 5000, generator=gen)
+    x[1, 4999] = float("nan")
+    x[2, 17] = float("inf")
+    x[3] = float("-inf")
+    x[4, 4096] = 9.0
+    x[5, 3] = float("nan")
+    x[5, 2] = float("inf")
+    x[6, 100] = x[6, 4000] = 7.0  # a tie: the first
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert layer_ops.argmax_rows(x) == x.argmax(dim=-1).tolist()
+        assert _same_max(layer_ops.row_max(x), x.amax(dim=-1).tolist())
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_argmax_rows_declines_what_it_does_not_take() -> None:
     assert layer_ops.argmax_rows(torch.zeros(2, 5, dtype=torch.float64)) is None
     assert layer_ops.argmax_rows(torch.zeros(5, 2).t()) is None  # columns not contiguous
     assert layer_ops.argmax_rows(torch.zeros(3)) is None
     assert layer_ops.argmax_rows(torch.zeros(2, 0)) is None
     assert layer_ops.argmax_rows(torch.zeros(49152)[None].expand(1, -1)) == [0]
+    assert layer_ops.row_max(torch.zeros(2, 5, dtype=torch.float64)) is None
+    assert layer_ops.row_max(torch.zeros(5, 2).t()) is None
+    assert layer_ops.row_max(torch.zeros(2, 0)) is None
 
 
 def test_the_load_check_finds_torchs_lane_order_when_its_dispatch_width_is_wrong(

@@ -100,7 +100,8 @@ def _unsampleable(x: torch.Tensor, starts: list[int], counts: list[int]) -> list
     """Per sequence: why no token can be drawn from its rows (None: one can). One reduction
     for the batch: a row's max is NaN iff the row holds a NaN (``amax`` propagates it),
     ``+inf`` iff it holds ``+inf`` and no NaN, and ``-inf`` iff every entry is ``-inf``."""
-    row_max = x.amax(dim=-1).tolist()
+    native = layer_ops.row_max(x)  # amax's values in one vectorised pass
+    row_max = x.amax(dim=-1).tolist() if native is None else native
     if all(-math.inf < v < math.inf for v in row_max):  # False for NaN too
         return [None] * len(starts)
     out: list[str | None] = []

@@ -72,6 +72,7 @@ def _bind_and_check(lib: ctypes.CDLL) -> int:
     lib.pagedkv_rope_write_f32.argtypes = [ptr] * 7 + [i64] * 5 + [ptr, ptr, f32, i64]
     lib.pagedkv_rope_write_bf16kv.argtypes = lib.pagedkv_rope_write_f32.argtypes
     lib.pagedkv_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.pagedkv_row_max_f32.argtypes = [ptr, i64, i64, i64, ptr]
     for fn in (
         lib.pagedkv_rms_norm_f32,
         lib.pagedkv_add_rms_norm_f32,
@@ -79,6 +80,7 @@ def _bind_and_check(lib: ctypes.CDLL) -> int:
         lib.pagedkv_rope_write_f32,
         lib.pagedkv_rope_write_bf16kv,
         lib.pagedkv_argmax_f32,
+        lib.pagedkv_row_max_f32,
     ):
         fn.restype = ctypes.c_int
     capability = torch.backends.cpu.get_cpu_capability()
@@ -144,25 +146,45 @@ def check_tensors(tensors: tuple[torch.Tensor, ...]) -> None:
             )
 
 
+def _scannable(x: torch.Tensor) -> bool:
+    """Whether the row scans take ``x``: a 2-D float32 CPU tensor with contiguous rows."""
+    return (
+        x.dim() == 2
+        and x.dtype is torch.float32
+        and x.device.type == "cpu"
+        and x.stride(1) == 1
+        and x.shape[1] > 0
+        and x.stride(0) >= x.shape[1]
+    )
+
+
 def argmax_rows(x: torch.Tensor) -> list[int] | None:
     """``x.argmax(dim=-1).tolist()`` of a 2-D float32 CPU tensor with contiguous rows, the
     same indices (the first maximum; the first NaN where a row holds one), in one pass that
-    vectorises (torch's CPU argmax does not: ~60-90 us for a 49,152-token row here). None
-    when the kernels are unavailable or ``x`` is not such a tensor (use torch's then)."""
+    vectorises (torch's CPU argmax does not: ~60-90 us for a 49,152-token row here), rows
+    of a vocabulary's width shared among torch's threads. None when the kernels are
+    unavailable or ``x`` is not such a tensor (use torch's then)."""
     lib = _LIB.lib
-    if (
-        lib is None
-        or x.dim() != 2
-        or x.dtype is not torch.float32
-        or x.device.type != "cpu"
-        or x.stride(1) != 1
-        or x.shape[1] == 0
-        or x.stride(0) < x.shape[1]
-    ):
+    if lib is None or not _scannable(x):
         return None
     rows = x.shape[0]
     out = (ctypes.c_int64 * rows)()
     if lib.pagedkv_argmax_f32(x.data_ptr(), rows, x.shape[1], x.stride(0), out):
+        return None
+    return list(out)
+
+
+def row_max(x: torch.Tensor) -> list[float] | None:
+    """``x.amax(dim=-1).tolist()`` of the same tensors ``argmax_rows`` takes: NaN for a row
+    holding a NaN, else its maximum (``+inf`` where it holds one, ``-inf`` where every entry
+    is ``-inf``), in one vectorised pass, rows shared among torch's threads. None when the
+    kernels are unavailable or ``x`` is not such a tensor (use torch's then)."""
+    lib = _LIB.lib
+    if lib is None or not _scannable(x):
+        return None
+    rows = x.shape[0]
+    out = (ctypes.c_float * rows)()
+    if lib.pagedkv_row_max_f32(x.data_ptr(), rows, x.shape[1], x.stride(0), out):
         return None
     return list(out)
 

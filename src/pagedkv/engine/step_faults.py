@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.engine import layer_ops
 from pagedkv.engine.row_views import adjacent_view
 from pagedkv.errors import ModelExecutionError
 from pagedkv.sched.output import ScheduledRequest
@@ -134,7 +135,8 @@ def nonfinite_requests(logits: Mapping[str, torch.Tensor]) -> dict[str, Exceptio
     parts = [logits[rid] for rid in ids]
     view = adjacent_view(parts)  # the runner's rows as one tensor; NaN propagates
     if view is not None:
-        row_max = view.amax(dim=-1).tolist()
+        native = layer_ops.row_max(view)  # amax's values in one vectorised pass
+        row_max = view.amax(dim=-1).tolist() if native is None else native
     else:  # rows of several tensors (a bisected step): one reduction each, no copy
         row_max = torch.cat([p.amax(dim=-1) for p in parts]).tolist()
     bad: dict[str, Exception] = {}

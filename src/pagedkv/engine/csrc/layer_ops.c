@@ -362,50 +362,65 @@ int pagedkv_rope_write_bf16kv(const float *qkv, const float *cos_, const float *
                       num_slots, q_norm, k_norm, eps, vw);
 }
 
+/* A row's first pass for torch.argmax and torch.amax over its `cols` floats: the row's maximum
+ * over its non-NaN entries in ARGMAX_LANES independent lanes (a max needs no rounding, so
+ * the lane order cannot change it; NaN compares false and is skipped) into *best, and
+ * whether some entry is a NaN or an infinity (x - x summed per lane: 0 for finite x, NaN
+ * otherwise). A row of -inf and NaN entries alone gives -inf. */
+#define ARGMAX_LANES 32
+static int row_scan(const float *row, int64_t cols, float *best) {
+    float m[ARGMAX_LANES], odd[ARGMAX_LANES];
+    for (int l = 0; l < ARGMAX_LANES; ++l) {
+        m[l] = -INFINITY;
+        odd[l] = 0.0f;
+    }
+    int64_t i = 0;
+    for (; i + ARGMAX_LANES <= cols; i += ARGMAX_LANES)
+        for (int l = 0; l < ARGMAX_LANES; ++l) {
+            const float v = row[i + l];
+            m[l] = v > m[l] ? v : m[l];
+            odd[l] = odd[l] + (v - v);
+        }
+    float b = -INFINITY;
+    int special = 0;
+    for (int l = 0; l < ARGMAX_LANES; ++l) {
+        b = m[l] > b ? m[l] : b;
+        special |= odd[l] != odd[l];
+    }
+    for (; i < cols; ++i) {
+        const float v = row[i];
+        b = v > b ? v : b;
+        special |= v != v || isinf(v);
+    }
+    *best = b;
+    return special;
+}
+
+/* The index of a row's first NaN, or -1. */
+static int64_t first_nan(const float *row, int64_t cols) {
+    for (int64_t j = 0; j < cols; ++j)
+        if (row[j] != row[j]) return j;
+    return -1;
+}
+
+/* Rows of at least this many columns are shared among the process's OpenMP threads (a
+ * vocabulary's logits: each row ~10 us); every row is scanned alone, so the results do not
+ * depend on the split. */
+#define SCAN_PAR_COLS 4096
+
 /* torch.argmax(x, dim=-1) of a [rows, cols] float32 matrix (row stride `stride`) into
  * out[rows]: the index of the first maximum of each row, or of its first NaN when it holds
- * one (torch treats NaN as the maximum). Two passes: the row's maximum in ARGMAX_LANES
- * independent lanes (a max needs no rounding, so the lane order cannot change it; NaN
- * compares false and is skipped), with x - x summed per lane (0 for finite x, NaN for a
- * NaN or an infinity), then the first index equal to the maximum (-0.0 == 0.0: the first
- * of either, as torch's tie rule picks), or, when a lane saw a NaN or an infinity, a scan
- * for the first NaN. */
-#define ARGMAX_LANES 32
+ * one (torch treats NaN as the maximum). Two passes: row_scan, then the first index equal
+ * to the maximum (-0.0 == 0.0: the first of either, as torch's tie rule picks), or, when
+ * the row holds a NaN or an infinity, a scan for the first NaN. */
 int pagedkv_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride,
                        int64_t *out) {
     if (rows < 0 || cols < 1 || stride < cols) return -1;
+#pragma omp parallel for schedule(static) if (rows > 1 && cols >= SCAN_PAR_COLS)
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * stride;
-        float m[ARGMAX_LANES], odd[ARGMAX_LANES];
-        for (int l = 0; l < ARGMAX_LANES; ++l) {
-            m[l] = -INFINITY;
-            odd[l] = 0.0f;
-        }
-        int64_t i = 0;
-        for (; i + ARGMAX_LANES <= cols; i += ARGMAX_LANES)
-            for (int l = 0; l < ARGMAX_LANES; ++l) {
-                const float v = row[i + l];
-                m[l] = v > m[l] ? v : m[l];
-                odd[l] = odd[l] + (v - v);
-            }
-        float best = -INFINITY;
-        int special = 0;
-        for (int l = 0; l < ARGMAX_LANES; ++l) {
-            best = m[l] > best ? m[l] : best;
-            special |= odd[l] != odd[l];
-        }
-        for (; i < cols; ++i) {
-            const float v = row[i];
-            best = v > best ? v : best;
-            special |= v != v || isinf(v);
-        }
-        int64_t at = -1;
-        if (special)
-            for (int64_t j = 0; j < cols; ++j)
-                if (row[j] != row[j]) {
-                    at = j;
-                    break;
-                }
+        float best;
+        int64_t at = row_scan(row, cols, &best) ? first_nan(row, cols) : -1;
         if (at < 0) { /* no NaN: the first maximum (every entry is >= -inf, so one exists) */
             at = 0;
             for (; at + ARGMAX_LANES <= cols; at += ARGMAX_LANES) { /* the block holding it */
@@ -416,6 +431,22 @@ int pagedkv_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t strid
             while (row[at] != best) ++at;
         }
         out[r] = at;
+    }
+    return 0;
+}
+
+/* torch.amax(x, dim=-1) of the same matrix into out[rows]: NaN where the row holds a NaN,
+ * else its maximum (+inf where it holds +inf; -inf where every entry is -inf). One pass
+ * (row_scan), plus a scan for a NaN where the row holds a NaN or an infinity. */
+int pagedkv_row_max_f32(const float *x, int64_t rows, int64_t cols, int64_t stride,
+                        float *out) {
+    if (rows < 0 || cols < 1 || stride < cols) return -1;
+#pragma omp parallel for schedule(static) if (rows > 1 && cols >= SCAN_PAR_COLS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * stride;
+        float best;
+        if (row_scan(row, cols, &best) && first_nan(row, cols) >= 0) best = NAN;
+        out[r] = best;
     }
     return 0;
 }
