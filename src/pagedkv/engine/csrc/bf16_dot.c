@@ -113,10 +113,18 @@ static void pack_rows(const float *x, const float *u, int64_t ldx, int64_t rows,
             const float *src = x + r * ldx + k0;
             const float *mul = u ? u + r * ldx + k0 : NULL;
             if (r < rows && k0 + KB <= in) {
+#ifdef __AVX512F__
+                for (int k = 0; k < KB; k += 16) { /* to_bf16 16 lanes at a time, same bits */
+                    __m512 v = _mm512_loadu_ps(src + k);
+                    if (mul) v = _mm512_mul_ps(v, _mm512_loadu_ps(mul + k));
+                    _mm256_storeu_si256((__m256i *)(dst + k), to_bf16_16(v));
+                }
+#else
                 if (mul)
                     for (int k = 0; k < KB; k++) dst[k] = to_bf16(src[k] * mul[k]);
                 else
                     for (int k = 0; k < KB; k++) dst[k] = to_bf16(src[k]);
+#endif
             } else {
                 for (int k = 0; k < KB; k++)
                     dst[k] = r < rows && k0 + k < in
