@@ -44,6 +44,9 @@ grow      growing the KV tensors by 64 blocks when they hold 256 blocks of 1 MiB
           16-layer, 8 KV-head, head_dim 64, block 16, float32 layout): reallocation (what
           ``PagedKVCache.grow`` does: new buffers, one copy) vs allocating only a new 64-block
           chunk (what chunked growth would pay, before the cost of gathering across chunks).
+The script re-executes itself with glibc's huge-page tunable, as the ``pagedkv`` commands that
+run a model do (``pagedkv.engine.host_alloc``; both implementations run in that memory; the
+footer says whether it was on; ``PAGEDKV_HUGE_PAGES=0`` keeps 4 KiB pages).
 Targets (issue 4): decode1 within 1.2x of transformers; decode16 at least 1.5x faster than its
 padded batch; cached TTFT at least 5x faster than uncached. Issue 15: overhead under 3 ms.
 
@@ -69,6 +72,7 @@ own limit (the same bytes).
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -95,6 +99,7 @@ from _harness import (
 from _prefill import run_prefill
 from pagedkv.engine import bf16_dot, fewrow
 from pagedkv.engine.engine_config import EngineConfig
+from pagedkv.engine.host_alloc import HUGE_PAGE_TUNABLE, reexec_with_huge_pages
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.models.projection import Bf16Projection, Projection
 from pagedkv.engine.sampler import SamplingParams
@@ -606,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"pagedkv {1 / next(x for x in results if x.bench == r.bench).timing.median_s:.0f}"
                 f" tokens/s, transformers {1 / r.timing.median_s:.0f} tokens/s"
             )
+    huge = HUGE_PAGE_TUNABLE in os.environ.get("GLIBC_TUNABLES", "")
+    footer.append(
+        f"huge pages: {'on' if huge else 'off'} for both implementations (the script re-executes "
+        "itself with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, as the pagedkv model commands do; "
+        "PAGEDKV_HUGE_PAGES=0: off)"
+    )
     print_table("pagedkv engine vs transformers (wall clock)", results, footer)
     if args.json:
         write_json(args.json, results)
@@ -613,4 +624,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # the memory the pagedkv commands run in (host_alloc)
     sys.exit(main())

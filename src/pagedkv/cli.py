@@ -28,6 +28,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pagedkv.server.cli:main", "serve an OpenAI-compatible API"),
     "router": ("pagedkv.router.cli:main", "route requests over several engines by KV cache"),
 }
+# The commands that run a model: started as a process, they re-execute themselves once with
+# glibc's huge-page tunable (pagedkv.engine.host_alloc; PAGEDKV_HUGE_PAGES=0 opts out).
+MODEL_COMMANDS = frozenset({"demo", "generate", "profile", "serve"})
 
 
 def _usage() -> str:
@@ -51,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"pagedkv: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if argv is None and name in MODEL_COMMANDS:  # a process of its own, nothing started yet
+        from pagedkv.engine.host_alloc import reexec_with_huge_pages
+
+        reexec_with_huge_pages()  # returns where there is nothing to do
     target = SUBCOMMANDS[name][0]
     module_name, func_name = target.split(":")
     try:
