@@ -123,9 +123,13 @@ def huge_page_env(env: Mapping[str, str]) -> dict[str, str] | None:
 def reexec_with_huge_pages() -> None:
     """Re-execute this process with ``huge_page_env`` (the module docstring): the same
     interpreter and arguments (``sys.orig_argv``), the same PID. Returns only where nothing
-    is to be done. Call it first, before any thread starts or any output is written."""
+    is to be done, or where the exec fails (logged). Call it first, before any thread starts
+    or any output is written."""
     env = huge_page_env(os.environ)
     if env is None or not sys.orig_argv:
         return
     logger.debug("re-executing with GLIBC_TUNABLES=%s", env["GLIBC_TUNABLES"])
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError as exc:  # the interpreter cannot be run again: go on with 4 KiB pages
+        logger.warning("could not re-execute with huge pages (%s); continuing without", exc)

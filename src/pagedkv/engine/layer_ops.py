@@ -32,6 +32,7 @@ import functools
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -146,16 +147,26 @@ def check_tensors(tensors: tuple[torch.Tensor, ...]) -> None:
             )
 
 
-def _scannable(x: torch.Tensor) -> bool:
-    """Whether the row scans take ``x``: a 2-D float32 CPU tensor with contiguous rows."""
-    return (
-        x.dim() == 2
-        and x.dtype is torch.float32
-        and x.device.type == "cpu"
-        and x.stride(1) == 1
-        and x.shape[1] > 0
-        and x.stride(0) >= x.shape[1]
-    )
+def _scan_rows(symbol: str, x: torch.Tensor, item: type[Any]) -> list[Any] | None:
+    """One value of ctypes type ``item`` per row of ``x`` from the row scan ``symbol``, or
+    None when the kernels are unavailable or ``x`` is not a 2-D float32 CPU tensor with
+    contiguous rows (the caller uses torch's then)."""
+    lib = _LIB.lib
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.dtype is not torch.float32
+        or x.device.type != "cpu"
+        or x.stride(1) != 1
+        or x.shape[1] == 0
+        or x.stride(0) < x.shape[1]
+    ):
+        return None
+    rows = x.shape[0]
+    out = (item * rows)()
+    if getattr(lib, symbol)(x.data_ptr(), rows, x.shape[1], x.stride(0), out):
+        return None
+    return list(out)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int] | None:
@@ -164,14 +175,7 @@ def argmax_rows(x: torch.Tensor) -> list[int] | None:
     vectorises (torch's CPU argmax does not: ~60-90 us for a 49,152-token row here), rows
     of a vocabulary's width shared among torch's threads. None when the kernels are
     unavailable or ``x`` is not such a tensor (use torch's then)."""
-    lib = _LIB.lib
-    if lib is None or not _scannable(x):
-        return None
-    rows = x.shape[0]
-    out = (ctypes.c_int64 * rows)()
-    if lib.pagedkv_argmax_f32(x.data_ptr(), rows, x.shape[1], x.stride(0), out):
-        return None
-    return list(out)
+    return _scan_rows("pagedkv_argmax_f32", x, ctypes.c_int64)
 
 
 def row_max(x: torch.Tensor) -> list[float] | None:
@@ -179,14 +183,7 @@ def row_max(x: torch.Tensor) -> list[float] | None:
     holding a NaN, else its maximum (``+inf`` where it holds one, ``-inf`` where every entry
     is ``-inf``), in one vectorised pass, rows shared among torch's threads. None when the
     kernels are unavailable or ``x`` is not such a tensor (use torch's then)."""
-    lib = _LIB.lib
-    if lib is None or not _scannable(x):
-        return None
-    rows = x.shape[0]
-    out = (ctypes.c_float * rows)()
-    if lib.pagedkv_row_max_f32(x.data_ptr(), rows, x.shape[1], x.stride(0), out):
-        return None
-    return list(out)
+    return _scan_rows("pagedkv_row_max_f32", x, ctypes.c_float)
 
 
 @functools.cache
