@@ -22,8 +22,9 @@ THP ``madvise`` or ``always``); tunables are read once, at start, so the ``paged
 that run a model re-execute themselves with it (the same PID and arguments; opt out with
 ``PAGEDKV_HUGE_PAGES=0``). Measured on SmolLM2-135M, bf16 ``medium``, the 2-core Xeon
 (benchmarks/RESULTS.md, session 20): a 16-request decode step ~7% faster at 2 threads in
-every alternating pair, a 1,024-token prefill 2-6% at 1 thread, peak RSS unchanged
-(2.57 vs 2.59 GB). Putting only the weights, or only the KV cache, in huge pages gave 0-2%.
+every alternating pair, a 1,024-token prefill 2-6% at 1 thread, peak RSS within 2%
+(2.57 vs 2.59 GB for a decode run, 1.38 vs 1.35 GB for an idle server). Putting only
+the weights, or only the KV cache, in huge pages gave 0-2%.
 """
 
 from __future__ import annotations
