@@ -111,7 +111,9 @@ def test_huge_page_env_adds_the_tunable_once_and_honours_the_opt_out(
     }
     assert host_alloc.huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None
     assert host_alloc.huge_page_env({"GLIBC_TUNABLES": tunable}) is None  # no loop
-    assert host_alloc.huge_page_env({"PAGEDKV_HUGE_PAGES": "0"}) is None
+    for off in ("0", "false", "Off", " no "):
+        assert host_alloc.huge_page_env({"PAGEDKV_HUGE_PAGES": off}) is None
+    assert host_alloc.huge_page_env({"PAGEDKV_HUGE_PAGES": "1"}) is not None
     monkeypatch.setattr(host_alloc, "_thp_allowed", lambda: False)
     assert host_alloc.huge_page_env({}) is None  # the kernel would refuse: no re-exec
     monkeypatch.setattr(host_alloc, "_thp_allowed", lambda: True)

@@ -83,6 +83,7 @@ def _apply() -> bool:
 
 
 HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
+_OFF = frozenset({"0", "false", "no", "off"})  # PAGEDKV_HUGE_PAGES values that opt out
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -107,11 +108,11 @@ def _thp_allowed() -> bool:
 def huge_page_env(env: Mapping[str, str]) -> dict[str, str] | None:
     """``env`` with glibc's huge-page tunable added (after any tunables already there), or
     None where it would change nothing or is not wanted: already set, opted out
-    (``PAGEDKV_HUGE_PAGES=0``), not Linux, glibc older than 2.35, or THP off."""
+    (``PAGEDKV_HUGE_PAGES`` 0, false, no or off), not Linux, glibc older than 2.35, or THP off."""
     tunables = env.get("GLIBC_TUNABLES", "")
     if (
         HUGE_PAGE_TUNABLE.split("=")[0] in tunables
-        or env.get("PAGEDKV_HUGE_PAGES", "1") == "0"
+        or env.get("PAGEDKV_HUGE_PAGES", "1").strip().lower() in _OFF
         or not sys.platform.startswith("linux")
         or not _glibc_at_least(2, 35)
         or not _thp_allowed()
