@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from differential.engine_runs import greedy_logprobs, scheduled
-from pagedkv.engine import prompt_attention
+from pagedkv.engine import native, prompt_attention
 from pagedkv.engine.attention import attend, build_metadata
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache
@@ -156,6 +156,44 @@ def test_a_rows_bits_depend_only_on_its_query_and_its_past(
     assert torch.equal(case.run(0, ctx, threads), whole)
     head = ctx // 2 + 1  # a shorter prompt with the same head: its rows are the same
     assert torch.equal(case.run(0, head, threads), whole[:head])
+
+
+@pytest.fixture(scope="module")
+def never_guessing() -> native.LazyLibrary[bool]:
+    """The bf16 kernel built with ``PA_GUESS_KEPT=0``: every step takes its max first
+    (``prompt_softmax.h``'s ``softmax2_in``), the arithmetic the guessing walk must keep."""
+    flags = tuple(([*c, "-DPA_GUESS_KEPT=0"], ln) for c, ln in prompt_attention._FLAGS)
+    return native.LazyLibrary(
+        prompt_attention._CSRC / "prompt_attention.c", prompt_attention._bind,
+        "bf16 AMX prompt attention kernel, no guessing", "none", flags,
+    )  # fmt: skip
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("rise", "window", "start"), [(0.0, 0, 0), (0.0, 0, 170), (0.0, 50, 0), (3.0, 0, 0),
+                                  (40.0, 0, 0), (400.0, 300, 90), (0.0, 0, 299)],
+)  # fmt: skip
+def test_guessing_that_a_step_keeps_its_max_changes_no_bit(
+    never_guessing: native.LazyLibrary[bool], monkeypatch: pytest.MonkeyPatch, rise: float,
+    window: int, start: int, threads: int,
+) -> None:  # fmt: skip
+    """A step whose last step kept the reference max runs its exponentials against it before
+    knowing its own max, and redoes the step where the max moves after all. The outputs are
+    those of the build that takes every step's max first, bit for bit: random scores (every
+    guess holds), scores climbing by ``rise`` per 32 positions (guesses fail: 3 moves the max
+    every few steps, 40 and 400 every step), windows, a chunk after a prefix, one row."""
+    case = Case(300, 9, 3, 64, 16, seed=11 + int(rise))
+    if rise:
+        case.q[..., 0] = 1.0
+        climb = torch.arange(300, dtype=torch.float64) / 32 * rise / case.scale
+        first = case.k[:, case.table, :, 0].reshape(3, -1)
+        first[:, :300] = climb.to(torch.bfloat16)
+        case.k[:, case.table, :, 0] = first.reshape(3, len(case.table), 16)
+    got = case.run(start, 300 - start, threads, window)
+    assert never_guessing.load() is not None and never_guessing.bound
+    monkeypatch.setattr(prompt_attention, "_native", never_guessing)
+    assert torch.equal(case.run(start, 300 - start, threads, window), got)
 
 
 F32_SHAPES = [  # (ctx, heads, kv_heads, head_dim, block_size, pool dtype)

@@ -279,12 +279,13 @@ static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *v
     const uint16_t *q0 = qt + tile * (d / 32) * 512;
     float *sc = scores[0], *next = scores[1];
     int64_t t = tq.first / PT;
+    int guess = 0; /* step_softmax2's: the first step sets m */
     scores_store(sc, scores_issue(kh, table, block_size, d, q0, t * PT, hi));
     for (; t < end; t++) {
         const int64_t p0 = t * PT;
         const int more = t + 1 < end;
         const int two = more ? scores_issue(kh, table, block_size, d, q0, p0 + PT, hi) : 0;
-        const __m512 corr = step_softmax2(sc, scale2, p0, &tq, &m, &l, pt);
+        const __m512 corr = step_softmax2(sc, scale2, p0, &tq, &m, &l, pt, &guess);
         if (more) scores_store(next, two);
         if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) { /* the max moved */
             if (resident) O_TILES(_tile_stored);
