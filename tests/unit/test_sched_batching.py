@@ -81,6 +81,32 @@ def test_chunked_prefill_splits_at_budget_and_resumes_contiguously() -> None:
     d.assert_no_leaks()
 
 
+@pytest.mark.parametrize("others", [0, 2])
+def test_a_prompts_last_token_left_alone_by_a_chunk_is_a_prefill_chunk(others: int) -> None:
+    """A prompt of 17 tokens at a 16-token budget leaves its last token for the next step.
+    That token is the prompt's, so it is scheduled as a one-token prefill chunk that samples
+    (the runner computes its row as in any prompt chunk), never as a decode; decodes start
+    with the first generated token. ``others``: requests decoding beside it."""
+    d = make_driver(budget=16 + others, block_size=4)
+    for i in range(others):
+        d.add(f"d{i}", [7, 8], max_tokens=6)
+    if others:
+        d.step()  # the others' prompts, then they decode
+    prompt = list(range(1, 18))
+    d.add("p", prompt, max_tokens=3)
+    entries = []
+    for _ in range(20):  # bounded: a request that is never scheduled fails, not hangs
+        if not d.sched.has_unfinished_requests():
+            break
+        out, _ = d.step()
+        entries += [(sr.start_position, sr.num_tokens, sr.is_prefill, sr.samples)
+                    for sr in out.scheduled if sr.request_id == "p"]  # fmt: skip
+    assert entries[:2] == [(0, 16, True, False), (16, 1, True, True)], entries
+    assert entries[2:] == [(17, 1, False, True), (18, 1, False, True)]
+    d.assert_outputs_match()
+    d.assert_no_leaks()
+
+
 def test_chunked_prefill_keeps_block_table_across_chunks() -> None:
     """A resumed chunk extends the same table: earlier blocks are never replaced."""
     d = make_driver(budget=6, block_size=4)

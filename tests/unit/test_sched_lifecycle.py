@@ -152,7 +152,10 @@ def test_remote_kv_request_waits_with_blocks_allocated_then_decodes() -> None:
     d.finish_remote_kv("r", success=True)
     out, results = d.step()
     (sr,) = out.scheduled
-    assert not sr.is_prefill
+    # the prompt's last token is a one-token prefill chunk: the runner computes its row as the
+    # prefilling engine computed it (a prompt row), not as a decode row
+    assert sr.is_prefill
+    assert sr.samples
     assert sr.start_position == len(PROMPT) - 1
     assert sr.token_ids == [PROMPT[-1]]
     assert [r.new_token_ids for r in results] == [(d.expected["r"][0],)]

@@ -74,8 +74,8 @@ def test_fast_tier_turns_the_evicted_prefix_into_a_load_and_cuts_ttft() -> None:
     assert t.load_s == pytest.approx(FAST.latency_s + 20 * BLOCK_BYTES / FAST.bytes_per_s)
     (b,) = [x for x in fast.records if x.request_id == "b"]
     assert b.num_cached_tokens == len(PREFIX)
-    # b's last prompt token, after the load, runs in the scheduler's decode path (not prefill)
-    assert fast.num_prefill_tokens_computed == none.num_prefill_tokens_computed - len(PREFIX) - 1
+    # b's last prompt token, after the load, is a one-token prefill chunk (a prompt row)
+    assert fast.num_prefill_tokens_computed == none.num_prefill_tokens_computed - len(PREFIX)
     saved = 20 * BS * CostModel().per_prefill_token_s
     assert _ttft(fast, "b") < _ttft(none, "b") - saved / 2
     assert _ttft(fast, "a") == _ttft(none, "a")  # nothing to load the first time

@@ -165,7 +165,8 @@ def _extend_plain_decodes(
     is no plain decode, or the manager declined it)."""
     reqs = running[i : i + budget]
     for req in reqs:
-        if req.num_computed_tokens != len(req.all_token_ids) - 1 or req.draft_token_ids:
+        pos = req.num_computed_tokens
+        if pos != len(req.all_token_ids) - 1 or pos < req.num_prompt_tokens or req.draft_token_ids:
             del reqs[reqs.index(req) :]  # (requests are distinct: the first is this one)
             break
     if not reqs:
@@ -252,7 +253,7 @@ class ColumnarStepMixin(PreemptionMixin):
             req = running[i]  # not a plain decode, or one the manager declined
             all_ids = req.all_token_ids
             pos = req.num_computed_tokens
-            if pos != len(all_ids) - 1:
+            if pos != len(all_ids) - 1 or pos < req.num_prompt_tokens:  # prefilling: phase 2
                 num_prefilling += 1
                 i += 1
                 continue

@@ -64,7 +64,7 @@ class DecodePhaseMixin(PreemptionMixin):
             req = running[i]
             all_ids = req.all_token_ids
             pos = req.num_computed_tokens
-            if pos != len(all_ids) - 1:
+            if pos != len(all_ids) - 1 or pos < req.num_prompt_tokens:  # prefilling: phase 2
                 num_prefilling += 1
                 i += 1
                 continue

@@ -5,7 +5,10 @@ One step::
     schedule()
       1. running decodes, in serving order: 1 token each (+ drafts), preempting from the back
          of the running list when a block cannot be had
-      2. running prefill chunks (resumed chunked prefills), with the budget that is left
+      2. running prefill chunks (resumed chunked prefills), with the budget that is left; a
+         request decodes only once its whole prompt is computed, so a prompt's last token left
+         alone by a chunk is a one-token prefill chunk (``is_prefill``: the runner computes
+         its row as any prompt row, the bits of an unchunked prefill), never a decode
       3. admissions from the waiting queue while the head fits (O(1) check), the budget lasts
          and no request was preempted this step (no admit/preempt thrash); in an idle pool
          the watermark is waived (a victim may have outgrown it)
@@ -220,7 +223,8 @@ class Scheduler(ColumnarStepMixin, DecodePhaseMixin):
         i = 0
         while i < len(running) and plan.budget > 0:
             req = running[i]
-            if req.num_computed_tokens >= req.num_tokens - 1:  # decoding (scheduled above)
+            computed = req.num_computed_tokens
+            if computed >= req.num_tokens - 1 and computed >= req.num_prompt_tokens:  # decoding
                 i += 1
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
