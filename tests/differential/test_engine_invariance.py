@@ -246,3 +246,41 @@ def test_forks_under_preemption(checkpoint: tuple[Path, list[list[int]]]) -> Non
     got = run_engine(engine, PROMPTS, params, stagger=False)
     assert got == [[r, r] for r in refs]
     assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "precision"),
+    [("float32", "highest"), ("bfloat16", "highest"), ("bfloat16", "medium")],
+)
+def test_a_chat_turn_served_from_its_previous_answer_keeps_its_tokens(
+    checkpoint: tuple[Path, list[list[int]]], dtype: str, precision: str
+) -> None:
+    """A chat's next turn sends the previous answer back: with caching on, the answer's full
+    blocks (their K/V computed by decode steps) serve it; with caching off the same tokens
+    are computed as prompt rows. The greedy tokens of the turn are the same either way."""
+    from pagedkv.engine import bf16_dot
+
+    if precision == "medium" and not bf16_dot.amx():
+        pytest.skip("matmul_precision='medium' needs AMX")
+    path, refs = checkpoint
+    first = PROMPTS[0]
+    second = first + refs[0] + [5, 6, 7]  # the turn: history, the answer, a new message
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def turns(caching: bool) -> tuple[list[int], int]:
+        cfg = EngineConfig(block_size=4, num_blocks=256, dtype=dtype, check_invariants=True,
+                           matmul_precision=precision, enable_prefix_caching=caching)  # fmt: skip
+        engine = LLMEngine.from_model_dir(str(path), cfg)
+        run_engine(engine, [first], params)
+        engine.add_request("turn2", second, params)
+        got: tuple[list[int], int] = ([], -1)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got = (list(out.outputs[0].token_ids), out.num_cached_tokens)
+        return got
+
+    (cached, hits), (uncached, none) = turns(True), turns(False)
+    assert none == 0
+    assert hits >= len(first) + len(refs[0]) - 4  # the answer's full blocks hit too
+    assert cached == uncached

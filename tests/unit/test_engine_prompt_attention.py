@@ -191,7 +191,8 @@ def test_guessing_that_a_step_keeps_its_max_changes_no_bit(
         first[:, :300] = climb.to(torch.bfloat16)
         case.k[:, case.table, :, 0] = first.reshape(3, len(case.table), 16)
     got = case.run(start, 300 - start, threads, window)
-    assert never_guessing.load() is not None and never_guessing.bound
+    assert never_guessing.load() is not None
+    assert never_guessing.bound
     monkeypatch.setattr(prompt_attention, "_native", never_guessing)
     assert torch.equal(case.run(start, 300 - start, threads, window), got)
 
@@ -401,6 +402,64 @@ def test_bf16_caching_and_chunking_keep_the_bits_of_long_prompts(
     assert hits >= 3 * 896 + 912
     assert cached == uncached
     assert chunked == uncached
+    assert not sdpa_calls
+
+
+@needs_amx
+@pytest.mark.parametrize(("head_dim", "block_size"), [(48, 16), (32, 8)])
+def test_medium_on_a_shape_the_amx_kernel_refuses_keeps_the_bits_with_the_float32_kernel(
+    tmp_path: Path, sdpa_calls: list[int], head_dim: int, block_size: int
+) -> None:
+    """``medium`` where the AMX kernel does not take the shape (head_dim not a multiple of 32,
+    or a block size not a multiple of 16): the float32 kernel serves the prompt rows, not
+    torch's bf16 SDPA (whose rows change with the context length: a cached prefix changed
+    a log-probability), so prefix caching and chunked prefill keep every bit."""
+    path = write_tiny_model(
+        tmp_path / "m", hidden_size=4 * head_dim, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, eos_token_id=None,
+        max_position_embeddings=2048,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(2, 60, (300,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(2, 60, (n,), generator=gen).tolist() for n in (1, 7, 33)]
+
+    def run(passes: int, **kw: object) -> tuple[list[object], int]:
+        cfg = EngineConfig(num_blocks=512, block_size=block_size, dtype="bfloat16",
+                           matmul_precision="medium", max_model_len=2048, max_num_seqs=8,
+                           **kw)  # type: ignore[arg-type]  # fmt: skip
+        return greedy_logprobs(LLMEngine.from_model_dir(str(path), cfg), prompts, passes)
+
+    uncached, _ = run(1, enable_prefix_caching=False)
+    cached, hits = run(2, enable_prefix_caching=True)
+    chunked, _ = run(1, enable_prefix_caching=False, max_num_batched_tokens=48)
+    assert hits >= 3 * (300 // block_size * block_size)
+    assert cached == uncached
+    assert chunked == uncached
+    assert not sdpa_calls
+
+
+@pytest.mark.parametrize("precision", ["medium", "highest"])
+def test_a_prompts_last_token_alone_in_a_chunk_keeps_the_bits(
+    model_dir: Path, sdpa_calls: list[int], precision: str
+) -> None:
+    """A 65-token prompt at a 64-token budget: its last token is computed alone in the next
+    step. It is a prompt row (the scheduler makes it a one-token prefill chunk), so the
+    first token's log-probability has the bits of the unchunked prefill; as a decode row
+    (the native decode kernel's arithmetic) it differed in the last bits."""
+    if not (
+        prompt_attention.available() if precision == "medium" else prompt_attention.available_f32()
+    ):
+        pytest.skip(f"the {precision} prompt kernel does not run here")
+    gen = torch.Generator().manual_seed(24)
+    prompts = [torch.randint(2, 60, (65,), generator=gen).tolist()]
+
+    def run(**kw: object) -> list[object]:
+        cfg = EngineConfig(num_blocks=64, block_size=16, dtype="bfloat16", max_model_len=512,
+                           matmul_precision=precision, enable_prefix_caching=False,
+                           **kw)  # type: ignore[arg-type]  # fmt: skip
+        return greedy_logprobs(LLMEngine.from_model_dir(str(model_dir), cfg), prompts)[0]
+
+    assert run(max_num_batched_tokens=64) == run()
     assert not sdpa_calls
 
 

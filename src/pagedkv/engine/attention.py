@@ -106,7 +106,8 @@ def attend(
     rounding would make of a float32 one. Where a native prompt kernel applies (on the CPU,
     a pool and shape it takes: ``_prompt_kernel``) it serves those
     rows instead (a sliding-window view's too), with the same arithmetic in a row-invariant
-    order. The decode kernels keep float32."""
+    order; under bf16 arithmetic on a shape only the float32 kernel takes, that one (float32
+    arithmetic, still row-invariant). The decode kernels keep float32."""
     if out is None:
         out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -184,7 +185,12 @@ def _prompt_kernel(
     """The native prompt kernel (``pagedkv.engine.prompt_attention``) that serves this cache's
     prompt rows computing in ``dtype``, or None (SDPA): float32 ``q``/``out`` with each row's
     heads contiguous on the CPU; for bf16 arithmetic a bf16 pool, a shape the AMX kernel
-    takes and AMX here; for float32 a float32 or bf16 pool, a shape it takes and AVX-512."""
+    takes and AMX here; for float32 a float32 or bf16 pool, a shape it takes and AVX-512.
+    bf16 arithmetic on a shape the AMX kernel does not take (a head_dim that is not a
+    multiple of 32, a block size that is not one of 16) gets the float32 kernel, not SDPA:
+    exact float32 instead of bf16 probabilities, and row-invariant, where torch's bf16 SDPA
+    gives a row other bits with another context length (a cached prefix, a chunk) and so
+    let caching change a log-probability."""
     spec = cache.spec
     d = spec.head_dim
     if not (
@@ -200,8 +206,9 @@ def _prompt_kernel(
         ok = spec.dtype is torch.bfloat16 and prompt_kernel.supports(
             heads, kv_heads, spec.block_size, d
         )
-        return prompt_kernel.prompt_attention if ok and prompt_kernel.available() else None
-    if dtype is torch.float32 and spec.dtype in (torch.float32, torch.bfloat16):
+        if ok and prompt_kernel.available():
+            return prompt_kernel.prompt_attention
+    if dtype in (torch.float32, torch.bfloat16) and spec.dtype in (torch.float32, torch.bfloat16):
         ok = prompt_kernel.supports_f32(heads, kv_heads, d)
         return prompt_kernel.prompt_attention_f32 if ok and prompt_kernel.available_f32() else None
     return None

@@ -210,12 +210,14 @@ softmax2_kept(const float *sc, float scale2, int64_t p0, const qtile *tq, __m512
     const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), *m);
     __m512 a[4] = {none, none, none, none};
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+#pragma GCC unroll 16 /* whole: the four chains stay in registers */
     for (int p = 0; p < PT; p += 2) {
         const __mmask16 v0 = full ? (__mmask16)0xFFFF : step_valid(tq, p0 + p);
         const __mmask16 v1 = full ? (__mmask16)0xFFFF : step_valid(tq, p0 + p + 1);
         const __m512 x0 = _mm512_load_ps(sc + p * QT), x1 = _mm512_load_ps(sc + (p + 1) * QT);
         a[p % 4] = _mm512_max_ps(a[p % 4], full ? x0 : _mm512_mask_mov_ps(none, v0, x0));
-        a[(p + 1) % 4] = _mm512_max_ps(a[(p + 1) % 4], full ? x1 : _mm512_mask_mov_ps(none, v1, x1));
+        a[(p + 1) % 4] =
+            _mm512_max_ps(a[(p + 1) % 4], full ? x1 : _mm512_mask_mov_ps(none, v1, x1));
         __m512 e0 = softmax_exp2(_mm512_fmadd_ps(x0, sv, neg));
         __m512 e1 = softmax_exp2(_mm512_fmadd_ps(x1, sv, neg));
         if (!full) {
