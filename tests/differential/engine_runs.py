@@ -17,10 +17,13 @@ def scheduled(
     rid: str, table: np.ndarray, bs: int, start: int, tokens: list[int]
 ) -> ScheduledRequest:
     """``tokens`` at positions ``start..`` of request ``rid`` with block table ``table`` (block
-    size ``bs``): the slot mapping computed from the table, prefill when ``start`` is 0."""
+    size ``bs``): the slot mapping computed from the table; a prompt chunk (``is_prefill``)
+    when ``start`` is 0 or it has several tokens, else a decode (the scheduler marks only a
+    speculative decode's several tokens as not a prefill)."""
     pos = np.arange(start, start + len(tokens))
     slots = (table[pos // bs] * bs + pos % bs).astype(np.int32)
-    return ScheduledRequest(rid, start, tokens, len(tokens), table, slots, start == 0, True)
+    prefill = start == 0 or len(tokens) > 1
+    return ScheduledRequest(rid, start, tokens, len(tokens), table, slots, prefill, True)
 
 
 def engine_greedy(engine: LLMEngine, prompts: list[list[int]], new: int) -> list[list[int]]:

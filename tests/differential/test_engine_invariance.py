@@ -284,3 +284,45 @@ def test_a_chat_turn_served_from_its_previous_answer_keeps_its_tokens(
     assert none == 0
     assert hits >= len(first) + len(refs[0]) - 4  # the answer's full blocks hit too
     assert cached == uncached
+
+
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_speculation_keeps_every_bit_in_a_bf16_engine(tmp_path: Path, precision: str) -> None:
+    """A bf16 engine (its linears batch invariant) verifying drafts computes each verified
+    row as plain decoding would (a decode row of its own: ``attention_metadata``), so tokens
+    and log-probabilities, seeded samples included, are plain decoding's bit for bit. (The
+    verifying rows once took the prompt kernels: log-probabilities differed in the last
+    bits, about 1e-3 under medium, and a seeded sample could change.)"""
+    from pagedkv.engine import bf16_dot
+    from pagedkv.engine.tiny import write_tiny_model
+
+    if precision == "medium" and not bf16_dot.amx():
+        pytest.skip("matmul_precision='medium' needs AMX")
+    path = write_tiny_model(  # head_dim 32: the AMX prompt kernel's shape under medium
+        tmp_path / "m", hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
+    )  # fmt: skip
+
+    def run(temperature: float, oracle: list[list[int]] | None) -> tuple[list[Any], LLMEngine]:
+        cfg = EngineConfig(block_size=4, num_blocks=256, dtype="bfloat16", check_invariants=True,
+                           matmul_precision=precision,
+                           num_speculative_tokens=3 if oracle else 0)  # fmt: skip
+        engine = LLMEngine.from_model_dir(str(path), cfg)
+        if oracle is not None:  # right drafts, one wrong in three
+            engine.proposer = OracleProposer(PROMPTS, oracle)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=5,
+                                ignore_eos=True, logprobs=2)  # fmt: skip
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", p, params)
+        got: dict[str, list[tuple[int, float]]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = [(t.token_id, t.logprob) for t in out.outputs[0].logprobs]
+        return [got[f"r{i}"] for i in range(len(PROMPTS))], engine
+
+    for temperature in (0.0, 0.8):
+        plain, _ = run(temperature, None)
+        spec, engine = run(temperature, [[t for t, _ in row] for row in plain])
+        assert 0 < engine.num_accepted_draft_tokens < engine.num_draft_tokens
+        assert spec == plain

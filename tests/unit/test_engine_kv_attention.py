@@ -300,3 +300,42 @@ def test_native_decode_path_matches_the_reference_path_in_a_mixed_step() -> None
     one = build_metadata(seqs[:1], BS, torch.device("cpu"), native_decode=True)
     assert one.native is not None
     assert one.native.token_range == (0, 1)
+
+
+@pytest.mark.parametrize("native_decode", [False, True])
+def test_a_speculative_decode_is_laid_out_as_decode_rows_that_match_dense_attention(
+    native_decode: bool,
+) -> None:
+    """A speculative decode (its last token and two drafts: 3 tokens, not a prefill) beside a
+    decode and a prompt chunk: its rows join the batched decode path, each a query at its own
+    position over the keys up to it (the drafts after it unseen), as plain decoding computes
+    them one step at a time; within float32 rounding of textbook attention."""
+    from pagedkv.engine import native
+
+    if native_decode and not native.available():
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=2, head_dim=8)
+    t = np.array([5, 2, 7], dtype=np.int32)
+    pos = np.arange(9, 12)
+    verify = ScheduledRequest("s", 9, [0] * 3, 3, t, (t[pos // BS] * BS + pos % BS).astype(
+        np.int32), False, True, 2)  # fmt: skip
+    seqs = [_seq("d1", [3, 4, 6, 8], 15, 1), verify, _seq("p1", [10, 11, 12], 5, 6)]
+    meta = build_metadata(
+        seqs, BS, torch.device("cpu"), batched_decode=True, native_decode=native_decode
+    )
+    assert [s.token_offset for s in meta.seqs] == [4]  # only the prompt chunk
+    if native_decode:
+        assert meta.native is not None
+        assert meta.native.token_idx.tolist() == [0, 1, 2, 3]
+        assert meta.native.lens.tolist() == [16, 10, 11, 12]
+    else:
+        assert sorted(i for g in meta.decode for i in g.token_idx.tolist()) == [0, 1, 2, 3]
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(10, h, 8, generator=gen) for h in (4, 2, 2))
+    cache = PagedKVCache(spec, 16)
+    _fill_cache(cache, torch.Generator().manual_seed(1))
+    out = paged_attention(0, q, k, v, cache, meta, 8**-0.5)
+    slots = torch.from_numpy(t[np.arange(12) // BS].astype(np.int64) * BS + np.arange(12) % BS)
+    kk, vv = cache.gather(0, slots)
+    ref = _dense_attention(q[1:4], kk.transpose(0, 1), vv.transpose(0, 1), 9)
+    torch.testing.assert_close(out[1:4], ref, atol=1e-5, rtol=0)

@@ -182,6 +182,30 @@ def _decodes(s: SeqLike) -> bool:
     return s.num_tokens == 1 and not getattr(s, "is_prefill", False)
 
 
+def _verifies(s: SeqLike) -> bool:
+    """Whether ``s`` is a speculative decode: its last sampled token and its drafts, rows that
+    a plain decode would compute one step at a time. Each takes the batched decode path as a
+    row of its own (``_DraftRow``), so the verifying step computes every row with the decode
+    kernels' arithmetic, as plain decoding does, and speculation changes no bit."""
+    return s.num_tokens > 1 and not getattr(s, "is_prefill", True)
+
+
+@dataclass(slots=True)
+class _DraftRow:
+    """Row ``j`` of a speculative decode ``s``: one query at position ``start + j`` (its own
+    slot; keys up to its own position: the rows after it in the step are not attended)."""
+
+    start_position: int
+    block_table: np.ndarray
+    slot_mapping: np.ndarray
+    num_tokens: int = 1
+
+
+def _draft_rows(s: SeqLike) -> list[_DraftRow]:
+    slots, start, table = s.slot_mapping, s.start_position, s.block_table
+    return [_DraftRow(start + j, table, slots[j : j + 1]) for j in range(s.num_tokens)]
+
+
 def build_metadata(
     seqs: Sequence[SeqLike],
     block_size: int,
@@ -212,7 +236,7 @@ def build_metadata(
     ref: list[tuple[int, SeqLike]] = []  # (token offset, sequence) on the reference path
     dec: list[tuple[int, SeqLike]] = []  # (token offset, sequence) on a batched decode path
     offset = 0
-    num_single = sum(1 for s in seqs if _decodes(s))
+    num_single = sum(1 if _decodes(s) else s.num_tokens if _verifies(s) else 0 for s in seqs)
     use_batched = batched_decode and num_single >= (1 if native_decode else 2)
     for s in seqs:
         n = s.num_tokens
@@ -224,15 +248,12 @@ def build_metadata(
         slot_parts.append(s.slot_mapping)
         pos_parts.append(np.arange(start, start + n, dtype=np.int64))
         if use_batched and _decodes(s):  # the hot path: checked with scalars, no arrays
-            blk = start // block_size
-            table = s.block_table
-            if blk >= len(table):
-                raise InvalidRequestError(
-                    f"{start + 1} positions need {blk + 1} blocks; the table has {len(table)}"
-                )
-            if int(table[blk]) * block_size + start % block_size != int(s.slot_mapping[0]):
-                raise InvalidRequestError("slot_mapping disagrees with the block table")
+            _check_decode_slot(s, block_size)
             dec.append((offset, s))
+        elif use_batched and _verifies(s):  # a speculative decode: a decode row per token
+            for j, row in enumerate(_draft_rows(s)):
+                _check_decode_slot(row, block_size)
+                dec.append((offset + j, row))
         else:
             if not np.array_equal(
                 context_slots(s.block_table, start + n, block_size, start), s.slot_mapping
@@ -256,6 +277,19 @@ def build_metadata(
         windowed.position_end = end
     meta.position_end = end
     return meta
+
+
+def _check_decode_slot(s: SeqLike, block_size: int) -> None:
+    """A decode row's one slot is its table's entry for its position (scalars, no arrays)."""
+    start = s.start_position
+    blk = start // block_size
+    table = s.block_table
+    if blk >= len(table):
+        raise InvalidRequestError(
+            f"{start + 1} positions need {blk + 1} blocks; the table has {len(table)}"
+        )
+    if int(table[blk]) * block_size + start % block_size != int(s.slot_mapping[0]):
+        raise InvalidRequestError("slot_mapping disagrees with the block table")
 
 
 def _build_view(
