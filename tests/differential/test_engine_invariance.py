@@ -326,3 +326,43 @@ def test_speculation_keeps_every_bit_in_a_bf16_engine(tmp_path: Path, precision:
         spec, engine = run(temperature, [[t for t, _ in row] for row in plain])
         assert 0 < engine.num_accepted_draft_tokens < engine.num_draft_tokens
         assert spec == plain
+
+
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_preemption_keeps_every_bit_in_a_bf16_engine(tmp_path: Path, precision: str) -> None:
+    """Six requests in a pool too small for them: some are preempted and recompute. A resumed
+    request's prompt is recomputed as prompt rows and its generated positions as decode rows
+    (``ScheduledRequest.decode_from``), as they were computed before, so every token and
+    log-probability is the unpressured run's bit for bit. (Recomputed outputs as prompt rows
+    changed log-probabilities in the last bits.)"""
+    from pagedkv.engine import bf16_dot
+    from pagedkv.engine.tiny import write_tiny_model
+
+    if precision == "medium" and not bf16_dot.amx():
+        pytest.skip("matmul_precision='medium' needs AMX")
+    path = write_tiny_model(
+        tmp_path / "m", seed=3, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 60, (n,), generator=gen).tolist() for n in (20, 30, 25, 40, 35, 22)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def run(**kw: Any) -> tuple[dict[str, list[tuple[int, float]]], int]:
+        cfg = EngineConfig(block_size=4, dtype="bfloat16", matmul_precision=precision,
+                           enable_prefix_caching=False, check_invariants=True, **kw)  # fmt: skip
+        engine = LLMEngine.from_model_dir(str(path), cfg)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        got: dict[str, list[tuple[int, float]]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = [(t.token_id, t.logprob) for t in out.outputs[0].logprobs]
+        return got, engine.scheduler.num_preemptions
+
+    free, none = run(num_blocks=512)
+    tight, preempted = run(num_blocks=40, reservation="none", watermark=0.0, max_num_seqs=8)
+    assert none == 0
+    assert preempted > 0
+    assert tight == free

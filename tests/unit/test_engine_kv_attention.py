@@ -339,3 +339,40 @@ def test_a_speculative_decode_is_laid_out_as_decode_rows_that_match_dense_attent
     kk, vv = cache.gather(0, slots)
     ref = _dense_attention(q[1:4], kk.transpose(0, 1), vv.transpose(0, 1), 9)
     torch.testing.assert_close(out[1:4], ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("native_decode", [False, True])
+def test_a_resumed_chunk_computes_its_generated_positions_as_decode_rows(
+    native_decode: bool,
+) -> None:
+    """A resumed request's chunk over positions 5..10 whose prompt ends at 8
+    (``decode_from`` 8): positions 5..7 are a prompt chunk on the per-sequence path,
+    positions 8..10 decode rows (as decode steps computed them before the preemption);
+    every row within float32 rounding of textbook attention."""
+    from pagedkv.engine import native
+
+    if native_decode and not native.available():
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    spec = KVCacheSpec(num_layers=1, block_size=BS, num_kv_heads=2, head_dim=8)
+    t = np.array([5, 2, 7], dtype=np.int32)
+    pos = np.arange(5, 11)
+    slots = (t[pos // BS] * BS + pos % BS).astype(np.int32)
+    resumed = ScheduledRequest("r", 5, [0] * 6, 6, t, slots, True, True, 0, 0, 8)
+    meta = build_metadata(
+        [resumed], BS, torch.device("cpu"), batched_decode=True, native_decode=native_decode
+    )
+    assert [(s.token_offset, s.num_tokens, s.start_position) for s in meta.seqs] == [(0, 3, 5)]
+    if native_decode:
+        assert meta.native is not None
+        assert meta.native.token_idx.tolist() == [3, 4, 5]
+    else:
+        assert sorted(i for g in meta.decode for i in g.token_idx.tolist()) == [3, 4, 5]
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(6, h, 8, generator=gen) for h in (4, 2, 2))
+    cache = PagedKVCache(spec, 16)
+    _fill_cache(cache, torch.Generator().manual_seed(1))
+    out = paged_attention(0, q, k, v, cache, meta, 8**-0.5)
+    ctx = torch.from_numpy(t[np.arange(11) // BS].astype(np.int64) * BS + np.arange(11) % BS)
+    kk, vv = cache.gather(0, ctx)
+    ref = _dense_attention(q, kk.transpose(0, 1), vv.transpose(0, 1), 5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)

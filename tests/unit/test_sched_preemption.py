@@ -229,3 +229,29 @@ def test_step_that_preempts_admits_nobody_even_when_a_head_would_fit() -> None:
     d.run()
     d.assert_outputs_match()
     d.assert_no_leaks()
+
+
+def test_a_resumed_requests_chunks_mark_where_its_generated_positions_begin() -> None:
+    """Every prefill chunk that reaches past its prompt (a resumed victim recomputing its
+    outputs) carries ``decode_from`` = the prompt's length, so the runner computes those
+    positions as decode rows again; a chunk within its prompt, and every decode, carries
+    None."""
+    d = make_driver(9, budget=16, max_model_len=32)
+    rng = random.Random(3)
+    prompts = {}
+    for i in range(6):
+        prompts[f"r{i}"] = [rng.randrange(97) for _ in range(rng.randrange(3, 14))]
+        d.add(f"r{i}", prompts[f"r{i}"], max_tokens=31 - len(prompts[f"r{i}"]))
+    marked = 0
+    for _ in range(500):
+        if not d.sched.has_unfinished_requests():
+            break
+        out, _ = d.step()
+        for sr in out.scheduled:
+            end, prompt = sr.start_position + sr.num_tokens, len(prompts[sr.request_id])
+            want = prompt if sr.is_prefill and end > prompt else None
+            assert sr.decode_from == want, sr
+            marked += want is not None
+    assert d.sched.num_preemptions >= 3
+    assert marked >= 1
+    d.assert_outputs_match()

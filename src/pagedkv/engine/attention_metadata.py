@@ -185,15 +185,28 @@ def _decodes(s: SeqLike) -> bool:
 def _verifies(s: SeqLike) -> bool:
     """Whether ``s`` is a speculative decode: its last sampled token and its drafts, rows that
     a plain decode would compute one step at a time. Each takes the batched decode path as a
-    row of its own (``_DraftRow``), so the verifying step computes every row with the decode
-    kernels' arithmetic, as plain decoding does, and speculation changes no bit."""
+    row of its own (``_Rows``), so the verifying step computes every row with the decode
+    kernels' arithmetic, as plain decoding does, and speculation changes no bit. A resumed
+    request's recomputed outputs (``_decode_from``) do the same: preemption changes no bit."""
     return s.num_tokens > 1 and not getattr(s, "is_prefill", True)
 
 
+def _decode_from(s: SeqLike) -> int | None:
+    """Where a resumed request's prefill chunk ``s`` reaches its generated positions (the
+    scheduler's ``decode_from``: decode steps computed them before the preemption), as an
+    offset into ``s`` (0 .. num_tokens - 1); None when it holds none."""
+    at = getattr(s, "decode_from", None)
+    if at is None or not getattr(s, "is_prefill", False):
+        return None
+    k = max(0, at - s.start_position)
+    return k if k < s.num_tokens else None
+
+
 @dataclass(slots=True)
-class _DraftRow:
-    """Row ``j`` of a speculative decode ``s``: one query at position ``start + j`` (its own
-    slot; keys up to its own position: the rows after it in the step are not attended)."""
+class _Rows:
+    """Rows ``[j, j + num_tokens)`` of a step entry ``s``: positions from ``start_position``,
+    their slots; a decode row (``num_tokens`` 1) attends to keys up to its own position, so
+    rows after it in the step are not attended."""
 
     start_position: int
     block_table: np.ndarray
@@ -201,9 +214,8 @@ class _DraftRow:
     num_tokens: int = 1
 
 
-def _draft_rows(s: SeqLike) -> list[_DraftRow]:
-    slots, start, table = s.slot_mapping, s.start_position, s.block_table
-    return [_DraftRow(start + j, table, slots[j : j + 1]) for j in range(s.num_tokens)]
+def _rows(s: SeqLike, j: int, n: int = 1) -> _Rows:
+    return _Rows(s.start_position + j, s.block_table, s.slot_mapping[j : j + n], n)
 
 
 def build_metadata(
@@ -236,7 +248,7 @@ def build_metadata(
     ref: list[tuple[int, SeqLike]] = []  # (token offset, sequence) on the reference path
     dec: list[tuple[int, SeqLike]] = []  # (token offset, sequence) on a batched decode path
     offset = 0
-    num_single = sum(1 if _decodes(s) else s.num_tokens if _verifies(s) else 0 for s in seqs)
+    num_single = sum(_num_decode_rows(s) for s in seqs)
     use_batched = batched_decode and num_single >= (1 if native_decode else 2)
     for s in seqs:
         n = s.num_tokens
@@ -250,15 +262,17 @@ def build_metadata(
         if use_batched and _decodes(s):  # the hot path: checked with scalars, no arrays
             _check_decode_slot(s, block_size)
             dec.append((offset, s))
-        elif use_batched and _verifies(s):  # a speculative decode: a decode row per token
-            for j, row in enumerate(_draft_rows(s)):
+        elif use_batched and (_verifies(s) or _decode_from(s) is not None):
+            k = _decode_from(s) or 0  # a resumed request's prompt rows first, on the path below
+            if k:
+                _check_prompt_slots(_rows(s, 0, k), block_size)
+                ref.append((offset, _rows(s, 0, k)))
+            for j in range(k, n):  # a decode row per token (drafts, or recomputed outputs)
+                row = _rows(s, j)
                 _check_decode_slot(row, block_size)
                 dec.append((offset + j, row))
         else:
-            if not np.array_equal(
-                context_slots(s.block_table, start + n, block_size, start), s.slot_mapping
-            ):
-                raise InvalidRequestError("slot_mapping disagrees with the block table")
+            _check_prompt_slots(s, block_size)
             ref.append((offset, s))
         offset += n
     slot_mapping = torch.from_numpy(np.concatenate(slot_parts).astype(np.int64, copy=False)).to(
@@ -277,6 +291,24 @@ def build_metadata(
         windowed.position_end = end
     meta.position_end = end
     return meta
+
+
+def _num_decode_rows(s: SeqLike) -> int:
+    """The rows of ``s`` that a batched decode path takes (``build_metadata``)."""
+    if _decodes(s):
+        return 1
+    if _verifies(s):
+        return s.num_tokens
+    k = _decode_from(s)
+    return 0 if k is None else s.num_tokens - k
+
+
+def _check_prompt_slots(s: SeqLike, block_size: int) -> None:
+    """A chunk's slots are its table's entries for its positions."""
+    start = s.start_position
+    want = context_slots(s.block_table, start + s.num_tokens, block_size, start)
+    if not np.array_equal(want, s.slot_mapping):
+        raise InvalidRequestError("slot_mapping disagrees with the block table")
 
 
 def _check_decode_slot(s: SeqLike, block_size: int) -> None:

@@ -35,7 +35,10 @@ class ScheduledRequest:
     """One request's work in a step: positions ``[start_position, start_position + num_tokens)``.
 
     ``token_ids`` are the inputs at those positions; for a speculative decode they are the last
-    sampled token followed by ``num_draft_tokens`` drafts. ``slot_mapping[i]`` is where position
+    sampled token followed by ``num_draft_tokens`` drafts. ``decode_from``: on a prefill chunk
+    of a resumed (preempted) request, its first generated position (the prompt's length): the
+    positions from it on were decode steps' before the preemption, and the runner computes
+    them as decode rows again; None otherwise. ``slot_mapping[i]`` is where position
     ``start_position + i`` writes its K/V (``block_id * block_size + offset``). ``block_table``
     is the request's whole table (int32); both arrays are views the runner must not modify.
 
@@ -49,6 +52,7 @@ class ScheduledRequest:
         "_slot_mapping",
         "_slot_offset",
         "block_table",
+        "decode_from",
         "is_prefill",
         "num_draft_tokens",
         "num_tokens",
@@ -70,6 +74,7 @@ class ScheduledRequest:
         samples: bool,
         num_draft_tokens: int = 0,
         slot_offset: int = 0,
+        decode_from: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.start_position = start_position
@@ -81,6 +86,7 @@ class ScheduledRequest:
         self.is_prefill = is_prefill
         self.samples = samples
         self.num_draft_tokens = num_draft_tokens
+        self.decode_from = decode_from
 
     @property
     def slot_mapping(self) -> np.ndarray:
@@ -129,6 +135,7 @@ def decode_entries(
         sr.is_prefill = False
         sr.samples = True
         sr.num_draft_tokens = 0
+        sr.decode_from = None
         append(sr)
         offset += 1
     return out

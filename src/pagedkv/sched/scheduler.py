@@ -437,16 +437,20 @@ class Scheduler(ColumnarStepMixin, DecodePhaseMixin):
     ) -> ScheduledRequest:
         start = req.num_computed_tokens
         rid = req.request_id
+        prompt = req.num_prompt_tokens  # a resumed request recomputes its outputs from here
+        decode_from = prompt if start + n > prompt else None
         if plan.lean_prefill:  # schedule_columnar: positions and counts only (nobody reads more)
             plan.num_unlisted_slots += n
-            return ScheduledRequest(rid, start, [], n, _EMPTY, _EMPTY, True, last_chunk, 0, 0)
+            return ScheduledRequest(
+                rid, start, [], n, _EMPTY, _EMPTY, True, last_chunk, 0, 0, decode_from
+            )
         step_slots = plan.step_slots
         offset = len(step_slots.slots)
         self.manager.append_slot_mapping(rid, start, n, step_slots.slots)
         tokens = req.all_token_ids[start : start + n]
         table = self.manager.block_table_view(rid)
         return ScheduledRequest(
-            rid, start, tokens, n, table, step_slots, True, last_chunk, 0, offset
+            rid, start, tokens, n, table, step_slots, True, last_chunk, 0, offset, decode_from
         )
 
     def check_invariants(self) -> None:
