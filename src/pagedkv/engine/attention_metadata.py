@@ -229,11 +229,14 @@ def build_metadata(
     sliding_window: int | None = None,
     full_attention: bool = True,
 ) -> AttentionMetadata:
-    """Lay out a step (see the module docstring). Single-token sequences take the batched
-    decode path when ``batched_decode`` is set and there are at least two of them (one for
-    the native kernel): torch's gather + SDPA in length groups (``cache_row_elems``, K elements
-    per block and all KV heads, sizes the grouping), or with ``native_decode`` the native
-    kernel (``pagedkv.engine.native``), all of them in one call.
+    """Lay out a step (see the module docstring). Decode rows take the batched decode path
+    when ``batched_decode`` is set and there are at least two of them (one for the native
+    kernel): torch's gather + SDPA in length groups (``cache_row_elems``, K elements per block
+    and all KV heads, sizes the grouping), or with ``native_decode`` the native kernel
+    (``pagedkv.engine.native``), all of them in one call. Decode rows are single-token
+    decodes, each token of a speculative decode, and the generated positions of a resumed
+    request's chunk (``_split_rows``): every position a plain decode step would compute, so
+    it is computed with the same arithmetic whatever the schedule.
 
     ``sliding_window`` adds the view of sliding-window layers; ``full_attention`` (the
     default) the view of full-attention layers. With both, the full view is returned and the
@@ -248,7 +251,9 @@ def build_metadata(
     ref: list[tuple[int, SeqLike]] = []  # (token offset, sequence) on the reference path
     dec: list[tuple[int, SeqLike]] = []  # (token offset, sequence) on a batched decode path
     offset = 0
-    num_single = sum(_num_decode_rows(s) for s in seqs)
+    num_single = sum(1 for s in seqs if _decodes(s))  # the hot case: all of them
+    if num_single < len(seqs):
+        num_single += sum(_num_decode_rows(s) for s in seqs if not _decodes(s))
     use_batched = batched_decode and num_single >= (1 if native_decode else 2)
     for s in seqs:
         n = s.num_tokens
@@ -259,18 +264,18 @@ def build_metadata(
         start = s.start_position
         slot_parts.append(s.slot_mapping)
         pos_parts.append(np.arange(start, start + n, dtype=np.int64))
-        if use_batched and _decodes(s):  # the hot path: checked with scalars, no arrays
-            _check_decode_slot(s, block_size)
+        if use_batched and _decodes(s):  # the hot path: _check_decode_slot, inlined
+            blk = start // block_size
+            table = s.block_table
+            if blk >= len(table):
+                raise InvalidRequestError(
+                    f"{start + 1} positions need {blk + 1} blocks; the table has {len(table)}"
+                )
+            if int(table[blk]) * block_size + start % block_size != int(s.slot_mapping[0]):
+                raise InvalidRequestError("slot_mapping disagrees with the block table")
             dec.append((offset, s))
         elif use_batched and (_verifies(s) or _decode_from(s) is not None):
-            k = _decode_from(s) or 0  # a resumed request's prompt rows first, on the path below
-            if k:
-                _check_prompt_slots(_rows(s, 0, k), block_size)
-                ref.append((offset, _rows(s, 0, k)))
-            for j in range(k, n):  # a decode row per token (drafts, or recomputed outputs)
-                row = _rows(s, j)
-                _check_decode_slot(row, block_size)
-                dec.append((offset + j, row))
+            _split_rows(s, offset, block_size, ref, dec)
         else:
             _check_prompt_slots(s, block_size)
             ref.append((offset, s))
@@ -293,10 +298,27 @@ def build_metadata(
     return meta
 
 
+def _split_rows(
+    s: SeqLike,
+    offset: int,
+    block_size: int,
+    ref: list[tuple[int, SeqLike]],
+    dec: list[tuple[int, SeqLike]],
+) -> None:
+    """A speculative decode's rows, or a resumed chunk's generated positions, onto the decode
+    path a row each; a resumed chunk's prompt rows first, onto the reference path."""
+    k = _decode_from(s) or 0
+    if k:
+        _check_prompt_slots(_rows(s, 0, k), block_size)
+        ref.append((offset, _rows(s, 0, k)))
+    for j in range(k, s.num_tokens):
+        row = _rows(s, j)
+        _check_decode_slot(row, block_size)
+        dec.append((offset + j, row))
+
+
 def _num_decode_rows(s: SeqLike) -> int:
-    """The rows of ``s`` that a batched decode path takes (``build_metadata``)."""
-    if _decodes(s):
-        return 1
+    """The rows of ``s``, not a plain decode, that a batched decode path takes."""
     if _verifies(s):
         return s.num_tokens
     k = _decode_from(s)
