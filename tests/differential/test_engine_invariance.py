@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from differential.engine_runs import hf_greedy
+from differential.engine_runs import drain, hf_greedy
 from differential.hf_models import build_hf_model
 from pagedkv.engine.engine_config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
@@ -314,11 +314,7 @@ def test_speculation_keeps_every_bit_in_a_bf16_engine(tmp_path: Path, precision:
                                 ignore_eos=True, logprobs=2)  # fmt: skip
         for i, p in enumerate(PROMPTS):
             engine.add_request(f"r{i}", p, params)
-        got: dict[str, list[tuple[int, float]]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = [(t.token_id, t.logprob) for t in out.outputs[0].logprobs]
+        got, _ = drain(engine)
         return [got[f"r{i}"] for i in range(len(PROMPTS))], engine
 
     for temperature in (0.0, 0.8):
@@ -354,12 +350,7 @@ def test_preemption_keeps_every_bit_in_a_bf16_engine(tmp_path: Path, precision: 
         engine = LLMEngine.from_model_dir(str(path), cfg)
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, params)
-        got: dict[str, list[tuple[int, float]]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = [(t.token_id, t.logprob) for t in out.outputs[0].logprobs]
-        return got, engine.scheduler.num_preemptions
+        return drain(engine)[0], engine.scheduler.num_preemptions
 
     free, none = run(num_blocks=512)
     tight, preempted = run(num_blocks=40, reservation="none", watermark=0.0, max_num_seqs=8)
