@@ -293,11 +293,9 @@ def test_speculation_keeps_every_bit_in_a_bf16_engine(tmp_path: Path, precision:
     and log-probabilities, seeded samples included, are plain decoding's bit for bit. (The
     verifying rows once took the prompt kernels: log-probabilities differed in the last
     bits, about 1e-3 under medium, and a seeded sample could change.)"""
-    from pagedkv.engine import bf16_dot
     from pagedkv.engine.tiny import write_tiny_model
 
-    if precision == "medium" and not bf16_dot.amx():
-        pytest.skip("matmul_precision='medium' needs AMX")
+    _needs_row_invariant_prompts(precision)
     path = write_tiny_model(  # head_dim 32: the AMX prompt kernel's shape under medium
         tmp_path / "m", hidden_size=128, intermediate_size=192, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
@@ -331,11 +329,9 @@ def test_preemption_keeps_every_bit_in_a_bf16_engine(tmp_path: Path, precision: 
     (``ScheduledRequest.decode_from``), as they were computed before, so every token and
     log-probability is the unpressured run's bit for bit. (Recomputed outputs as prompt rows
     changed log-probabilities in the last bits.)"""
-    from pagedkv.engine import bf16_dot
     from pagedkv.engine.tiny import write_tiny_model
 
-    if precision == "medium" and not bf16_dot.amx():
-        pytest.skip("matmul_precision='medium' needs AMX")
+    _needs_row_invariant_prompts(precision)
     path = write_tiny_model(
         tmp_path / "m", seed=3, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
@@ -357,3 +353,14 @@ def test_preemption_keeps_every_bit_in_a_bf16_engine(tmp_path: Path, precision: 
     assert none == 0
     assert preempted > 0
     assert tight == free
+
+
+def _needs_row_invariant_prompts(precision: str) -> None:
+    """Skip where a bf16 engine's prompt rows are not row-invariant (no native prompt kernel:
+    torch's SDPA then changes a row's bits with the chunk it is in)."""
+    from pagedkv.engine import bf16_dot, prompt_attention
+
+    if precision == "medium" and not (bf16_dot.amx() and prompt_attention.available()):
+        pytest.skip("matmul_precision='medium' with its prompt kernel needs AMX")
+    if not prompt_attention.available_f32():
+        pytest.skip("the float32 prompt kernel needs AVX-512")
