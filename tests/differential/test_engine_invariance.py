@@ -364,3 +364,38 @@ def _needs_row_invariant_prompts(precision: str) -> None:
         pytest.skip("matmul_precision='medium' with its prompt kernel needs AMX")
     if not prompt_attention.available_f32():
         pytest.skip("the float32 prompt kernel needs AVX-512")
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_a_chat_turn_keeps_every_bit_under_medium(tmp_path: Path, head_dim: int) -> None:
+    """Under ``medium`` decode rows compute with the bf16 prompt kernel's arithmetic
+    (``pagedkv_decode_amx``), so the K/V of an answer's blocks are the bits the next turn's
+    prompt would compute for the same tokens: the turn served from them gives the uncached
+    run's tokens and log-probabilities bit for bit. (With the float32 decode kernel the
+    log-probabilities moved by ~1e-3.)"""
+    from pagedkv.engine.tiny import write_tiny_model
+
+    _needs_row_invariant_prompts("medium")
+    path = write_tiny_model(
+        tmp_path / "m", seed=5, hidden_size=4 * head_dim, intermediate_size=192,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
+        head_dim=head_dim,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    first = torch.randint(2, 60, (40,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def turns(caching: bool) -> tuple[list[tuple[int, float]], int]:
+        cfg = EngineConfig(block_size=16, num_blocks=256, dtype="bfloat16",
+                           matmul_precision="medium", enable_prefix_caching=caching)  # fmt: skip
+        engine = LLMEngine.from_model_dir(str(path), cfg)
+        engine.add_request("turn1", first, params)
+        answer = [t for t, _ in drain(engine)[0]["turn1"]]
+        engine.add_request("turn2", first + answer + [5, 6, 7], params)
+        got, hits = drain(engine)
+        return got["turn2"], hits
+
+    (cached, hits), (uncached, none) = turns(True), turns(False)
+    assert none == 0
+    assert hits >= 80  # the prompt's and the answer's full blocks
+    assert cached == uncached

@@ -486,3 +486,50 @@ def test_outputs_written_as_tiles_are_the_float_outputs_rounded(
         prompt_attention.prompt_attention_tiles(
             case.q[:n], tiles[: 16 * 576], row0 + 16, case.k, case.v, case.table, 0, case.scale
         )
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 8, 64, 16), (16, 1, 32, 32), (12, 2, 64, 64)],
+)
+def test_medium_decode_rows_have_the_prompt_kernels_bits(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, threads: int
+) -> None:
+    """Under ``medium`` the native decode call computes each row with the bf16 prompt
+    kernel's arithmetic (``pagedkv_decode_amx``): every row equals ``prompt_attention`` for the
+    same query at its position, bit for bit, at any thread count, so the K/V a decode step
+    writes are those a prompt computing the same tokens writes. Windowed rows (a start) and
+    other precisions keep the float32 decode kernel."""
+    from pagedkv.engine import native
+
+    lens = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 255, 256, 257, 300]
+    gen = torch.Generator().manual_seed(heads + head_dim)
+    per = [-(-n // block_size) for n in lens]
+    blocks = sum(per) + 5
+    k, v = (torch.randn(kv_heads, blocks, block_size, head_dim, generator=gen).bfloat16()
+            for _ in range(2))  # fmt: skip
+    perm, tables, at = torch.randperm(blocks, generator=gen), torch.zeros(16, max(per) + 1), 0
+    tables = tables.to(torch.int64)
+    for s, n in enumerate(per):
+        tables[s, :n] = perm[at : at + n]
+        at += n
+    q = torch.randn(16, heads, head_dim, generator=gen) * 2
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    prepared = native.PreparedDecode(k, v, tables, lens_t, head_dim**-0.5, heads, threads,
+                                     prompt_bits=True)  # fmt: skip
+    assert prepared.symbol == "pagedkv_decode_amx"
+    out = torch.full_like(q, float("nan"))
+    prepared(q, out, k, v)
+    for s, n in enumerate(lens):
+        want = prompt_attention.prompt_attention(
+            q[s : s + 1], torch.empty(1, heads, head_dim), k, v, tables[s].contiguous(), n - 1,
+            head_dim**-0.5, threads=1,
+        )  # fmt: skip
+        assert torch.equal(out[s : s + 1], want), s
+    starts = torch.ones(16, dtype=torch.int64)
+    windowed = native.PreparedDecode(k, v, tables, lens_t + 1, head_dim**-0.5, heads, threads,
+                                     starts=starts, prompt_bits=True)  # fmt: skip
+    plain = native.PreparedDecode(k, v, tables, lens_t, head_dim**-0.5, heads, threads)
+    assert "amx" not in windowed.symbol
+    assert "amx" not in plain.symbol

@@ -123,7 +123,7 @@ def attend(
         out[rows] = _attend_reference(q[rows], cache, layer, s, num_heads, scale, dtype)
     nat = meta.native
     if nat is not None:
-        call = nat.call(cache, layer, num_heads, scale)
+        call = nat.call(cache, layer, num_heads, scale, dtype is torch.bfloat16)
         if nat.token_range == (0, q.shape[0]):  # every row decodes (no slicing: it costs)
             call(q, out, cache.k[layer], cache.v[layer])
         elif nat.token_range is not None:  # rows a..b-1: written in place
@@ -215,16 +215,23 @@ def _prompt_kernel(
 
 
 def bind_native_decode(
-    q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    sdpa_dtype: torch.dtype | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
-    """``attend(layer, q, cache, meta, scale, out)`` as ``call(cache.k[layer],
-    cache.v[layer])`` for every layer of a step that keeps these ``q``/``out`` buffers, where
-    the native kernel serves every row on one thread (a decode-only step): checked once here,
-    one ctypes call per layer. None otherwise (call ``attend``)."""
+    """``attend(layer, q, cache, meta, scale, out, sdpa_dtype=sdpa_dtype)`` as
+    ``call(cache.k[layer], cache.v[layer])`` for every layer of a step that keeps these
+    ``q``/``out`` buffers, where the native kernel serves every row on one thread (a
+    decode-only step): checked once here, one ctypes call per layer. None otherwise (call
+    ``attend``)."""
     nat = meta.native
     if nat is None or meta.seqs or meta.decode or nat.token_range != (0, q.shape[0]):
         return None
-    return nat.call(cache, 0, q.shape[1], scale).bind(q, out, cache.k[0], cache.v[0])
+    bits = (sdpa_dtype or q.dtype) is torch.bfloat16
+    return nat.call(cache, 0, q.shape[1], scale, bits).bind(q, out, cache.k[0], cache.v[0])
 
 
 def _attend_reference(

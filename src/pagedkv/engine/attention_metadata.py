@@ -109,18 +109,23 @@ class NativeDecode:
     lens: torch.Tensor  # [D] int64 positions covered from the first block to the query
     starts: torch.Tensor | None = None  # [D] int64 positions of the first block before the
     # window (not attended); None when every row starts at its first block's first position
+    absolute: bool = True  # tables from position 0 (no window): the prompt kernels' steps
     _call: native.PreparedDecode | None = None  # the kernel call, checked once per step
-    _call_key: tuple[int, ...] = ()  # (cache blocks, heads) _call was prepared for
+    _call_key: tuple[int, ...] = ()  # (cache blocks, heads, prompt bits) _call was made for
 
     def call(
-        self, cache: PagedKVCache, layer: int, num_heads: int, scale: float
-    ) -> native.PreparedDecode:
-        """The kernel call for ``cache`` (prepared once per step, shared by every layer)."""
-        key = (cache.num_blocks, num_heads)
+        self, cache: PagedKVCache, layer: int, num_heads: int, scale: float,
+        prompt_bits: bool = False,
+    ) -> native.PreparedDecode:  # fmt: skip
+        """The kernel call for ``cache`` (prepared once per step, shared by every layer).
+        ``prompt_bits``: the prompt rows compute in bf16 on AMX (``medium``), so decode rows
+        take the same arithmetic where the kernel takes them (``PreparedDecode``)."""
+        bits = prompt_bits and self.absolute
+        key = (cache.num_blocks, num_heads, bits)
         if self._call is None or self._call_key != key:
             self._call = native.PreparedDecode(
                 cache.k[layer], cache.v[layer], self.tables, self.lens, scale, num_heads,
-                starts=self.starts,
+                starts=self.starts, prompt_bits=bits,
             )  # fmt: skip
             self._call_key = key
         return self._call
@@ -401,6 +406,7 @@ def _build_view(
             torch.from_numpy(tables).to(device),
             torch.tensor(dec_len, dtype=torch.long, device=device),
             torch.tensor(dec_first, dtype=torch.long, device=device) if any(dec_first) else None,
+            window is None,
         )
         return meta
     lengths = np.array(dec_len, dtype=np.int64)

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,6 +163,7 @@ class PreparedDecode:
         threads: int | None = None,
         *,
         starts: torch.Tensor | None = None,
+        prompt_bits: bool = False,
     ) -> None:
         lib = _KERNEL.load()
         if lib is None:
@@ -198,6 +200,9 @@ class PreparedDecode:
         name = "pagedkv_decode_f32" if k_pool.dtype is torch.float32 else "pagedkv_decode_bf16kv"
         self.symbol = name + ("_par" if self._par else "")
         self._fn = getattr(lib, self.symbol)
+        amx = _prompt_bits_kernel(prompt_bits, k_pool, starts, num_heads)
+        if amx is not None:  # the bf16 prompt kernel's arithmetic, on OpenMP threads
+            self._par, self.symbol, self._fn = (n_threads,), "pagedkv_decode_amx", amx
         self._seqs, self._heads, self._head_dim = seqs, num_heads, head_dim
         self._dims = (self._tables.shape[1], num_heads, num_kv, num_blocks, block_size, head_dim)
         self._scale = scale
@@ -278,6 +283,21 @@ class PreparedDecode:
             self._scale, *self._par,
         )  # fmt: skip
         return _BoundDecode(self, q, out, rest)
+
+
+def _prompt_bits_kernel(
+    prompt_bits: bool, k_pool: torch.Tensor, starts: torch.Tensor | None, num_heads: int
+) -> Any:
+    """``pagedkv_decode_amx`` where ``prompt_bits`` asks for the bf16 prompt kernel's
+    arithmetic and it takes the call (a bf16 pool, no window start, its shapes), else None."""
+    if not prompt_bits or k_pool.dtype is not torch.bfloat16 or starts is not None:
+        return None
+    from pagedkv.engine import prompt_attention  # imports this module
+
+    num_kv, _, block_size, head_dim = k_pool.shape
+    if not prompt_attention.decode_supports(num_heads, num_kv, block_size, head_dim):
+        return None
+    return prompt_attention.decode_kernel()
 
 
 class _BoundDecode:

@@ -62,6 +62,16 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
 ]  # fmt: skip
 
 
+# pagedkv_decode_amx: paged_decode.c's _par prototype (q, out, k_pool, v_pool, tables, lens,
+# starts, seqs, table stride, heads, kv_heads, blocks, block_size, head_dim, scale, threads)
+_DECODE_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
+    *(_P,) * 7,
+    *(_I,) * 7,
+    ctypes.c_float,
+    ctypes.c_int,
+]
+
+
 def _bind(lib: ctypes.CDLL) -> bool:
     lib.pagedkv_prompt_attention.argtypes = _ARGTYPES
     lib.pagedkv_prompt_attention.restype = ctypes.c_int
@@ -69,6 +79,8 @@ def _bind(lib: ctypes.CDLL) -> bool:
                                                    *_ARGTYPES[8:]]  # fmt: skip
     lib.pagedkv_prompt_attention_tiles.restype = ctypes.c_int
     lib.pagedkv_prompt_attention_amx.restype = ctypes.c_int
+    lib.pagedkv_decode_amx.argtypes = _DECODE_ARGTYPES
+    lib.pagedkv_decode_amx.restype = ctypes.c_int
     return bool(lib.pagedkv_prompt_attention_amx())
 
 
@@ -106,6 +118,28 @@ def supports(num_heads: int, num_kv_heads: int, block_size: int, head_dim: int) 
         and block_size % POSITION_TILE == 0
         and head_dim % 32 == 0
     )
+
+
+def decode_supports(num_heads: int, num_kv_heads: int, block_size: int, head_dim: int) -> bool:
+    """Whether ``decode_kernel`` takes this shape: decode rows with the bf16 kernel's
+    arithmetic (up to 16 query heads a KV head, head_dim 32 or 64, blocks of a multiple of
+    16); it does not build anything."""
+    return (
+        supports(num_heads, num_kv_heads, block_size, head_dim)
+        and num_heads // num_kv_heads <= 16
+        and head_dim <= 64
+    )
+
+
+def decode_kernel() -> Any:
+    """``pagedkv_decode_amx`` (csrc/prompt_attention.c) where the bf16 kernel runs here, else
+    None: paged_decode.c's ``pagedkv_decode_bf16kv_par`` contract (tables indexed from
+    position 0: no window), each row computed as :func:`prompt_attention` computes the same
+    query in a prompt chunk, bit for bit. ``medium`` decodes with it, so the K/V that decode
+    steps write are the bits a prompt computing the same tokens writes, and a chat turn served
+    from a previous answer's blocks keeps every bit."""
+    lib = _native.load()
+    return lib.pagedkv_decode_amx if lib is not None and _native.bound else None
 
 
 def supports_f32(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

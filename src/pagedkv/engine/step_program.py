@@ -49,6 +49,7 @@ KINDS = {
     "pagedkv_decode_bf16kv": 15,
     "pagedkv_decode_f32_par": 16,
     "pagedkv_decode_bf16kv_par": 17,
+    "pagedkv_decode_amx": 17,  # prompt_attention.c: pagedkv_decode_bf16kv_par's prototype
     "pagedkv_silu_f32": 18,
     "pagedkv_bf16dot_mlp": 19,
 }

@@ -64,6 +64,7 @@
 #endif
 
 #define RES_D 64 /* up to this head_dim, O^T stays in tiles 4-7 across the walk */
+#define QT_MAX 16 /* query heads a KV head at most for pagedkv_decode_amx (one tile) */
 
 /* Where a call's outputs go: float32 rows out (row stride ldo), or, with xa, bf16 A tiles for
  * the o projection (bf16_tiles.h: row r0 + i, k = head * d + x; k kp). */
@@ -304,6 +305,154 @@ static void query_tile(const uint16_t *kh, const uint16_t *qt, const uint16_t *v
     else
         write_out(obuf, l, &tq, d, h, group, o->out, o->ldo);
 }
+
+/* ---- Decode rows (pagedkv_decode_amx) ----
+ *
+ * One query row per sequence (a decode step), walked with the arithmetic of query_tile for
+ * that row: the same S^T tiles, the same softmax (step_softmax2: its steps of 32 from
+ * position 0, the lazy max, the even/odd sums), the same bf16 P and float32 sums, so a row's
+ * result is bit for bit what pagedkv_prompt_attention gives for it at position len - 1 (no
+ * window; a window's rows start their steps at their table's first block instead). The
+ * values are multiplied as O = P V instead of O^T = V^T P^T: the same products summed in the
+ * same order (TDPBF16PS sums a row-column pair by k in order, whichever operand is A), so V
+ * needs no transposing (each pair of positions' rows interleaved into the B tile layout) and
+ * P^T only the one 16 x 16 dword transpose into P's A tile. */
+
+/* V's B tiles of one step (positions p0 .. p0 + 31, zero outside [from, ctx)):
+ * vp[d / 16][16 position pairs][16 of d][2] bf16. */
+static void pack_value_pairs(const uint16_t *vh, const int64_t *table, int64_t block_size,
+                             int64_t d, int64_t from, int64_t ctx, int64_t p0, uint16_t *vp) {
+    __m512i idx[2];
+    {
+        int16_t lo[32], hi[32];
+        for (int i = 0; i < 16; i++) {
+            lo[2 * i] = (int16_t)i, lo[2 * i + 1] = (int16_t)(32 + i);
+            hi[2 * i] = (int16_t)(16 + i), hi[2 * i + 1] = (int16_t)(48 + i);
+        }
+        idx[0] = _mm512_loadu_si512(lo);
+        idx[1] = _mm512_loadu_si512(hi);
+    }
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t k = 0; k < PT / 2; k++) {
+        const uint16_t *row[2];
+        for (int e = 0; e < 2; e++) {
+            const int64_t pos = p0 + 2 * k + e;
+            row[e] = pos >= from && pos < ctx
+                         ? vh + (table[pos / block_size] * block_size + pos % block_size) * d
+                         : NULL;
+        }
+        for (int64_t x0 = 0; x0 < d; x0 += 32) { /* 32 of d: two 16-wide tiles */
+            const __m512i a = row[0] ? _mm512_loadu_si512(row[0] + x0) : zero;
+            const __m512i b = row[1] ? _mm512_loadu_si512(row[1] + x0) : zero;
+            for (int half = 0; half < 2; half++)
+                _mm512_store_si512(vp + ((x0 / 16 + half) * (PT / 2) + k) * 32,
+                                   _mm512_permutex2var_epi16(a, idx[half], b));
+        }
+    }
+}
+
+/* Rows q of the O tiles' buffer (obuf[j][16 queries][16 of d]) times corr's lane q: the
+ * products rescale() makes of the same values in the O^T layout. */
+static void rescale_rows(float *obuf, int64_t d, __m512 corr) {
+    float c[QT] __attribute__((aligned(64)));
+    _mm512_store_ps(c, corr);
+    for (int64_t j = 0; j < d / 16; j++)
+        for (int q = 0; q < QT; q++) {
+            float *r = obuf + (j * QT + q) * 16;
+            _mm512_store_ps(r, _mm512_mul_ps(_mm512_load_ps(r), _mm512_set1_ps(c[q])));
+        }
+}
+
+/* Prefetch the K and V rows of the step at p0 (positions [p0, min(p0 + 32, ctx)), each 16-run
+ * one block's contiguous rows): a decode walk reads each row once, straight from memory. */
+static inline void prefetch_step(const uint16_t *kh, const uint16_t *vh, const int64_t *table,
+                                 int64_t block_size, int64_t d, int64_t p0, int64_t ctx) {
+    for (int64_t r0 = p0; r0 < p0 + PT && r0 < ctx; r0 += 16) {
+        const int64_t at = (table[r0 / block_size] * block_size + r0 % block_size) * d;
+        const int64_t bytes = (ctx - r0 < 16 ? ctx - r0 : 16) * d * 2;
+        for (int64_t off = 0; off < bytes; off += 64) {
+            _mm_prefetch((const char *)(kh + at) + off, _MM_HINT_T0);
+            _mm_prefetch((const char *)(vh + at) + off, _MM_HINT_T0);
+        }
+    }
+}
+
+/* The walk after this one, whose first step a walk's last step prefetches (kh NULL: none). */
+typedef struct {
+    const uint16_t *kh, *vh;
+    const int64_t *table;
+    int64_t start, len;
+} decode_next;
+
+/* One (sequence, KV head) decode walk; head_dim d <= RES_D (O in tiles 4..). */
+static void decode_row(const float *q, int64_t ldq, float *out, const uint16_t *kh,
+                       const uint16_t *vh, const int64_t *table, int64_t block_size, int64_t d,
+                       int64_t h, int64_t group, int64_t len, int64_t start, float scale,
+                       const decode_next *nx) {
+    uint16_t qt[RES_D / 32 * 16 * QT * 2] __attribute__((aligned(64)));
+    float scores[2][PT * QT] __attribute__((aligned(64)));
+    uint32_t pt[PT / 2 * QT] __attribute__((aligned(64)));
+    uint16_t vp[RES_D / 16 * PT / 2 * 32] __attribute__((aligned(64)));
+    float obuf[RES_D * QT] __attribute__((aligned(64)));
+    const int64_t pos0 = len - 1, window = start ? len - start : 0;
+    const qtile tq = tile_limits(pos0, group, group, 0, window);
+    const int64_t hi = tq.hi, end = (hi + PT - 1) / PT, from = tq.first;
+    const float scale2 = scale * 1.44269504088896341f; /* as query_tile's */
+    pack_query_tile(q, ldq, h, group, d, group, 0, qt);
+    _tile_zero(4);
+    _tile_zero(5);
+    if (d > 32) _tile_zero(6);
+    if (d > 48) _tile_zero(7);
+    __m512 m = _mm512_set1_ps(-FLT_MAX), l = _mm512_setzero_ps();
+    float *sc = scores[0], *next = scores[1];
+    int64_t t = from / PT;
+    int guess = 0; /* step_softmax2's, as query_tile's */
+    if (t + 1 < end) prefetch_step(kh, vh, table, block_size, d, (t + 1) * PT, hi);
+    scores_store(sc, scores_issue(kh, table, block_size, d, qt, t * PT, hi));
+    for (; t < end; t++) {
+        const int64_t p0 = t * PT;
+        const int more = t + 1 < end;
+        if (t + 2 < end) /* step t + 1's rows are on their way: ask for t + 2's */
+            prefetch_step(kh, vh, table, block_size, d, p0 + 2 * PT, hi);
+        else if (!more && nx->kh)
+            prefetch_step(nx->kh, nx->vh, nx->table, block_size, d, nx->start / PT * PT, nx->len);
+        const int two = more ? scores_issue(kh, table, block_size, d, qt, p0 + PT, hi) : 0;
+        const __m512 corr = step_softmax2(sc, scale2, p0, &tq, &m, &l, pt, &guess);
+        if (more) scores_store(next, two);
+        if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) { /* the max moved */
+            O_TILES(_tile_stored);
+            rescale_rows(obuf, d, corr);
+            O_TILES(_tile_loadd);
+        }
+        __m512 r[16];
+        for (int k = 0; k < 16; k++) r[k] = _mm512_load_ps((const float *)(pt + k * QT));
+        transpose16(r); /* P^T pairs -> P: row q holds query q's 32 bf16, position order */
+        for (int k = 0; k < 16; k++) _mm512_store_ps((float *)(pt + k * QT), r[k]);
+        pack_value_pairs(vh, table, block_size, d, from, hi, p0, vp);
+        _tile_loadd(1, pt, 64);
+        for (int64_t j = 0; j < d / 16; j++) { /* O[:, 16j..] += P V[:, 16j..] */
+            _tile_loadd(2, vp + j * (PT / 2) * 32, 64);
+            switch (j) { /* a tile number must be a constant */
+            case 0: _tile_dpbf16ps(4, 1, 2); break;
+            case 1: _tile_dpbf16ps(5, 1, 2); break;
+            case 2: _tile_dpbf16ps(6, 1, 2); break;
+            default: _tile_dpbf16ps(7, 1, 2); break;
+            }
+        }
+        float *done = sc;
+        sc = next;
+        next = done;
+    }
+    O_TILES(_tile_stored);
+    float inv[QT] __attribute__((aligned(64)));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int64_t u = 0; u < group; u++) { /* out = acc * (1 / l), as write_out */
+        float *dst = out + (h * group + u) * d;
+        for (int64_t j = 0; j < d / 16; j++)
+            _mm512_storeu_ps(dst + j * 16, _mm512_mul_ps(_mm512_load_ps(obuf + (j * QT + u) * 16),
+                                                         _mm512_set1_ps(inv[u])));
+    }
+}
 #endif
 
 int pagedkv_prompt_attention_amx(void) {
@@ -385,4 +534,79 @@ int pagedkv_prompt_attention_tiles(const float *q, int64_t ldq, uint16_t *xa, in
     const pa_out o = {NULL, 0, xa, kp, r0};
     return attention(q, ldq, &o, n, k_pool, v_pool, 2, table, pos0, num_heads, num_kv_heads,
                      num_blocks, block_size, head_dim, scale, window, threads);
+}
+
+/* Decode attention over bf16 pools in the arithmetic of pagedkv_prompt_attention ("medium"):
+ * paged_decode.c's pagedkv_decode_bf16kv_par call (the same arguments and layouts: q, out
+ * [num_seqs, num_heads, head_dim] float32; tables [num_seqs, table_stride]; lens, starts as
+ * there), each sequence's row walked by decode_row. The sequences are cut among `threads`
+ * OpenMP threads into runs of about equal context (at least DA_MIN_POS positions a run); a
+ * row's result does not depend on the cut. Returns 0; -1 for a length, start or block id out
+ * of range (checked before anything is written); -2 for a shape it does not take (more than
+ * 16 query heads a KV head, head_dim not a multiple of 32 or above 64, block_size not a
+ * multiple of 16); -3 where AMX is not built or the OS refuses the tile data. */
+#define DA_MIN_POS 256
+#define DA_PAR_MAX 16
+int pagedkv_decode_amx(const float *q, float *out, const uint16_t *k_pool,
+                       const uint16_t *v_pool, const int64_t *tables, const int64_t *lens,
+                       const int64_t *starts, int64_t num_seqs, int64_t table_stride,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                       int64_t block_size, int64_t head_dim, float scale, int threads) {
+    const int64_t d = head_dim;
+    if (num_seqs < 0 || num_kv_heads < 1 || num_heads % num_kv_heads ||
+        num_heads / num_kv_heads > QT_MAX || d % 32 || d > RES_D || block_size < 16 ||
+        block_size % 16)
+        return -2;
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t len = lens[s], start = starts ? starts[s] : 0;
+        if (len < 1 || start < 0 || start >= len || start >= block_size) return -1;
+        const int64_t *table = tables + s * table_stride;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
+            if (table[b] < 0 || table[b] >= num_blocks) return -1;
+        total += len;
+    }
+#if PA_AMX
+    if (!amx_permitted()) return -3;
+    int64_t parts = threads < DA_PAR_MAX ? threads : DA_PAR_MAX, cuts[DA_PAR_MAX + 1];
+    if (parts > num_seqs) parts = num_seqs;
+    if (parts > total / DA_MIN_POS) parts = total / DA_MIN_POS;
+#ifdef _OPENMP
+    if (omp_in_parallel()) parts = 1;
+#endif
+    if (parts < 1) parts = 1;
+    int64_t p = 1, seen = 0; /* each run ends at the row by which its share is reached */
+    cuts[0] = 0;
+    for (int64_t s = 0; s < num_seqs && p < parts; s++) {
+        seen += lens[s];
+        if (seen * parts >= total * p) cuts[p++] = s + 1;
+    }
+    if (p > 1 && cuts[p - 1] == num_seqs) p--;
+    cuts[p] = num_seqs;
+    const int64_t group = num_heads / num_kv_heads, row = num_heads * d;
+    const int64_t head_elems = num_blocks * block_size * d;
+#pragma omp parallel for num_threads((int)p) schedule(static, 1) if (p > 1)
+    for (int64_t part = 0; part < p; part++) {
+        tiles_on();
+        for (int64_t s = cuts[part]; s < cuts[part + 1]; s++)
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                decode_next nx = {NULL, NULL, NULL, 0, 0};
+                const int64_t ns = h + 1 < num_kv_heads ? s : s + 1;
+                if (ns < cuts[part + 1]) {
+                    const int64_t nh = h + 1 < num_kv_heads ? h + 1 : 0;
+                    nx = (decode_next){k_pool + nh * head_elems, v_pool + nh * head_elems,
+                                       tables + ns * table_stride, starts ? starts[ns] : 0,
+                                       lens[ns]};
+                }
+                decode_row(q + s * row, row, out + s * row, k_pool + h * head_elems,
+                           v_pool + h * head_elems, tables + s * table_stride, block_size, d, h,
+                           group, lens[s], starts ? starts[s] : 0, scale, &nx);
+            }
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)q, (void)out, (void)k_pool, (void)v_pool, (void)scale, (void)threads, (void)total;
+    return -3;
+#endif
 }

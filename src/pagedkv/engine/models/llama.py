@@ -486,7 +486,7 @@ class LlamaModel:
         views = [meta.for_window(w) for w in self._layer_windows]
         distinct = {id(v): v for v in views}  # one view, or two for a mixed-window model
         bound = {
-            key: bind_native_decode(buf.q, cache, v, self.scale, buf.att)
+            key: bind_native_decode(buf.q, cache, v, self.scale, buf.att, self.sdpa_dtype)
             for key, v in distinct.items()
         }
         bound_linears = self._bound_linears(buf)
