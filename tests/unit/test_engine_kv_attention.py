@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedkv.engine.attention import build_metadata, paged_attention, plan_decode_groups
+from pagedkv.engine.attention_metadata import AttentionMetadata
 from pagedkv.engine.kv_cache import KVCacheSpec, PagedKVCache, parse_dtype
 from pagedkv.errors import CorruptBlockError, InvalidRequestError
 from pagedkv.sched.output import ScheduledRequest
@@ -330,15 +331,7 @@ def test_a_speculative_decode_is_laid_out_as_decode_rows_that_match_dense_attent
         assert meta.native.lens.tolist() == [16, 10, 11, 12]
     else:
         assert sorted(i for g in meta.decode for i in g.token_idx.tolist()) == [0, 1, 2, 3]
-    gen = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(10, h, 8, generator=gen) for h in (4, 2, 2))
-    cache = PagedKVCache(spec, 16)
-    _fill_cache(cache, torch.Generator().manual_seed(1))
-    out = paged_attention(0, q, k, v, cache, meta, 8**-0.5)
-    slots = torch.from_numpy(t[np.arange(12) // BS].astype(np.int64) * BS + np.arange(12) % BS)
-    kk, vv = cache.gather(0, slots)
-    ref = _dense_attention(q[1:4], kk.transpose(0, 1), vv.transpose(0, 1), 9)
-    torch.testing.assert_close(out[1:4], ref, atol=1e-5, rtol=0)
+    _assert_rows_match_dense(spec, meta, t, rows=10, first=1, start=9, n=3, seed=4)
 
 
 @pytest.mark.parametrize("native_decode", [False, True])
@@ -367,12 +360,22 @@ def test_a_resumed_chunk_computes_its_generated_positions_as_decode_rows(
         assert meta.native.token_idx.tolist() == [3, 4, 5]
     else:
         assert sorted(i for g in meta.decode for i in g.token_idx.tolist()) == [3, 4, 5]
-    gen = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(6, h, 8, generator=gen) for h in (4, 2, 2))
+    _assert_rows_match_dense(spec, meta, t, rows=6, first=0, start=5, n=6, seed=6)
+
+
+def _assert_rows_match_dense(
+    spec: KVCacheSpec, meta: AttentionMetadata, table: np.ndarray, *, rows: int, first: int,
+    start: int, n: int, seed: int,
+) -> None:  # fmt: skip
+    """paged_attention over a step of ``rows`` random q/k/v rows (4 query heads over 2 KV heads
+    of 8) and a random cache: rows ``first .. first + n - 1``, one sequence's positions
+    ``start ..`` through ``table``, within float32 rounding of textbook attention."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(rows, h, 8, generator=gen) for h in (4, 2, 2))
     cache = PagedKVCache(spec, 16)
     _fill_cache(cache, torch.Generator().manual_seed(1))
     out = paged_attention(0, q, k, v, cache, meta, 8**-0.5)
-    ctx = torch.from_numpy(t[np.arange(11) // BS].astype(np.int64) * BS + np.arange(11) % BS)
-    kk, vv = cache.gather(0, ctx)
-    ref = _dense_attention(q, kk.transpose(0, 1), vv.transpose(0, 1), 5)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    pos = np.arange(start + n)
+    kk, vv = cache.gather(0, torch.from_numpy(table[pos // BS].astype(np.int64) * BS + pos % BS))
+    ref = _dense_attention(q[first : first + n], kk.transpose(0, 1), vv.transpose(0, 1), start)
+    torch.testing.assert_close(out[first : first + n], ref, atol=1e-5, rtol=0)
