@@ -333,21 +333,27 @@ static void pack_value_pairs(const uint16_t *vh, const int64_t *table, int64_t b
         idx[1] = _mm512_loadu_si512(hi);
     }
     const __m512i zero = _mm512_setzero_si512();
-    for (int64_t k = 0; k < PT / 2; k++) {
-        const uint16_t *row[2];
-        for (int e = 0; e < 2; e++) {
-            const int64_t pos = p0 + 2 * k + e;
-            row[e] = pos >= from && pos < ctx
-                         ? vh + (table[pos / block_size] * block_size + pos % block_size) * d
-                         : NULL;
+    for (int64_t k0 = 0; k0 < PT / 2; k0 += 4) { /* 4 pairs' rows loaded, then stored: the
+                                                 * loads do not wait behind the stores */
+        __m512i a[4][RES_D / 32], b[4][RES_D / 32];
+        for (int64_t k = 0; k < 4; k++) {
+            const uint16_t *row[2];
+            for (int e = 0; e < 2; e++) {
+                const int64_t pos = p0 + 2 * (k0 + k) + e;
+                row[e] = pos >= from && pos < ctx
+                             ? vh + (table[pos / block_size] * block_size + pos % block_size) * d
+                             : NULL;
+            }
+            for (int64_t c = 0; c < d / 32; c++) { /* 32 of d: two 16-wide tiles */
+                a[k][c] = row[0] ? _mm512_loadu_si512(row[0] + 32 * c) : zero;
+                b[k][c] = row[1] ? _mm512_loadu_si512(row[1] + 32 * c) : zero;
+            }
         }
-        for (int64_t x0 = 0; x0 < d; x0 += 32) { /* 32 of d: two 16-wide tiles */
-            const __m512i a = row[0] ? _mm512_loadu_si512(row[0] + x0) : zero;
-            const __m512i b = row[1] ? _mm512_loadu_si512(row[1] + x0) : zero;
-            for (int half = 0; half < 2; half++)
-                _mm512_store_si512(vp + ((x0 / 16 + half) * (PT / 2) + k) * 32,
-                                   _mm512_permutex2var_epi16(a, idx[half], b));
-        }
+        for (int64_t k = 0; k < 4; k++)
+            for (int64_t c = 0; c < d / 32; c++)
+                for (int half = 0; half < 2; half++)
+                    _mm512_store_si512(vp + ((2 * c + half) * (PT / 2) + k0 + k) * 32,
+                                       _mm512_permutex2var_epi16(a[k][c], idx[half], b[k][c]));
     }
 }
 
@@ -392,7 +398,7 @@ static void decode_row(const float *q, int64_t ldq, float *out, const uint16_t *
     uint16_t qt[RES_D / 32 * 16 * QT * 2] __attribute__((aligned(64)));
     float scores[2][PT * QT] __attribute__((aligned(64)));
     uint32_t pt[PT / 2 * QT] __attribute__((aligned(64)));
-    uint16_t vp[RES_D / 16 * PT / 2 * 32] __attribute__((aligned(64)));
+    uint16_t vps[2][RES_D / 16 * PT / 2 * 32] __attribute__((aligned(64))); /* by step parity */
     float obuf[RES_D * QT] __attribute__((aligned(64)));
     const int64_t pos0 = len - 1, window = start ? len - start : 0;
     const qtile tq = tile_limits(pos0, group, group, 0, window);
@@ -409,14 +415,19 @@ static void decode_row(const float *q, int64_t ldq, float *out, const uint16_t *
     int guess = 0; /* step_softmax2's, as query_tile's */
     if (t + 1 < end) prefetch_step(kh, vh, table, block_size, d, (t + 1) * PT, hi);
     scores_store(sc, scores_issue(kh, table, block_size, d, qt, t * PT, hi));
+    pack_value_pairs(vh, table, block_size, d, from, hi, t * PT, vps[t & 1]);
     for (; t < end; t++) {
         const int64_t p0 = t * PT;
+        const uint16_t *vp = vps[t & 1];
         const int more = t + 1 < end;
         if (t + 2 < end) /* step t + 1's rows are on their way: ask for t + 2's */
             prefetch_step(kh, vh, table, block_size, d, p0 + 2 * PT, hi);
         else if (!more && nx->kh)
             prefetch_step(nx->kh, nx->vh, nx->table, block_size, d, nx->start / PT * PT, nx->len);
         const int two = more ? scores_issue(kh, table, block_size, d, qt, p0 + PT, hi) : 0;
+        if (more) /* step t + 1's V while its scores run on the tiles and before t's softmax:
+                   * its rows' loads overlap the softmax (same values, a step earlier) */
+            pack_value_pairs(vh, table, block_size, d, from, hi, p0 + PT, vps[(t + 1) & 1]);
         const __m512 corr = step_softmax2(sc, scale2, p0, &tq, &m, &l, pt, &guess);
         if (more) scores_store(next, two);
         if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) { /* the max moved */
@@ -428,7 +439,6 @@ static void decode_row(const float *q, int64_t ldq, float *out, const uint16_t *
         for (int k = 0; k < 16; k++) r[k] = _mm512_load_ps((const float *)(pt + k * QT));
         transpose16(r); /* P^T pairs -> P: row q holds query q's 32 bf16, position order */
         for (int k = 0; k < 16; k++) _mm512_store_ps((float *)(pt + k * QT), r[k]);
-        pack_value_pairs(vh, table, block_size, d, from, hi, p0, vp);
         _tile_loadd(1, pt, 64);
         for (int64_t j = 0; j < d / 16; j++) { /* O[:, 16j..] += P V[:, 16j..] */
             _tile_loadd(2, vp + j * (PT / 2) * 32, 64);
