@@ -175,6 +175,17 @@ def test_slot_mapping_that_disagrees_with_the_table_is_rejected() -> None:
     short.block_table = short.block_table[:1]
     with pytest.raises(InvalidRequestError, match="blocks; the table has 1"):
         build_metadata([short], BS, torch.device("cpu"))
+    # the entries laid out as decode rows (a speculative decode; a resumed chunk's generated
+    # positions, and its prompt part) check each row's slot as well
+    t = np.array([2, 3], dtype=np.int32)
+    bad = np.array([8, 10, 11], dtype=np.int32)  # positions 4, 5, 6 are slots 8, 13, 14
+    spec = ScheduledRequest("s", 4, [0] * 3, 3, t, bad, False, True, 2)
+    resumed = ScheduledRequest("r", 4, [0] * 3, 3, t, bad, True, True, 0, 0, 5)
+    early = ScheduledRequest("e", 4, [0] * 3, 3, t, np.array([9, 13, 14], np.int32), True, True,
+                             0, 0, 5)  # fmt: skip
+    for entry in (spec, resumed, early):
+        with pytest.raises(InvalidRequestError, match="disagrees"):
+            build_metadata([entry], BS, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("shuffled", [False, True])
